@@ -1,0 +1,282 @@
+//! The backend seam: where slot memory lives and how "ready" and "finished" are signalled.
+//!
+//! The ring calls these hooks in the protocol's order (docs/protocol.md):
+//!
+//! * producer, per batch: [`ProducerBackend::wait_finished`] (the slot's previous holders are
+//!   done) → the user writes through [`ProducerBackend::slot_mut`] →
+//!   [`ProducerBackend::signal_ready`] → the ring publishes the descriptor;
+//! * consumer, per batch: the ring reads the descriptor → [`ConsumerBackend::wait_ready`] → the
+//!   user reads through [`ConsumerBackend::batch_ref`] → [`ConsumerBackend::signal_finished`]
+//!   → the ring releases the slot.
+//!
+//! A backend never sees the ring's internals, only slot indices and consumer indices.
+
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+
+use memmap2::{MmapOptions, MmapRaw};
+
+use crate::error::BackendError;
+use crate::layout::RingLayout;
+use crate::sys;
+
+/// Which backend a ring uses (on the wire and in the control segment).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// Slots in a host memfd.
+    Host,
+    /// Slots in an exportable CUDA memory pool.
+    Cuda,
+}
+
+impl BackendKind {
+    /// Wire value.
+    pub fn to_u32(self) -> u32 {
+        match self {
+            BackendKind::Host => 1,
+            BackendKind::Cuda => 2,
+        }
+    }
+    /// From the wire value.
+    pub fn from_u32(v: u32) -> Option<Self> {
+        match v {
+            1 => Some(BackendKind::Host),
+            2 => Some(BackendKind::Cuda),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BackendKind::Host => "host",
+            BackendKind::Cuda => "cuda",
+        })
+    }
+}
+
+/// What one side hands the other during the handshake: opaque bytes and file descriptors.
+#[derive(Debug, Default)]
+pub struct Export {
+    /// Backend-defined bytes (validated by the receiving backend).
+    pub blob: Vec<u8>,
+    /// File descriptors, passed with `SCM_RIGHTS`.
+    pub fds: Vec<OwnedFd>,
+}
+
+/// The producer's half of a backend.
+pub trait ProducerBackend: Send + Sync + Sized + 'static {
+    /// Backend-specific options (device, ...).
+    type Options;
+    /// What the producer writes a batch through.
+    type SlotMut<'a>
+    where
+        Self: 'a;
+    /// This backend's kind.
+    const KIND: BackendKind;
+
+    /// Allocates the ring's slots.
+    fn create(layout: &RingLayout, options: Self::Options) -> Result<Self, BackendError>;
+    /// Export data for a consumer that is attaching (called on a handshake thread).
+    fn export(&self, consumer: u32) -> Result<Export, BackendError>;
+    /// Takes a consumer's reply (e.g. its finished-event handles) before it becomes active.
+    fn attach(&self, consumer: u32, reply: &[u8], fds: Vec<OwnedFd>) -> Result<(), BackendError>;
+    /// The consumer left (`died == false`) or died: stop waiting on anything of its.
+    fn detach(&self, consumer: u32, died: bool);
+    /// Orders the producer's next writes to `slot` after the work of the consumers in
+    /// `holders` (bit c = consumer c) that had its previous batch. The ring has already seen
+    /// them release it.
+    fn wait_finished(&self, slot: u32, holders: u64) -> Result<(), BackendError>;
+    /// The slot's memory for writing.
+    ///
+    /// # Safety
+    /// The caller owns `slot` exclusively: no consumer holds it and no other `SlotMut` for it
+    /// is alive (the ring guarantees this between `wait_finished` and publish).
+    unsafe fn slot_mut(&self, slot: u32) -> Self::SlotMut<'_>;
+    /// Marks the producer's writes to `slot` complete (the ring publishes only after this).
+    fn signal_ready(&self, slot: u32) -> Result<(), BackendError>;
+}
+
+/// The consumer's half of a backend.
+pub trait ConsumerBackend: Send + Sized + 'static {
+    /// Backend-specific options.
+    type Options;
+    /// What the consumer reads a batch through.
+    type BatchRef<'a>
+    where
+        Self: 'a;
+    /// This backend's kind.
+    const KIND: BackendKind;
+
+    /// Imports the producer's export, once, at attach; returns the reply for the producer.
+    fn import(
+        layout: &RingLayout,
+        consumer: u32,
+        options: Self::Options,
+        blob: &[u8],
+        fds: Vec<OwnedFd>,
+    ) -> Result<(Self, Export), BackendError>;
+    /// Orders the consumer's use of `slot` after the producer's writes to it.
+    fn wait_ready(&mut self, slot: u32) -> Result<(), BackendError>;
+    /// The batch's memory for use in place.
+    ///
+    /// # Safety
+    /// `slot` holds a published batch of `len` bytes (`len <= slot_bytes`) that this consumer
+    /// has not released; the reference must not outlive the release.
+    unsafe fn batch_ref(&self, slot: u32, len: u64) -> Self::BatchRef<'_>;
+    /// Marks the consumer's use of `slot` complete (the ring releases only after this).
+    fn signal_finished(&mut self, slot: u32) -> Result<(), BackendError>;
+}
+
+/// The host backend: slots in one sealed memfd, written with the CPU. Ready and finished need
+/// no signal beyond the ring's own release/acquire ordering, because host work is done by the
+/// time the hook runs.
+pub struct HostProducer {
+    fd: OwnedFd,
+    map: MmapRaw,
+    slot_bytes: u64,
+    slot_count: u32,
+}
+
+/// Options of the host backend (none yet).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HostOptions;
+
+impl HostProducer {
+    /// The memfd holding the slots.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+impl ProducerBackend for HostProducer {
+    type Options = HostOptions;
+    type SlotMut<'a> = &'a mut [u8];
+    const KIND: BackendKind = BackendKind::Host;
+
+    fn create(layout: &RingLayout, _: HostOptions) -> Result<Self, BackendError> {
+        let total = layout
+            .slot_bytes
+            .checked_mul(layout.slot_count as u64)
+            .ok_or("ring size overflows")?;
+        let fd = sys::sealed_memfd("gpipe-slots", total)?;
+        let map = MmapOptions::new().len(total as usize).map_raw(&fd)?;
+        Ok(Self {
+            fd,
+            map,
+            slot_bytes: layout.slot_bytes,
+            slot_count: layout.slot_count,
+        })
+    }
+
+    fn export(&self, _consumer: u32) -> Result<Export, BackendError> {
+        Ok(Export {
+            blob: Vec::new(),
+            fds: vec![self.fd.try_clone()?],
+        })
+    }
+
+    fn attach(&self, _: u32, reply: &[u8], fds: Vec<OwnedFd>) -> Result<(), BackendError> {
+        if !reply.is_empty() || !fds.is_empty() {
+            return Err("host consumer sent unexpected reply data".into());
+        }
+        Ok(())
+    }
+
+    fn detach(&self, _: u32, _: bool) {}
+
+    fn wait_finished(&self, _: u32, _: u64) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    unsafe fn slot_mut(&self, slot: u32) -> &mut [u8] {
+        assert!(slot < self.slot_count);
+        // SAFETY: slot < slot_count so the range lies inside the mapping of
+        // slot_count * slot_bytes bytes; the caller guarantees exclusive ownership of the slot
+        // (no consumer reads it and no other reference to it exists) for the borrow's life.
+        unsafe {
+            std::slice::from_raw_parts_mut(
+                self.map
+                    .as_mut_ptr()
+                    .add(slot as usize * self.slot_bytes as usize),
+                self.slot_bytes as usize,
+            )
+        }
+    }
+
+    fn signal_ready(&self, _: u32) -> Result<(), BackendError> {
+        Ok(())
+    }
+}
+
+/// The host backend's consumer half: the slots mapped read-only.
+pub struct HostConsumer {
+    map: MmapRaw,
+    slot_bytes: u64,
+    slot_count: u32,
+}
+
+impl ConsumerBackend for HostConsumer {
+    type Options = HostOptions;
+    type BatchRef<'a> = &'a [u8];
+    const KIND: BackendKind = BackendKind::Host;
+
+    fn import(
+        layout: &RingLayout,
+        _consumer: u32,
+        _: HostOptions,
+        blob: &[u8],
+        mut fds: Vec<OwnedFd>,
+    ) -> Result<(Self, Export), BackendError> {
+        if !blob.is_empty() || fds.len() != 1 {
+            return Err(format!(
+                "host export must be exactly one memfd and no data (got {} fds, {} bytes)",
+                fds.len(),
+                blob.len()
+            )
+            .into());
+        }
+        let fd = fds.pop().ok_or("missing slot memfd")?;
+        let total = layout
+            .slot_bytes
+            .checked_mul(layout.slot_count as u64)
+            .ok_or("ring size overflows")?;
+        sys::check_sealed_memfd(fd.as_fd(), total).map_err(|m| format!("slot memory: {m}"))?;
+        // Read-only: a consumer cannot corrupt what other consumers read.
+        let map = MmapOptions::new()
+            .len(total as usize)
+            .map_raw_read_only(&fd)?;
+        Ok((
+            Self {
+                map,
+                slot_bytes: layout.slot_bytes,
+                slot_count: layout.slot_count,
+            },
+            Export::default(),
+        ))
+    }
+
+    fn wait_ready(&mut self, _: u32) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    unsafe fn batch_ref(&self, slot: u32, len: u64) -> &[u8] {
+        assert!(slot < self.slot_count && len <= self.slot_bytes);
+        // SAFETY: slot < slot_count and len <= slot_bytes keep the range inside the mapping;
+        // the caller guarantees the batch is published and unreleased, so the producer does
+        // not write it while the reference lives.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.map
+                    .as_ptr()
+                    .add(slot as usize * self.slot_bytes as usize),
+                len as usize,
+            )
+        }
+    }
+
+    fn signal_finished(&mut self, _: u32) -> Result<(), BackendError> {
+        Ok(())
+    }
+}

@@ -1,0 +1,673 @@
+//! The consuming side: attach over the socket, receive batches in place, release them.
+
+use std::mem::ManuallyDrop;
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use crate::backend::{BackendKind, ConsumerBackend};
+use crate::error::{Error, ProtocolError};
+use crate::layout::{
+    ControlSegment, LAYOUT_HASH, Mode, PROTOCOL_VERSION, RingLayout, USER_HEADER_WORDS,
+    consumer_state, producer_state,
+};
+use crate::ring;
+use crate::sys;
+use crate::wait::{self, WaitPolicy};
+use crate::wire::{self, Message, Role};
+
+/// Consumer settings.
+#[derive(Clone, Copy, Debug)]
+pub struct ConsumerConfig {
+    /// Timeout of each handshake step.
+    pub handshake_timeout: Duration,
+    /// Spin and liveness tick: a dead producer is noticed within about one tick.
+    pub wait: WaitPolicy,
+}
+
+impl Default for ConsumerConfig {
+    fn default() -> Self {
+        Self {
+            handshake_timeout: Duration::from_secs(5),
+            wait: WaitPolicy::default(),
+        }
+    }
+}
+
+/// A connection that received the producer's Welcome but has not imported yet. Lets a caller
+/// pick the backend at run time from [`PendingAttach::backend`].
+pub struct PendingAttach {
+    conn: UnixStream,
+    layout: RingLayout,
+    index: u32,
+    backend: BackendKind,
+    seg_fd: OwnedFd,
+    fds: Vec<OwnedFd>,
+    blob: Vec<u8>,
+    config: ConsumerConfig,
+}
+
+fn connect(path: &Path, config: &ConsumerConfig) -> Result<UnixStream, Error> {
+    let conn = UnixStream::connect(path).map_err(|e| Error::Connect {
+        path: path.display().to_string(),
+        source: e,
+    })?;
+    let t = Some(config.handshake_timeout);
+    conn.set_read_timeout(t)
+        .and_then(|_| conn.set_write_timeout(t))
+        .map_err(Error::os("set socket timeouts"))?;
+    Ok(conn)
+}
+
+/// What the producer's Welcome told us, validated.
+struct Welcomed {
+    layout: RingLayout,
+    index: u32,
+    backend: BackendKind,
+    fds: Vec<OwnedFd>,
+    blob: Vec<u8>,
+}
+
+fn welcome(conn: &UnixStream, role: Role) -> Result<Welcomed, Error> {
+    wire::send(
+        conn,
+        &Message::Hello {
+            version: PROTOCOL_VERSION,
+            role,
+            backend: 0,
+        },
+        &[],
+    )?;
+    let (msg, fds) = wire::recv(conn)?;
+    match msg {
+        Message::Welcome {
+            version,
+            layout_hash,
+            consumer_index,
+            mode,
+            slot_count,
+            slot_bytes,
+            consumer_capacity,
+            backend,
+            blob,
+            ..
+        } => {
+            if version != PROTOCOL_VERSION {
+                return Err(ProtocolError::Version {
+                    ours: PROTOCOL_VERSION,
+                    theirs: version,
+                }
+                .into());
+            }
+            if layout_hash != LAYOUT_HASH {
+                return Err(ProtocolError::Layout(format!(
+                    "layout hash {layout_hash:#x} differs from ours {LAYOUT_HASH:#x}"
+                ))
+                .into());
+            }
+            let layout = RingLayout {
+                slot_count,
+                slot_bytes,
+                consumer_capacity,
+                mode: Mode::from_u32(mode)
+                    .ok_or_else(|| ProtocolError::Layout(format!("unknown mode {mode}")))?,
+            };
+            layout.validate()?;
+            let backend = BackendKind::from_u32(backend)
+                .ok_or_else(|| ProtocolError::Message(format!("unknown backend kind {backend}")))?;
+            match role {
+                Role::Observer if consumer_index != wire::OBSERVER => {
+                    return Err(
+                        ProtocolError::Message("observer got a consumer index".into()).into(),
+                    );
+                }
+                Role::Consumer if consumer_index >= consumer_capacity => {
+                    return Err(ProtocolError::Message(format!(
+                        "consumer index {consumer_index} out of range (capacity {consumer_capacity})"
+                    ))
+                    .into());
+                }
+                _ => {}
+            }
+            if fds.is_empty() {
+                return Err(
+                    ProtocolError::Message("Welcome carried no control segment".into()).into(),
+                );
+            }
+            Ok(Welcomed {
+                layout,
+                index: consumer_index,
+                backend,
+                fds,
+                blob,
+            })
+        }
+        Message::Reject { reason } => Err(ProtocolError::Refused(reason).into()),
+        other => {
+            Err(ProtocolError::Message(format!("expected Welcome, got {}", other.name())).into())
+        }
+    }
+}
+
+impl PendingAttach {
+    /// Connects to a producer and runs the first half of the handshake.
+    pub fn connect(path: impl AsRef<Path>, config: ConsumerConfig) -> Result<Self, Error> {
+        let conn = connect(path.as_ref(), &config)?;
+        let mut w = welcome(&conn, Role::Consumer)?;
+        let seg_fd = w.fds.remove(0);
+        Ok(Self {
+            conn,
+            layout: w.layout,
+            index: w.index,
+            backend: w.backend,
+            seg_fd,
+            fds: w.fds,
+            blob: w.blob,
+            config,
+        })
+    }
+
+    /// The producer's backend.
+    pub fn backend(&self) -> BackendKind {
+        self.backend
+    }
+
+    /// The ring's layout.
+    pub fn layout(&self) -> RingLayout {
+        self.layout
+    }
+
+    /// Imports with backend `B` and finishes the handshake.
+    pub fn finish<B: ConsumerBackend>(self, options: B::Options) -> Result<Consumer<B>, Error> {
+        let Self {
+            conn,
+            layout,
+            index,
+            backend,
+            seg_fd,
+            fds,
+            blob,
+            config,
+        } = self;
+        if backend != B::KIND {
+            wire::send_reject(
+                &conn,
+                &format!("consumer built for the {} backend", B::KIND),
+            );
+            return Err(Error::BackendMismatch {
+                expected: B::KIND.to_string(),
+                found: backend.to_string(),
+            });
+        }
+        let seg = match ControlSegment::open(seg_fd, layout, true) {
+            Ok(s) => s,
+            Err(e) => {
+                wire::send_reject(&conn, &e.to_string());
+                return Err(e);
+            }
+        };
+        let (be, reply) = match B::import(&layout, index, options, &blob, fds) {
+            Ok(x) => x,
+            Err(e) => {
+                wire::send_reject(&conn, &format!("import failed: {e}"));
+                return Err(Error::Backend(e));
+            }
+        };
+        let reply_fds: Vec<_> = reply.fds.iter().map(std::os::fd::AsFd::as_fd).collect();
+        wire::send(
+            &conn,
+            &Message::Ready {
+                fd_count: reply_fds.len() as u32,
+                blob: reply.blob.clone(),
+            },
+            &reply_fds,
+        )?;
+        let start = match wire::recv(&conn)? {
+            (Message::Joined { start_seq }, _) => start_seq,
+            (Message::Reject { reason }, _) => return Err(ProtocolError::Refused(reason).into()),
+            (other, _) => {
+                return Err(ProtocolError::Message(format!(
+                    "expected Joined, got {}",
+                    other.name()
+                ))
+                .into());
+            }
+        };
+        let rec = seg.consumer(index);
+        if rec.state.load(Ordering::Acquire) != consumer_state::ACTIVE {
+            return Err(ProtocolError::Segment(format!(
+                "our record {index} is not active after Joined"
+            ))
+            .into());
+        }
+        let _ = conn.set_nonblocking(true);
+        let head = seg.header().head.value.load(Ordering::Acquire);
+        Ok(Consumer {
+            seg,
+            backend: ManuallyDrop::new(be),
+            conn,
+            index,
+            layout,
+            cursor: start,
+            last_head: head.min(start),
+            config,
+            deferred: None,
+            ended: false,
+        })
+    }
+}
+
+/// The consuming side of a ring. One thread receives; each [`Batch`] borrows the consumer,
+/// so the next batch comes only after the previous one is released.
+pub struct Consumer<B: ConsumerBackend> {
+    seg: ControlSegment,
+    backend: ManuallyDrop<B>,
+    conn: UnixStream,
+    index: u32,
+    layout: RingLayout,
+    cursor: u64,
+    last_head: u64,
+    config: ConsumerConfig,
+    deferred: Option<Error>,
+    ended: bool,
+}
+
+impl<B: ConsumerBackend> Consumer<B> {
+    /// Attaches to the producer listening at `path`.
+    pub fn attach(path: impl AsRef<Path>, options: B::Options) -> Result<Self, Error> {
+        Self::attach_with(path, ConsumerConfig::default(), options)
+    }
+
+    /// Attaches with explicit settings.
+    pub fn attach_with(
+        path: impl AsRef<Path>,
+        config: ConsumerConfig,
+        options: B::Options,
+    ) -> Result<Self, Error> {
+        PendingAttach::connect(path, config)?.finish(options)
+    }
+
+    /// Our consumer index (0..capacity).
+    pub fn index(&self) -> u32 {
+        self.index
+    }
+
+    /// The ring's layout.
+    pub fn layout(&self) -> RingLayout {
+        self.layout
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The control segment (read-only use: inspection and tests).
+    pub fn segment(&self) -> &ControlSegment {
+        &self.seg
+    }
+
+    /// Receives the next batch. `Ok(None)` means the producer closed the ring cleanly and
+    /// everything published has been received. Errors: the producer died, we were detached,
+    /// or the control segment holds values that cannot be right.
+    pub fn recv(&mut self) -> Result<Option<Batch<'_, B>>, Error> {
+        self.recv_until(None)
+    }
+
+    /// As [`Consumer::recv`], giving up with [`Error::Timeout`] after `timeout`.
+    pub fn recv_timeout(&mut self, timeout: Duration) -> Result<Option<Batch<'_, B>>, Error> {
+        self.recv_until(Some(Instant::now() + timeout))
+    }
+
+    fn recv_until(&mut self, deadline: Option<Instant>) -> Result<Option<Batch<'_, B>>, Error> {
+        if let Some(e) = self.deferred.take() {
+            return Err(e);
+        }
+        if self.ended {
+            return Ok(None);
+        }
+        let got = match self.layout.mode {
+            Mode::Broadcast => self.next_broadcast(deadline)?,
+            Mode::Shared => self.next_shared(deadline)?,
+        };
+        let Some((seq, slot)) = got else {
+            self.ended = true;
+            return Ok(None);
+        };
+        let desc = self.seg.slot(slot);
+        let len = desc.len.load(Ordering::Relaxed);
+        let mut header = [0u64; USER_HEADER_WORDS];
+        for (h, w) in header.iter_mut().zip(&desc.header) {
+            *h = w.load(Ordering::Relaxed);
+        }
+        if len > self.layout.slot_bytes {
+            // Give the slot back so the producer is not stalled by our refusal.
+            self.release_slot(slot);
+            return Err(ProtocolError::Segment(format!(
+                "batch {seq} in slot {slot} claims {len} bytes; slots hold {}",
+                self.layout.slot_bytes
+            ))
+            .into());
+        }
+        if let Err(e) = self.backend.wait_ready(slot) {
+            self.release_slot(slot);
+            return Err(Error::Backend(e));
+        }
+        let rec = self.seg.consumer(self.index);
+        rec.received.fetch_add(1, Ordering::Relaxed);
+        Ok(Some(Batch {
+            consumer: self,
+            seq,
+            slot,
+            len,
+            header,
+            done: false,
+        }))
+    }
+
+    fn load_head(&mut self) -> Result<u64, Error> {
+        let head = self.seg.header().head.value.load(Ordering::Acquire);
+        if head < self.last_head {
+            return Err(ProtocolError::Segment(format!(
+                "head went backwards from {} to {head}",
+                self.last_head
+            ))
+            .into());
+        }
+        self.last_head = head;
+        Ok(head)
+    }
+
+    /// Liveness check after a wake-up with nothing to do. `Ok(true)`: the ring is closed.
+    fn check_peer(&self, deadline: Option<Instant>) -> Result<bool, Error> {
+        let h = self.seg.header();
+        match self.seg.consumer(self.index).state.load(Ordering::Acquire) {
+            consumer_state::ACTIVE => {}
+            s => {
+                return Err(Error::Detached(format!(
+                    "our record says {}",
+                    consumer_state::name(s)
+                )));
+            }
+        }
+        if h.constants.producer_state.load(Ordering::Acquire) == producer_state::CLOSED {
+            return Ok(true);
+        }
+        if sys::peer_gone(&self.conn) {
+            // A clean close may race the hang-up: re-check the state.
+            if h.constants.producer_state.load(Ordering::Acquire) == producer_state::CLOSED {
+                return Ok(true);
+            }
+            return Err(Error::ProducerDied);
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(Error::Timeout("a batch"));
+        }
+        Ok(false)
+    }
+
+    fn next_broadcast(&mut self, deadline: Option<Instant>) -> Result<Option<(u64, u32)>, Error> {
+        let c = self.cursor;
+        let n = self.layout.slot_count;
+        let mut head = self.load_head()?;
+        if head <= c {
+            let seg = &self.seg;
+            let h = seg.header();
+            let policy = self.config.wait;
+            let closed_empty = wait::wait_for(
+                policy,
+                &h.data_wake.value,
+                &h.data_sleepers.value,
+                || (h.head.value.load(Ordering::Acquire) > c).then_some(false),
+                || {
+                    if self.check_peer(deadline)? {
+                        // Closed: anything left? Re-read head after seeing CLOSED.
+                        return Ok(Some(h.head.value.load(Ordering::Acquire) <= c));
+                    }
+                    Ok(None)
+                },
+            )?;
+            if closed_empty {
+                return Ok(None);
+            }
+            head = self.load_head()?;
+        }
+        if head > c + n as u64 {
+            return Err(ProtocolError::Segment(format!(
+                "head {head} is more than {n} batches past our cursor {c}: the producer overwrote batches we had not released"
+            ))
+            .into());
+        }
+        let k = ring::slot_of(c, n);
+        let desc = self.seg.slot(k);
+        let seq = desc.seq.load(Ordering::Acquire);
+        if seq != c {
+            return Err(ProtocolError::Segment(format!(
+                "slot {k} holds sequence {seq}, expected {c}"
+            ))
+            .into());
+        }
+        if desc.pending.load(Ordering::Acquire) & ring::bit(self.index) == 0 {
+            return Err(Error::Detached(format!(
+                "batch {c} was not addressed to us (we were dropped from the ring)"
+            )));
+        }
+        self.cursor = c + 1;
+        self.seg
+            .consumer(self.index)
+            .cursor
+            .store(self.cursor, Ordering::Relaxed);
+        Ok(Some((c, k)))
+    }
+
+    fn next_shared(&mut self, deadline: Option<Instant>) -> Result<Option<(u64, u32)>, Error> {
+        let n = self.layout.slot_count;
+        let me = self.index;
+        loop {
+            let head = self.load_head()?;
+            let claim = self.seg.claim();
+            let requeued = claim.requeued.value.load(Ordering::Acquire);
+            let window = ring::live_window(head, n);
+            let hint = claim.claim_hint.value.load(Ordering::Acquire);
+            let start = if requeued > 0 {
+                window.start
+            } else {
+                hint.clamp(window.start, window.end)
+            };
+            for s in start..window.end {
+                let k = ring::slot_of(s, n);
+                let desc = self.seg.slot(k);
+                if !ring::try_claim(&desc.pending, me) {
+                    continue;
+                }
+                desc.claimer.store(me as u64, Ordering::Relaxed);
+                let seq = desc.seq.load(Ordering::Acquire);
+                let now = self
+                    .seg
+                    .header()
+                    .head
+                    .value
+                    .load(Ordering::Acquire)
+                    .max(head);
+                if ring::slot_of(seq, n) != k || seq >= now || seq + (n as u64) < now {
+                    // Put it back untouched and report the corruption.
+                    let _ = desc.pending.compare_exchange(
+                        ring::bit(me),
+                        ring::UNCLAIMED,
+                        Ordering::AcqRel,
+                        Ordering::Relaxed,
+                    );
+                    return Err(ProtocolError::Segment(format!(
+                        "slot {k} holds sequence {seq}, impossible with head {now}"
+                    ))
+                    .into());
+                }
+                if seq < hint {
+                    let _ = claim.requeued.value.fetch_update(
+                        Ordering::AcqRel,
+                        Ordering::Acquire,
+                        |r| r.checked_sub(1),
+                    );
+                }
+                claim.claim_hint.value.fetch_max(s + 1, Ordering::AcqRel);
+                self.seg
+                    .consumer(me)
+                    .cursor
+                    .store(seq + 1, Ordering::Relaxed);
+                return Ok(Some((seq, k)));
+            }
+            if requeued == 0 {
+                claim
+                    .claim_hint
+                    .value
+                    .fetch_max(window.end, Ordering::AcqRel);
+            }
+            // Nothing claimable: wait for a new batch or a requeue.
+            let seg = &self.seg;
+            let h = seg.header();
+            let closed_empty = wait::wait_for(
+                self.config.wait,
+                &h.data_wake.value,
+                &h.data_sleepers.value,
+                || {
+                    (h.head.value.load(Ordering::Acquire) != head
+                        || claim.requeued.value.load(Ordering::Acquire) != requeued)
+                        .then_some(false)
+                },
+                || {
+                    if self.check_peer(deadline)? {
+                        // Closed: done when nothing published is still unclaimed.
+                        let head = h.head.value.load(Ordering::Acquire);
+                        let left = ring::live_window(head, n).any(|s| {
+                            seg.slot(ring::slot_of(s, n))
+                                .pending
+                                .load(Ordering::Acquire)
+                                == ring::UNCLAIMED
+                        });
+                        return Ok(Some(!left));
+                    }
+                    Ok(None)
+                },
+            )?;
+            if closed_empty {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// Releases `slot` after the backend's finished signal; false if it was taken from us.
+    fn release_slot(&mut self, slot: u32) -> bool {
+        let desc = self.seg.slot(slot);
+        let ok = match self.layout.mode {
+            Mode::Broadcast => ring::release_broadcast(&desc.pending, self.index),
+            Mode::Shared => ring::release_shared(&desc.pending, self.index),
+        };
+        let h = self.seg.header();
+        wait::notify(&h.space_wake.value, &h.space_sleepers.value, false);
+        ok
+    }
+
+    fn release_batch(&mut self, seq: u64, slot: u32) -> Result<(), Error> {
+        let finished = self.backend.signal_finished(slot);
+        let ok = self.release_slot(slot);
+        self.seg
+            .consumer(self.index)
+            .released
+            .fetch_add(1, Ordering::Relaxed);
+        finished.map_err(Error::Backend)?;
+        if !ok {
+            return Err(Error::Detached(format!(
+                "batch {seq} was taken back before we released it"
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl<B: ConsumerBackend> Drop for Consumer<B> {
+    fn drop(&mut self) {
+        // Importers free first: drop the backend (unmapping/freeing imports) before saying
+        // goodbye, so the producer frees its memory only after ours is gone.
+        // SAFETY: the backend is never used again: this is the consumer's drop.
+        unsafe { ManuallyDrop::drop(&mut self.backend) };
+        let _ = self.conn.set_nonblocking(false);
+        let _ = self
+            .conn
+            .set_write_timeout(Some(Duration::from_millis(200)));
+        let _ = wire::send(&self.conn, &Message::Goodbye, &[]);
+    }
+}
+
+/// A batch received in place. Dropping it releases it (recording the backend's finished
+/// signal first); [`Batch::release`] does the same and reports errors.
+pub struct Batch<'c, B: ConsumerBackend> {
+    consumer: &'c mut Consumer<B>,
+    seq: u64,
+    slot: u32,
+    len: u64,
+    header: [u64; USER_HEADER_WORDS],
+    done: bool,
+}
+
+impl<'c, B: ConsumerBackend> Batch<'c, B> {
+    /// Sequence number.
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+    /// Slot index.
+    pub fn slot(&self) -> u32 {
+        self.slot
+    }
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+    /// True for a zero-length batch.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The user header the producer published.
+    pub fn header(&self) -> &[u64; USER_HEADER_WORDS] {
+        &self.header
+    }
+    /// The backend (its stream, ...).
+    pub fn backend(&self) -> &B {
+        &self.consumer.backend
+    }
+    /// The batch's memory, in place.
+    pub fn data(&self) -> B::BatchRef<'_> {
+        // SAFETY: the batch is published, validated (len <= slot_bytes) and not released
+        // until this Batch is consumed or dropped, which the borrow on `self` outlives.
+        unsafe { self.consumer.backend.batch_ref(self.slot, self.len) }
+    }
+    /// Releases the batch: the backend's finished signal, then the ring's release.
+    pub fn release(mut self) -> Result<(), Error> {
+        self.done = true;
+        self.consumer.release_batch(self.seq, self.slot)
+    }
+}
+
+impl<B: ConsumerBackend> Drop for Batch<'_, B> {
+    fn drop(&mut self) {
+        if !self.done {
+            if let Err(e) = self.consumer.release_batch(self.seq, self.slot) {
+                tracing::warn!(seq = self.seq, "releasing a dropped batch failed: {e}");
+                self.consumer.deferred = Some(e);
+            }
+        }
+    }
+}
+
+/// Attaches read-only as an observer and returns the mapped control segment (for
+/// `gpipe inspect`). The producer keeps no state for observers.
+pub fn observe(
+    path: impl AsRef<Path>,
+    config: ConsumerConfig,
+) -> Result<(ControlSegment, BackendKind), Error> {
+    let conn = connect(path.as_ref(), &config)?;
+    let mut w = welcome(&conn, Role::Observer)?;
+    let seg = ControlSegment::open(w.fds.remove(0), w.layout, false)?;
+    Ok((seg, w.backend))
+}

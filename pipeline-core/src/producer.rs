@@ -1,0 +1,877 @@
+//! The producer: owns the ring, the attach socket and the supervisor thread that watches
+//! consumers.
+
+use std::os::fd::{AsFd, BorrowedFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use crate::backend::ProducerBackend;
+use crate::error::{Error, ProtocolError};
+use crate::layout::{
+    self, ControlSegment, MAX_SEQ, Mode, PROTOCOL_VERSION, RingLayout, USER_HEADER_WORDS,
+    consumer_state, producer_state,
+};
+use crate::ring;
+use crate::sys;
+use crate::wait::{self, WaitPolicy};
+use crate::wire::{self, Message, Role};
+
+/// What the producer does when a live consumer stops releasing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum LagPolicy {
+    /// Wait for it (back-pressure): the ring runs at the pace of the slowest consumer.
+    #[default]
+    Block,
+    /// Detach a consumer that holds a slot the producer needs for longer than this.
+    DetachAfter(Duration),
+}
+
+/// Producer settings.
+#[derive(Clone, Debug)]
+pub struct ProducerConfig {
+    /// Slots in the ring.
+    pub slots: u32,
+    /// Largest batch in bytes; slot capacity is this rounded up to 2 MiB.
+    pub batch_bytes: u64,
+    /// Delivery mode.
+    pub mode: Mode,
+    /// Most consumers at once (at most 63).
+    pub max_consumers: u32,
+    /// Spin and liveness tick for waits. A dead consumer is detected when its socket closes
+    /// (at once); `wait.tick` bounds how late a waiting producer notices.
+    pub wait: WaitPolicy,
+    /// Per-message timeout of the attach handshake.
+    pub handshake_timeout: Duration,
+    /// Uids besides our own allowed to attach.
+    pub allowed_uids: Vec<u32>,
+    /// Gids whose members may attach.
+    pub allowed_gids: Vec<u32>,
+    /// What to do with a consumer that stops releasing.
+    pub lag: LagPolicy,
+    /// On close, how long to wait for consumers to drain and detach.
+    pub drain_timeout: Duration,
+}
+
+impl Default for ProducerConfig {
+    fn default() -> Self {
+        Self {
+            slots: 8,
+            batch_bytes: 8 << 20,
+            mode: Mode::Broadcast,
+            max_consumers: 16,
+            wait: WaitPolicy::default(),
+            handshake_timeout: Duration::from_secs(2),
+            allowed_uids: Vec::new(),
+            allowed_gids: Vec::new(),
+            lag: LagPolicy::Block,
+            drain_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+impl ProducerConfig {
+    /// The ring layout these settings give.
+    pub fn layout(&self) -> RingLayout {
+        RingLayout {
+            slot_count: self.slots,
+            slot_bytes: layout::round_slot_bytes(self.batch_bytes),
+            consumer_capacity: self.max_consumers,
+            mode: self.mode,
+        }
+    }
+}
+
+/// Counters of the producer's life, for reports.
+#[derive(Debug, Default, Clone, Copy, serde::Serialize)]
+pub struct ProducerStats {
+    /// Batches published.
+    pub published: u64,
+    /// Consumers that completed the handshake.
+    pub attached: u64,
+    /// Consumers that left cleanly.
+    pub left: u64,
+    /// Consumers that died.
+    pub died: u64,
+    /// Consumers detached by the lag policy or for protocol violations.
+    pub detached: u64,
+    /// Attach attempts refused (uid, version, capacity, garbage).
+    pub refused: u64,
+    /// Shared mode: batches put back for other consumers after their claimer died.
+    pub requeued: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    attached: AtomicU64,
+    left: AtomicU64,
+    died: AtomicU64,
+    detached: AtomicU64,
+    refused: AtomicU64,
+    requeued: AtomicU64,
+}
+
+struct Member {
+    conn: Arc<UnixStream>,
+    pid: u32,
+}
+
+struct Members {
+    /// Attached consumers by index.
+    conns: Vec<Option<Member>>,
+    /// Indices reserved by handshakes in progress.
+    reserved: u64,
+    /// Active consumers (bit per index); mirrored in `Shared::active`.
+    active: u64,
+    /// Sequence number the producer publishes next (only changed under this lock).
+    head: u64,
+}
+
+struct Shared<B> {
+    seg: ControlSegment,
+    backend: B,
+    layout: RingLayout,
+    config: ProducerConfig,
+    members: Mutex<Members>,
+    active: AtomicU64,
+    closing: AtomicBool,
+    stop_supervisor: AtomicBool,
+    waker: sys::Waker,
+    counters: Counters,
+}
+
+/// How a consumer went away.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Departure {
+    Left,
+    Died,
+    Detached,
+}
+
+impl<B: ProducerBackend> Shared<B> {
+    fn shared_mode(&self) -> bool {
+        self.layout.mode == Mode::Shared
+    }
+
+    /// Removes consumer `idx`: clears or requeues its claims, tells the backend, wakes
+    /// everyone who might be waiting on it.
+    fn depart(&self, idx: u32, how: Departure, why: &str) {
+        let mut requeued = 0u64;
+        let pid;
+        {
+            let mut m = self.members.lock();
+            let Some(member) = m.conns[idx as usize].take() else {
+                return;
+            };
+            pid = member.pid;
+            m.active &= !ring::bit(idx);
+            self.active.store(m.active, Ordering::Release);
+            let state = match how {
+                Departure::Left => consumer_state::LEFT,
+                Departure::Died => consumer_state::DEAD,
+                Departure::Detached => consumer_state::DETACHED,
+            };
+            self.seg.consumer(idx).state.store(state, Ordering::Release);
+            let shared = self.shared_mode();
+            for k in 0..self.layout.slot_count {
+                if ring::reclaim(&self.seg.slot(k).pending, idx, shared) {
+                    requeued += 1;
+                }
+            }
+            if requeued > 0 {
+                self.seg
+                    .claim()
+                    .requeued
+                    .value
+                    .fetch_add(requeued, Ordering::AcqRel);
+            }
+        }
+        self.backend.detach(idx, how == Departure::Died);
+        let counter = match how {
+            Departure::Left => &self.counters.left,
+            Departure::Died => &self.counters.died,
+            Departure::Detached => &self.counters.detached,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .requeued
+            .fetch_add(requeued, Ordering::Relaxed);
+        match how {
+            Departure::Left => tracing::info!(consumer = idx, pid, "consumer left"),
+            _ => tracing::warn!(
+                consumer = idx,
+                pid,
+                requeued,
+                "consumer {}: {why}; its slots were taken back",
+                if how == Departure::Died {
+                    "died"
+                } else {
+                    "detached"
+                }
+            ),
+        }
+        let h = self.seg.header();
+        wait::notify(&h.space_wake.value, &h.space_sleepers.value, true);
+        if requeued > 0 {
+            wait::notify(&h.data_wake.value, &h.data_sleepers.value, true);
+        }
+        if how == Departure::Detached {
+            // Close its socket so it notices at once.
+            self.waker.wake();
+        }
+    }
+
+    fn uid_allowed(&self, cred: &sys::PeerCred) -> bool {
+        cred.uid == sys::effective_uid()
+            || self.config.allowed_uids.contains(&cred.uid)
+            || self.config.allowed_gids.contains(&cred.gid)
+    }
+
+    /// Runs the attach handshake with one connection (on its own thread).
+    fn handshake(self: &Arc<Self>, conn: UnixStream) {
+        let t = Some(self.config.handshake_timeout);
+        if conn.set_read_timeout(t).is_err() || conn.set_write_timeout(t).is_err() {
+            return;
+        }
+        let cred = match sys::peer_cred(&conn) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!("attach: cannot read peer credentials: {e}");
+                return;
+            }
+        };
+        if !self.uid_allowed(&cred) {
+            self.counters.refused.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                uid = cred.uid,
+                pid = cred.pid,
+                "attach refused: uid not allowed"
+            );
+            wire::send_reject(
+                &conn,
+                &format!(
+                    "uid {} is not allowed to attach (the producer runs as uid {}; allow it with --allow-uid)",
+                    cred.uid,
+                    sys::effective_uid()
+                ),
+            );
+            return;
+        }
+        if let Err(e) = self.handshake_inner(&conn, cred) {
+            self.counters.refused.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(pid = cred.pid, "attach failed: {e}");
+            wire::send_reject(&conn, &e.to_string());
+        }
+    }
+
+    fn handshake_inner(
+        self: &Arc<Self>,
+        conn: &UnixStream,
+        cred: sys::PeerCred,
+    ) -> Result<(), Error> {
+        let (hello, fds) = wire::recv(conn)?;
+        let Message::Hello {
+            version,
+            role,
+            backend,
+        } = hello
+        else {
+            return Err(
+                ProtocolError::Message(format!("expected Hello, got {}", hello.name())).into(),
+            );
+        };
+        drop(fds);
+        if version != PROTOCOL_VERSION {
+            return Err(ProtocolError::Version {
+                ours: PROTOCOL_VERSION,
+                theirs: version,
+            }
+            .into());
+        }
+        if backend != 0 && backend != B::KIND.to_u32() {
+            return Err(Error::BackendMismatch {
+                expected: crate::BackendKind::from_u32(backend)
+                    .map(|k| k.to_string())
+                    .unwrap_or_else(|| format!("unknown backend {backend}")),
+                found: B::KIND.to_string(),
+            });
+        }
+        if self.closing.load(Ordering::Acquire) {
+            return Err(Error::Closed);
+        }
+        let welcome = |index: u32, fd_count: u32, blob: Vec<u8>| Message::Welcome {
+            version: PROTOCOL_VERSION,
+            layout_hash: layout::LAYOUT_HASH,
+            consumer_index: index,
+            mode: self.layout.mode.to_u32(),
+            slot_count: self.layout.slot_count,
+            slot_bytes: self.layout.slot_bytes,
+            consumer_capacity: self.layout.consumer_capacity,
+            backend: B::KIND.to_u32(),
+            fd_count,
+            blob,
+        };
+        if role == Role::Observer {
+            return wire::send(
+                conn,
+                &welcome(wire::OBSERVER, 1, Vec::new()),
+                &[self.seg.fd()],
+            );
+        }
+        // Reserve an index.
+        let idx = {
+            let mut m = self.members.lock();
+            let taken = m.reserved
+                | m.conns
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, c)| c.is_some())
+                    .fold(0u64, |a, (i, _)| a | (1 << i));
+            let Some(idx) = (0..self.layout.consumer_capacity).find(|&i| taken & (1 << i) == 0)
+            else {
+                return Err(ProtocolError::Refused(format!(
+                    "the ring is full: {} consumers attached (raise --max-consumers)",
+                    self.layout.consumer_capacity
+                ))
+                .into());
+            };
+            m.reserved |= 1 << idx;
+            idx
+        };
+        let rec = self.seg.consumer(idx);
+        rec.state
+            .store(consumer_state::ATTACHING, Ordering::Release);
+        rec.pid.store(cred.pid, Ordering::Relaxed);
+        let result = self.attach_reserved(conn, idx, &welcome);
+        let mut m = self.members.lock();
+        m.reserved &= !(1 << idx);
+        match result {
+            Ok(conn_arc) => {
+                // Activate under the lock so that no publish races the join point.
+                let start = m.head;
+                rec.join_seq.store(start, Ordering::Relaxed);
+                rec.cursor.store(start, Ordering::Relaxed);
+                rec.received.store(0, Ordering::Relaxed);
+                rec.released.store(0, Ordering::Relaxed);
+                rec.generation.fetch_add(1, Ordering::Relaxed);
+                rec.state.store(consumer_state::ACTIVE, Ordering::Release);
+                m.active |= ring::bit(idx);
+                self.active.store(m.active, Ordering::Release);
+                m.conns[idx as usize] = Some(Member {
+                    conn: conn_arc.clone(),
+                    pid: cred.pid,
+                });
+                drop(m);
+                self.counters.attached.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(consumer = idx, pid = cred.pid, start, "consumer attached");
+                // If this send fails the consumer is gone; the supervisor sees the hang-up.
+                let _ = wire::send(&conn_arc, &Message::Joined { start_seq: start }, &[]);
+                let _ = conn_arc.set_read_timeout(Some(Duration::from_millis(200)));
+                self.waker.wake();
+                Ok(())
+            }
+            Err(e) => {
+                drop(m);
+                rec.state.store(consumer_state::DETACHED, Ordering::Release);
+                self.backend.detach(idx, true);
+                Err(e)
+            }
+        }
+    }
+
+    fn attach_reserved(
+        &self,
+        conn: &UnixStream,
+        idx: u32,
+        welcome: &dyn Fn(u32, u32, Vec<u8>) -> Message,
+    ) -> Result<Arc<UnixStream>, Error> {
+        let export = self.backend.export(idx).map_err(Error::Backend)?;
+        let mut fds: Vec<BorrowedFd<'_>> = vec![self.seg.fd()];
+        fds.extend(export.fds.iter().map(|f| f.as_fd()));
+        wire::send(conn, &welcome(idx, fds.len() as u32, export.blob), &fds)?;
+        let (ready, fds) = wire::recv(conn)?;
+        match ready {
+            Message::Ready { blob, .. } => {
+                self.backend
+                    .attach(idx, &blob, fds)
+                    .map_err(Error::Backend)?;
+            }
+            Message::Reject { reason } => {
+                return Err(ProtocolError::Message(format!(
+                    "the consumer gave up during import: {reason}"
+                ))
+                .into());
+            }
+            other => {
+                return Err(ProtocolError::Message(format!(
+                    "expected Ready, got {}",
+                    other.name()
+                ))
+                .into());
+            }
+        }
+        Ok(Arc::new(conn.try_clone().map_err(Error::os("dup socket"))?))
+    }
+
+    /// The supervisor: accepts connections and watches attached consumers' sockets.
+    fn supervise(self: Arc<Self>, listener: UnixListener) {
+        let tick = self.config.wait.tick;
+        while !self.stop_supervisor.load(Ordering::Acquire) {
+            let snapshot: Vec<(u32, Arc<UnixStream>)> = {
+                let m = self.members.lock();
+                m.conns
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, c)| c.as_ref().map(|c| (i as u32, c.conn.clone())))
+                    .collect()
+            };
+            let mut fds: Vec<BorrowedFd<'_>> = vec![listener.as_fd(), self.waker.fd()];
+            fds.extend(snapshot.iter().map(|(_, c)| c.as_fd()));
+            let ready = match sys::poll_readable(&fds, tick) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::error!("supervisor poll failed: {e}");
+                    std::thread::sleep(tick);
+                    continue;
+                }
+            };
+            if ready[1].readable {
+                self.waker.drain();
+            }
+            if ready[0].readable {
+                loop {
+                    match listener.accept() {
+                        Ok((conn, _)) => {
+                            let me = self.clone();
+                            let spawned = std::thread::Builder::new()
+                                .name("gpipe-attach".into())
+                                .spawn(move || me.handshake(conn));
+                            if let Err(e) = spawned {
+                                tracing::error!("cannot spawn handshake thread: {e}");
+                            }
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                        Err(e) => {
+                            tracing::warn!("accept failed: {e}");
+                            break;
+                        }
+                    }
+                }
+            }
+            for (i, (idx, conn)) in snapshot.iter().enumerate() {
+                let r = ready[i + 2];
+                // Read before acting on a hang-up: a clean exit sends Goodbye, then closes.
+                if r.readable {
+                    match wire::recv(conn) {
+                        Ok((Message::Goodbye, _)) => self.depart(*idx, Departure::Left, "left"),
+                        Ok((other, _)) => self.depart(
+                            *idx,
+                            Departure::Detached,
+                            &format!("sent an unexpected {} after attaching", other.name()),
+                        ),
+                        Err(Error::Protocol(ProtocolError::Message(m)))
+                            if m.contains("closed the connection") =>
+                        {
+                            self.depart(*idx, Departure::Died, "its socket closed")
+                        }
+                        Err(Error::Timeout(_)) => {}
+                        Err(e) => self.depart(*idx, Departure::Detached, &e.to_string()),
+                    }
+                } else if r.hangup {
+                    self.depart(*idx, Departure::Died, "its socket hung up");
+                }
+            }
+        }
+    }
+}
+
+/// The producing side of a ring. Not `Sync`: one thread acquires and publishes.
+pub struct Producer<B: ProducerBackend> {
+    shared: Arc<Shared<B>>,
+    head: u64,
+    holders: Vec<u64>,
+    supervisor: Option<JoinHandle<()>>,
+    socket_path: PathBuf,
+    closed: bool,
+}
+
+impl<B: ProducerBackend> Producer<B> {
+    /// Creates the ring and its backend and listens on `socket_path` (mode 0600). A stale
+    /// socket file left by a dead producer is replaced; a live producer's is not.
+    pub fn bind(
+        socket_path: impl AsRef<Path>,
+        config: ProducerConfig,
+        options: B::Options,
+    ) -> Result<Self, Error> {
+        let layout = config.layout();
+        layout.validate()?;
+        let socket_path = socket_path.as_ref().to_path_buf();
+        let seg = ControlSegment::create(layout, B::KIND.to_u32())?;
+        let backend = B::create(&layout, options).map_err(Error::Backend)?;
+        let listener = listen(&socket_path)?;
+        let shared = Arc::new(Shared {
+            seg,
+            backend,
+            layout,
+            config,
+            members: Mutex::new(Members {
+                conns: (0..layout.consumer_capacity).map(|_| None).collect(),
+                reserved: 0,
+                active: 0,
+                head: 0,
+            }),
+            active: AtomicU64::new(0),
+            closing: AtomicBool::new(false),
+            stop_supervisor: AtomicBool::new(false),
+            waker: sys::Waker::new().map_err(Error::os("pipe"))?,
+            counters: Counters::default(),
+        });
+        let s2 = shared.clone();
+        let supervisor = std::thread::Builder::new()
+            .name("gpipe-supervisor".into())
+            .spawn(move || s2.supervise(listener))
+            .map_err(Error::os("spawn supervisor thread"))?;
+        tracing::info!(
+            socket = %socket_path.display(),
+            slots = layout.slot_count,
+            slot_bytes = layout.slot_bytes,
+            mode = %layout.mode,
+            backend = %B::KIND,
+            "producer listening"
+        );
+        Ok(Self {
+            shared,
+            head: 0,
+            holders: vec![0; layout.slot_count as usize],
+            supervisor: Some(supervisor),
+            socket_path,
+            closed: false,
+        })
+    }
+
+    /// The ring's layout.
+    pub fn layout(&self) -> RingLayout {
+        self.shared.layout
+    }
+
+    /// The backend (e.g. for its stream or device).
+    pub fn backend(&self) -> &B {
+        &self.shared.backend
+    }
+
+    /// The socket path consumers attach to.
+    pub fn socket_path(&self) -> &Path {
+        &self.socket_path
+    }
+
+    /// Number of consumers attached and active now.
+    pub fn consumers(&self) -> u32 {
+        self.shared.active.load(Ordering::Acquire).count_ones()
+    }
+
+    /// Sequence number of the next batch.
+    pub fn next_seq(&self) -> u64 {
+        self.head
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> ProducerStats {
+        let c = &self.shared.counters;
+        ProducerStats {
+            published: self.head,
+            attached: c.attached.load(Ordering::Relaxed),
+            left: c.left.load(Ordering::Relaxed),
+            died: c.died.load(Ordering::Relaxed),
+            detached: c.detached.load(Ordering::Relaxed),
+            refused: c.refused.load(Ordering::Relaxed),
+            requeued: c.requeued.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Waits until at least `n` consumers are active, or `timeout` passes.
+    pub fn wait_for_consumers(&self, n: u32, timeout: Duration) -> Result<(), Error> {
+        let deadline = Instant::now() + timeout;
+        while self.consumers() < n {
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout("consumers to attach"));
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        Ok(())
+    }
+
+    /// Takes the next slot, waiting until every consumer that had its previous batch has
+    /// released it (and, through the backend, finished with it). Blocks while consumers lag,
+    /// unless the lag policy detaches them.
+    pub fn acquire(&mut self) -> Result<Slot<'_, B>, Error> {
+        self.acquire_until(None)
+    }
+
+    /// As [`Producer::acquire`], but gives up with [`Error::Timeout`] after `timeout`.
+    pub fn acquire_timeout(&mut self, timeout: Duration) -> Result<Slot<'_, B>, Error> {
+        self.acquire_until(Some(Instant::now() + timeout))
+    }
+
+    fn acquire_until(&mut self, deadline: Option<Instant>) -> Result<Slot<'_, B>, Error> {
+        if self.closed {
+            return Err(Error::Closed);
+        }
+        let s = self.head;
+        if s > MAX_SEQ {
+            return Err(Error::InvalidArgument(
+                "sequence numbers exhausted (2^48 batches)".into(),
+            ));
+        }
+        let n = self.shared.layout.slot_count;
+        let k = ring::slot_of(s, n);
+        if ring::previous_in_slot(s, n).is_some() {
+            self.wait_slot_free(k, deadline)?;
+            let active = self.shared.active.load(Ordering::Acquire);
+            let holders = if self.shared.shared_mode() {
+                let c = self.shared.seg.slot(k).claimer.load(Ordering::Acquire);
+                if c < 63 {
+                    ring::bit(c as u32) & active
+                } else {
+                    0
+                }
+            } else {
+                self.holders[k as usize] & active
+            };
+            self.shared
+                .backend
+                .wait_finished(k, holders)
+                .map_err(Error::Backend)?;
+        }
+        Ok(Slot {
+            producer: self,
+            seq: s,
+            slot: k,
+        })
+    }
+
+    fn wait_slot_free(&self, k: u32, deadline: Option<Instant>) -> Result<(), Error> {
+        let sh = &*self.shared;
+        let desc = sh.seg.slot(k);
+        let shared_mode = sh.shared_mode();
+        let h = sh.seg.header();
+        let started = Instant::now();
+        wait::wait_for(
+            sh.config.wait,
+            &h.space_wake.value,
+            &h.space_sleepers.value,
+            || {
+                ring::slot_free(
+                    &desc.pending,
+                    sh.active.load(Ordering::Acquire),
+                    shared_mode,
+                )
+                .then_some(())
+            },
+            || {
+                if let LagPolicy::DetachAfter(limit) = sh.config.lag {
+                    if started.elapsed() >= limit {
+                        let p = desc.pending.load(Ordering::Acquire);
+                        let laggards = p & sh.active.load(Ordering::Acquire);
+                        for c in 0..63 {
+                            if laggards & ring::bit(c) != 0 {
+                                sh.depart(
+                                    c,
+                                    Departure::Detached,
+                                    &format!(
+                                        "it held slot {k} for over {limit:?} (lag policy detach-after)"
+                                    ),
+                                );
+                            }
+                        }
+                    }
+                }
+                if deadline.is_some_and(|d| Instant::now() >= d) {
+                    return Err(Error::Timeout("a free slot"));
+                }
+                Ok(None)
+            },
+        )
+    }
+
+    /// Shuts the ring down cleanly: consumers get every batch already published, then end.
+    /// Waits up to the configured drain timeout for them to release and detach (the CUDA
+    /// backend frees memory only after importers are done).
+    pub fn close(mut self) -> ProducerStats {
+        self.close_inner();
+        self.stats()
+    }
+
+    fn close_inner(&mut self) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
+        let sh = &*self.shared;
+        sh.closing.store(true, Ordering::Release);
+        let h = sh.seg.header();
+        h.constants
+            .producer_state
+            .store(producer_state::CLOSED, Ordering::Release);
+        wait::notify(&h.data_wake.value, &h.data_sleepers.value, true);
+        let deadline = Instant::now() + sh.config.drain_timeout;
+        loop {
+            let attached = sh.members.lock().conns.iter().any(|c| c.is_some());
+            if !attached || Instant::now() >= deadline {
+                if attached {
+                    tracing::warn!(
+                        "closing with consumers still attached after {:?}",
+                        sh.config.drain_timeout
+                    );
+                }
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        sh.stop_supervisor.store(true, Ordering::Release);
+        sh.waker.wake();
+        if let Some(t) = self.supervisor.take() {
+            let _ = t.join();
+        }
+        let _ = std::fs::remove_file(&self.socket_path);
+    }
+}
+
+impl<B: ProducerBackend> Drop for Producer<B> {
+    fn drop(&mut self) {
+        self.close_inner();
+    }
+}
+
+/// A slot loaned to the producer: write the batch, then [`Slot::publish`]. Dropping it
+/// unpublished returns it to the ring (the next `acquire` hands out the same slot).
+pub struct Slot<'p, B: ProducerBackend> {
+    producer: &'p mut Producer<B>,
+    seq: u64,
+    slot: u32,
+}
+
+impl<'p, B: ProducerBackend> Slot<'p, B> {
+    /// Sequence number this batch will have.
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+    /// Index of the slot in the ring.
+    pub fn index(&self) -> u32 {
+        self.slot
+    }
+    /// Capacity in bytes.
+    pub fn capacity(&self) -> u64 {
+        self.producer.shared.layout.slot_bytes
+    }
+    /// The backend (its stream, device, ...).
+    pub fn backend(&self) -> &B {
+        &self.producer.shared.backend
+    }
+    /// The slot's memory.
+    pub fn memory(&mut self) -> B::SlotMut<'_> {
+        // SAFETY: between acquire (the slot's previous holders released it and the backend
+        // ordered after their work) and publish, this Slot is the slot's only owner, and
+        // `&mut self` keeps this the only live SlotMut.
+        unsafe { self.producer.shared.backend.slot_mut(self.slot) }
+    }
+
+    /// Publishes `len` bytes with an all-zero user header.
+    pub fn publish(self, len: u64) -> Result<u64, Error> {
+        self.publish_with_header(len, &[0; USER_HEADER_WORDS])
+    }
+
+    /// Publishes `len` bytes with a user header. Signals the backend's "ready" first; only
+    /// then the descriptor becomes visible. On error the slot returns to the ring.
+    pub fn publish_with_header(
+        self,
+        len: u64,
+        header: &[u64; USER_HEADER_WORDS],
+    ) -> Result<u64, Error> {
+        let p = self.producer;
+        let sh = &*p.shared;
+        if len > sh.layout.slot_bytes {
+            return Err(Error::InvalidArgument(format!(
+                "batch of {len} bytes exceeds the slot capacity {}",
+                sh.layout.slot_bytes
+            )));
+        }
+        sh.backend.signal_ready(self.slot).map_err(Error::Backend)?;
+        let desc = sh.seg.slot(self.slot);
+        desc.len.store(len, Ordering::Relaxed);
+        for (w, v) in desc.header.iter().zip(header) {
+            w.store(*v, Ordering::Relaxed);
+        }
+        desc.claimer.store(u64::MAX, Ordering::Relaxed);
+        desc.seq.store(self.seq, Ordering::Relaxed);
+        let h = sh.seg.header();
+        let mask = {
+            let mut m = sh.members.lock();
+            let mask = if sh.shared_mode() {
+                ring::UNCLAIMED
+            } else {
+                m.active
+            };
+            ring::publish(&desc.pending, &h.head.value, self.seq, mask);
+            m.head = self.seq + 1;
+            mask
+        };
+        p.holders[self.slot as usize] = mask;
+        p.head = self.seq + 1;
+        wait::notify(&h.data_wake.value, &h.data_sleepers.value, true);
+        Ok(self.seq)
+    }
+}
+
+/// Binds the listening socket at `path` with mode 0600, atomically: bind to a temporary
+/// name in the same directory, chmod, then rename over the final path.
+fn listen(path: &Path) -> Result<UnixListener, Error> {
+    if path.exists() {
+        match UnixStream::connect(path) {
+            Ok(_) => {
+                return Err(Error::InvalidArgument(format!(
+                    "another producer is already listening on {}",
+                    path.display()
+                )));
+            }
+            Err(_) => {
+                let meta = std::fs::symlink_metadata(path).map_err(Error::os("stat socket"))?;
+                use std::os::unix::fs::FileTypeExt;
+                if !meta.file_type().is_socket() {
+                    return Err(Error::InvalidArgument(format!(
+                        "{} exists and is not a socket; refusing to replace it",
+                        path.display()
+                    )));
+                }
+                tracing::info!("removing stale socket {}", path.display());
+            }
+        }
+    }
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .ok_or_else(|| Error::InvalidArgument(format!("{} is not a file path", path.display())))?;
+    let tmp = dir.join(format!(
+        ".{}.{}.tmp",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_file(&tmp);
+    let listener = UnixListener::bind(&tmp).map_err(|e| Error::Os {
+        what: "bind the attach socket",
+        source: e,
+    })?;
+    sys::chmod(&tmp, 0o600).map_err(Error::os("chmod the attach socket"))?;
+    std::fs::rename(&tmp, path).map_err(Error::os("rename the attach socket into place"))?;
+    listener
+        .set_nonblocking(true)
+        .map_err(Error::os("set the socket non-blocking"))?;
+    Ok(listener)
+}

@@ -1,0 +1,297 @@
+//! The ring's protocol steps on shared words, free of I/O so that proptest and loom can check
+//! them. The producer and consumers call exactly these functions on the control segment.
+//!
+//! Per slot the producer owns `seq` and the descriptor; `pending` is the handover word:
+//! * broadcast: the producer stores the mask of active consumers at publish; each consumer
+//!   clears its bit when it releases; the slot is free when no active consumer's bit is set;
+//! * shared: the producer stores [`UNCLAIMED`]; one consumer swaps it for its own bit; it
+//!   swaps its bit for 0 when it releases.
+
+#[cfg(loom)]
+pub(crate) use loom::sync::atomic::{AtomicU64, Ordering};
+#[cfg(not(loom))]
+pub(crate) use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Marks a published batch that no consumer has claimed yet (shared mode).
+pub const UNCLAIMED: u64 = 1 << 63;
+
+/// Slot of sequence number `seq` in a ring of `n` slots.
+#[inline]
+pub fn slot_of(seq: u64, n: u32) -> u32 {
+    (seq % n as u64) as u32
+}
+
+/// The sequence number that occupied `seq`'s slot before it, if any.
+#[inline]
+pub fn previous_in_slot(seq: u64, n: u32) -> Option<u64> {
+    seq.checked_sub(n as u64)
+}
+
+/// Bit of consumer `c`.
+#[inline]
+pub fn bit(c: u32) -> u64 {
+    debug_assert!(c < 63);
+    1u64 << c
+}
+
+/// Sequence numbers a consumer may find published given the head it read: the last `n`.
+#[inline]
+pub fn live_window(head: u64, n: u32) -> std::ops::Range<u64> {
+    head.saturating_sub(n as u64)..head
+}
+
+/// Producer: hand the filled slot over. The descriptor fields (`len`, header, `seq`) must be
+/// stored before; `head` is the publication point (Release), consumers Acquire it.
+#[inline]
+pub fn publish(pending: &AtomicU64, head: &AtomicU64, seq: u64, mask: u64) {
+    pending.store(mask, Ordering::Release);
+    head.store(seq + 1, Ordering::Release);
+}
+
+/// Producer: may the slot be written again? `active` masks out bits of consumers that are
+/// gone (or garbage bits a scribbler set). Acquire pairs with the consumers' releases, so
+/// their reads of the slot happen before the producer's next writes.
+#[inline]
+pub fn slot_free(pending: &AtomicU64, active: u64, shared: bool) -> bool {
+    let p = pending.load(Ordering::Acquire);
+    if shared {
+        p == 0 || (p & UNCLAIMED == 0 && p & active == 0)
+    } else {
+        p & active == 0
+    }
+}
+
+/// Broadcast consumer: release; returns false if our bit was not set (we were detached).
+#[inline]
+pub fn release_broadcast(pending: &AtomicU64, me: u32) -> bool {
+    pending.fetch_and(!bit(me), Ordering::AcqRel) & bit(me) != 0
+}
+
+/// Shared consumer: try to claim an unclaimed batch.
+#[inline]
+pub fn try_claim(pending: &AtomicU64, me: u32) -> bool {
+    pending.load(Ordering::Relaxed) == UNCLAIMED
+        && pending
+            .compare_exchange(UNCLAIMED, bit(me), Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+}
+
+/// Shared consumer: release a claimed batch; false if it was taken back from us.
+#[inline]
+pub fn release_shared(pending: &AtomicU64, me: u32) -> bool {
+    pending
+        .compare_exchange(bit(me), 0, Ordering::AcqRel, Ordering::Relaxed)
+        .is_ok()
+}
+
+/// Producer: take back what consumer `c` holds in this slot. Broadcast clears its bit;
+/// shared puts its claimed batch back as unclaimed. Returns true if a shared batch was
+/// requeued.
+#[inline]
+pub fn reclaim(pending: &AtomicU64, c: u32, shared: bool) -> bool {
+    if shared {
+        pending
+            .compare_exchange(bit(c), UNCLAIMED, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+    } else {
+        pending.fetch_and(!bit(c), Ordering::AcqRel);
+        false
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn slot_arithmetic(seq in 0u64..(1 << 48), n in 1u32..=4096) {
+            let k = slot_of(seq, n);
+            prop_assert!(k < n);
+            if let Some(p) = previous_in_slot(seq, n) {
+                prop_assert_eq!(slot_of(p, n), k);
+                prop_assert_eq!(seq - p, n as u64);
+            } else {
+                prop_assert!(seq < n as u64);
+            }
+            // The live window holds each slot at most once, and always `seq`'s slot if
+            // seq is in it.
+            let w = live_window(seq + 1, n);
+            prop_assert!(w.end - w.start <= n as u64);
+            prop_assert!(w.contains(&seq));
+        }
+
+        #[test]
+        fn wraparound_visits_every_slot_once_per_lap(n in 1u32..=64, laps in 1u64..5, start in 0u64..1000) {
+            let mut seen = vec![0u64; n as usize];
+            for s in start..start + laps * n as u64 {
+                seen[slot_of(s, n) as usize] += 1;
+            }
+            prop_assert!(seen.iter().all(|&c| c == laps));
+        }
+
+        #[test]
+        fn broadcast_free_only_after_every_active_release(mask in 0u64..(1 << 20), order in proptest::collection::vec(0u32..20, 0..40)) {
+            let p = AtomicU64::new(0);
+            let head = AtomicU64::new(0);
+            publish(&p, &head, 0, mask);
+            let mut left = mask;
+            for c in order {
+                prop_assert_eq!(slot_free(&p, mask, false), left == 0);
+                let had = release_broadcast(&p, c);
+                prop_assert_eq!(had, left & bit(c) != 0);
+                left &= !bit(c);
+            }
+        }
+    }
+
+    #[test]
+    fn shared_claim_is_exclusive_and_reclaim_requeues() {
+        let p = AtomicU64::new(0);
+        let head = AtomicU64::new(0);
+        publish(&p, &head, 0, UNCLAIMED);
+        assert!(!slot_free(&p, 0b11, true));
+        assert!(try_claim(&p, 1));
+        assert!(!try_claim(&p, 0));
+        assert!(!slot_free(&p, 0b11, true));
+        assert!(reclaim(&p, 1, true));
+        assert_eq!(p.load(Ordering::Relaxed), UNCLAIMED);
+        assert!(
+            !release_shared(&p, 1),
+            "a reclaimed batch cannot be released by its old claimer"
+        );
+        assert!(try_claim(&p, 0));
+        assert!(release_shared(&p, 0));
+        assert!(slot_free(&p, 0b11, true));
+        // A claim bit of a consumer that is no longer active does not block the producer.
+        p.store(bit(5), Ordering::Relaxed);
+        assert!(slot_free(&p, 0b11, true));
+    }
+}
+
+/// Loom model: a producer and two broadcast consumers over a 2-slot ring; a shared-mode
+/// model with two consumers racing for claims. Slot contents are loom `UnsafeCell`s, so any
+/// overlap of the producer's write with a consumer's read is reported as a data race.
+/// Run with `RUSTFLAGS="--cfg loom" cargo test -p pipeline-core --release --lib loom`.
+#[cfg(all(test, loom))]
+mod loom_model {
+    use super::*;
+    use loom::cell::UnsafeCell;
+    use loom::sync::Arc;
+    use loom::thread;
+
+    const N: u32 = 2;
+    const BATCHES: u64 = 3;
+
+    struct Ring {
+        head: AtomicU64,
+        seq: [AtomicU64; N as usize],
+        pending: [AtomicU64; N as usize],
+        data: [UnsafeCell<u64>; N as usize],
+    }
+
+    impl Ring {
+        fn new() -> Self {
+            Ring {
+                head: AtomicU64::new(0),
+                seq: [AtomicU64::new(u64::MAX), AtomicU64::new(u64::MAX)],
+                pending: [AtomicU64::new(0), AtomicU64::new(0)],
+                data: [UnsafeCell::new(0), UnsafeCell::new(0)],
+            }
+        }
+
+        fn produce(&self, active: u64, shared: bool) {
+            for s in 0..BATCHES {
+                let k = slot_of(s, N) as usize;
+                while !slot_free(&self.pending[k], active, shared) {
+                    thread::yield_now();
+                }
+                self.data[k].with_mut(|d| unsafe { *d = s * 10 });
+                self.seq[k].store(s, Ordering::Relaxed);
+                publish(
+                    &self.pending[k],
+                    &self.head,
+                    s,
+                    if shared { UNCLAIMED } else { active },
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn loom_broadcast_publish_release() {
+        loom::model(|| {
+            let ring = Arc::new(Ring::new());
+            let consumers: Vec<_> = (0..2u32)
+                .map(|me| {
+                    let ring = ring.clone();
+                    thread::spawn(move || {
+                        for s in 0..BATCHES {
+                            while ring.head.load(Ordering::Acquire) <= s {
+                                thread::yield_now();
+                            }
+                            let k = slot_of(s, N) as usize;
+                            assert_eq!(ring.seq[k].load(Ordering::Relaxed), s);
+                            let v = ring.data[k].with(|d| unsafe { *d });
+                            assert_eq!(v, s * 10, "consumer {me} read a stale or torn batch");
+                            assert!(release_broadcast(&ring.pending[k], me));
+                        }
+                    })
+                })
+                .collect();
+            ring.produce(0b11, false);
+            for c in consumers {
+                c.join().unwrap();
+            }
+        });
+    }
+
+    #[test]
+    fn loom_shared_claims_are_exclusive() {
+        loom::model(|| {
+            let ring = Arc::new(Ring::new());
+            let got = Arc::new(AtomicU64::new(0));
+            let consumers: Vec<_> = (0..2u32)
+                .map(|me| {
+                    let ring = ring.clone();
+                    let got = got.clone();
+                    thread::spawn(move || {
+                        // Each consumer tries to claim among the published window until all
+                        // batches are taken.
+                        loop {
+                            let h = ring.head.load(Ordering::Acquire);
+                            let mut claimed = false;
+                            for s in live_window(h, N) {
+                                let k = slot_of(s, N) as usize;
+                                if try_claim(&ring.pending[k], me) {
+                                    let seq = ring.seq[k].load(Ordering::Acquire);
+                                    let v = ring.data[k].with(|d| unsafe { *d });
+                                    assert_eq!(v, seq * 10);
+                                    got.fetch_add(1 << (seq * 8), Ordering::Relaxed);
+                                    assert!(release_shared(&ring.pending[k], me));
+                                    claimed = true;
+                                    break;
+                                }
+                            }
+                            let all = (0..BATCHES).map(|s| 1u64 << (s * 8)).sum::<u64>();
+                            if got.load(Ordering::Relaxed) == all {
+                                return;
+                            }
+                            if !claimed {
+                                thread::yield_now();
+                            }
+                        }
+                    })
+                })
+                .collect();
+            ring.produce(0b11, true);
+            for c in consumers {
+                c.join().unwrap();
+            }
+            // Every batch exactly once: each byte of the tally is 1.
+            let all = (0..BATCHES).map(|s| 1u64 << (s * 8)).sum::<u64>();
+            assert_eq!(got.load(Ordering::Relaxed), all);
+        });
+    }
+}

@@ -1,0 +1,446 @@
+//! Device capability probe: what each GPU and the driver support, and which path gpipe takes.
+//!
+//! [`probe`] reads device attributes only; it creates no context and allocates nothing.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use cudarc::driver::sys::CUdevice_attribute as Attr;
+use serde::Serialize;
+
+use crate::driver::{self, CudaError, Device};
+use crate::kernels;
+
+/// Bit of `CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES` for POSIX file descriptors.
+pub const HANDLE_TYPE_POSIX_FD_BIT: u32 = 0x1;
+/// Bit of `CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES` for fabric handles.
+pub const HANDLE_TYPE_FABRIC_BIT: u32 = 0x8;
+
+/// What one device supports.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Capabilities {
+    /// Device ordinal.
+    pub ordinal: usize,
+    /// Device name.
+    pub name: String,
+    /// UUID in nvidia-smi's form.
+    pub uuid: String,
+    /// Compute capability `[major, minor]`.
+    pub compute_capability: [i32; 2],
+    /// Total device memory in bytes.
+    pub total_memory_bytes: u64,
+    /// Number of streaming multiprocessors.
+    pub multiprocessors: u32,
+    /// Stream-ordered memory pools (`CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED`).
+    pub memory_pools: bool,
+    /// Raw `CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES` bitmask.
+    pub pool_handle_types: u32,
+    /// Pools exportable as POSIX file descriptors (bit of `pool_handle_types`).
+    pub pool_posix_fd: bool,
+    /// Pools exportable as fabric handles (bit of `pool_handle_types`).
+    pub pool_fabric: bool,
+    /// Virtual memory management (`cuMemCreate`/`cuMemMap`).
+    pub virtual_memory_management: bool,
+    /// VMM allocations exportable as POSIX file descriptors.
+    pub posix_fd_handles: bool,
+    /// VMM allocations exportable as fabric handles.
+    pub fabric_handles: bool,
+    /// Interprocess events (`CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED`).
+    pub ipc_events: bool,
+    /// 64-bit stream memory operations (`cuStreamWaitValue64`/`cuStreamWriteValue64`), from
+    /// `CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS`.
+    pub stream_mem_ops_64bit: bool,
+    /// Legacy IPC (`cuIpcGetMemHandle`), which needs unified addressing
+    /// (`CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING`).
+    pub legacy_ipc: bool,
+    /// `CU_DEVICE_ATTRIBUTE_MPS_ENABLED`: contexts on this device are shared through MPS.
+    /// `None` when the driver does not report it.
+    pub mps_enabled: Option<bool>,
+    /// Attributes the driver would not report, and why.
+    pub notes: Vec<String>,
+}
+
+/// The transport gpipe uses between producer and consumers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum TransportPath {
+    /// Slots in an exportable stream-ordered pool (POSIX fd); ready/finished as IPC events.
+    PoolIpcEvents,
+}
+
+impl fmt::Display for TransportPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TransportPath::PoolIpcEvents => f.write_str("pool + IPC events"),
+        }
+    }
+}
+
+impl Capabilities {
+    /// Reads the capabilities of one device. Attributes the driver rejects count as "no" and
+    /// are listed in `notes`.
+    pub fn of(device: &Device) -> Result<Capabilities, CudaError> {
+        let mut notes = Vec::new();
+        let mut attr = |a: Attr, label: &str| -> Option<i32> {
+            match device.attribute(a) {
+                Ok(v) => Some(v),
+                Err(e) => {
+                    notes.push(format!("{label}: not reported ({e})"));
+                    None
+                }
+            }
+        };
+        let flag = |v: Option<i32>| v.is_some_and(|v| v != 0);
+        let memory_pools = flag(attr(
+            Attr::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED,
+            "pools",
+        ));
+        let pool_handle_types = attr(
+            Attr::CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES,
+            "pool handle types",
+        )
+        .map_or(0, |v| v as u32);
+        let virtual_memory_management = flag(attr(
+            Attr::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+            "VMM",
+        ));
+        let posix_fd_handles = flag(attr(
+            Attr::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+            "POSIX fd handles",
+        ));
+        let fabric_handles = flag(attr(
+            Attr::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED,
+            "fabric handles",
+        ));
+        let ipc_events = flag(attr(
+            Attr::CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED,
+            "IPC events",
+        ));
+        let stream_mem_ops_64bit = flag(attr(
+            Attr::CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS,
+            "64-bit stream memory ops",
+        ));
+        let legacy_ipc = flag(attr(
+            Attr::CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING,
+            "unified addressing",
+        ));
+        let mps_enabled =
+            attr(Attr::CU_DEVICE_ATTRIBUTE_MPS_ENABLED, "MPS enabled").map(|v| v != 0);
+        let (major, minor) = device.compute_capability()?;
+        Ok(Capabilities {
+            ordinal: device.ordinal(),
+            name: device.name()?,
+            uuid: device.uuid_string()?,
+            compute_capability: [major, minor],
+            total_memory_bytes: device.total_memory()? as u64,
+            multiprocessors: device.multiprocessor_count()?,
+            memory_pools,
+            pool_handle_types,
+            pool_posix_fd: memory_pools && pool_handle_types & HANDLE_TYPE_POSIX_FD_BIT != 0,
+            pool_fabric: memory_pools && pool_handle_types & HANDLE_TYPE_FABRIC_BIT != 0,
+            virtual_memory_management,
+            posix_fd_handles,
+            fabric_handles,
+            ipc_events,
+            stream_mem_ops_64bit,
+            legacy_ipc,
+            mps_enabled,
+            notes,
+        })
+    }
+
+    /// The capabilities gpipe's CUDA path needs that this device lacks (empty: none).
+    pub fn missing(&self) -> Vec<&'static str> {
+        let mut missing = Vec::new();
+        if !self.memory_pools {
+            missing.push("memory pools");
+        } else if !self.pool_posix_fd {
+            missing.push("memory pools with POSIX fd handles");
+        }
+        if !self.ipc_events {
+            missing.push("IPC events");
+        }
+        missing
+    }
+
+    /// The path gpipe takes on this device, or an error naming what is missing.
+    pub fn chosen_path(&self) -> Result<TransportPath, CudaError> {
+        let missing = self.missing();
+        if missing.is_empty() {
+            return Ok(TransportPath::PoolIpcEvents);
+        }
+        Err(CudaError::Unsupported {
+            what: format!(
+                "device {} ({}) cannot run gpipe's CUDA path; missing: {}",
+                self.ordinal,
+                self.name,
+                missing.join(", ")
+            ),
+            hint: "use the host backend, or a Linux GPU and driver with stream-ordered pools \
+                   exportable as POSIX fds and IPC events (WSL has neither)"
+                .into(),
+        })
+    }
+}
+
+/// Everything [`probe`] found.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ProbeReport {
+    /// `cuDriverGetVersion`: `1000 * major + 10 * minor` (13000 is CUDA 13.0).
+    pub driver_version: i32,
+    /// NVRTC version as `[major, minor]`, when `libnvrtc` loads.
+    pub nvrtc_version: Option<[i32; 2]>,
+    /// Why NVRTC is unavailable, when it is.
+    pub nvrtc_error: Option<String>,
+    /// The MPS control pipe, when one exists. A heuristic: a pipe left by a dead daemon also
+    /// counts; the per-device `mps_enabled` attribute is authoritative where reported.
+    pub mps_control_pipe: Option<String>,
+    /// One entry per visible device.
+    pub devices: Vec<Capabilities>,
+}
+
+/// Where the MPS control pipe would be: `$CUDA_MPS_PIPE_DIRECTORY/control`, else
+/// `/tmp/nvidia-mps/control`; `Some` only if it exists.
+pub fn mps_control_pipe() -> Option<PathBuf> {
+    let dir = std::env::var_os("CUDA_MPS_PIPE_DIRECTORY")
+        .filter(|d| !d.is_empty())
+        .map_or_else(|| PathBuf::from("/tmp/nvidia-mps"), PathBuf::from);
+    control_pipe_in(&dir)
+}
+
+fn control_pipe_in(dir: &Path) -> Option<PathBuf> {
+    let pipe = dir.join("control");
+    pipe.exists().then_some(pipe)
+}
+
+/// Probes the driver and every visible device. Returns [`CudaError::NoDriver`] (never panics)
+/// when `libcuda` cannot be loaded.
+pub fn probe() -> Result<ProbeReport, CudaError> {
+    driver::init()?;
+    let driver_version = driver::driver_version()?;
+    let (nvrtc_version, nvrtc_error) = match kernels::nvrtc_version() {
+        Ok((major, minor)) => (Some([major, minor]), None),
+        Err(e) => (None, Some(e.to_string())),
+    };
+    let devices = (0..driver::device_count()?)
+        .map(|i| Capabilities::of(&Device::get(i)?))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(ProbeReport {
+        driver_version,
+        nvrtc_version,
+        nvrtc_error,
+        mps_control_pipe: mps_control_pipe().map(|p| p.display().to_string()),
+        devices,
+    })
+}
+
+impl ProbeReport {
+    /// The path gpipe takes on device 0, or an error naming what is missing.
+    pub fn chosen_path(&self) -> Result<TransportPath, CudaError> {
+        self.chosen_path_for(0)
+    }
+
+    /// The path gpipe takes on device `ordinal`, or an error naming what is missing.
+    pub fn chosen_path_for(&self, ordinal: usize) -> Result<TransportPath, CudaError> {
+        match self.devices.iter().find(|d| d.ordinal == ordinal) {
+            Some(device) => device.chosen_path(),
+            None => Err(CudaError::Unsupported {
+                what: format!("no CUDA device {ordinal} ({} visible)", self.devices.len()),
+                hint: "check `nvidia-smi` and CUDA_VISIBLE_DEVICES".into(),
+            }),
+        }
+    }
+
+    /// Whether MPS looks active: a device reports it, or the control pipe exists (heuristic).
+    pub fn mps_active(&self) -> bool {
+        self.devices.iter().any(|d| d.mps_enabled == Some(true)) || self.mps_control_pipe.is_some()
+    }
+}
+
+fn yes_no(v: bool) -> &'static str {
+    if v { "yes" } else { "no" }
+}
+
+impl fmt::Display for ProbeReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let v = self.driver_version;
+        writeln!(
+            f,
+            "CUDA driver API   {}.{} ({v})",
+            v / 1000,
+            (v % 1000) / 10
+        )?;
+        match (&self.nvrtc_version, &self.nvrtc_error) {
+            (Some([major, minor]), _) => writeln!(f, "NVRTC             {major}.{minor}")?,
+            (None, Some(e)) => writeln!(f, "NVRTC             unavailable: {e}")?,
+            (None, None) => writeln!(f, "NVRTC             unavailable")?,
+        }
+        match &self.mps_control_pipe {
+            Some(pipe) => writeln!(f, "MPS control pipe  {pipe} (present; heuristic)")?,
+            None => writeln!(f, "MPS control pipe  none found (heuristic)")?,
+        }
+        if self.devices.is_empty() {
+            writeln!(f, "no CUDA devices visible")?;
+        }
+        for d in &self.devices {
+            let [major, minor] = d.compute_capability;
+            writeln!(
+                f,
+                "\ndevice {}: {} ({}), compute {major}.{minor}, {:.1} GiB, {} SMs",
+                d.ordinal,
+                d.name,
+                d.uuid,
+                d.total_memory_bytes as f64 / (1u64 << 30) as f64,
+                d.multiprocessors
+            )?;
+            let mut types = Vec::new();
+            if d.pool_posix_fd {
+                types.push("posix_fd");
+            }
+            if d.pool_fabric {
+                types.push("fabric");
+            }
+            let types = if types.is_empty() {
+                String::from("none")
+            } else {
+                types.join(", ")
+            };
+            let mps = match d.mps_enabled {
+                Some(v) => yes_no(v),
+                None => "unknown",
+            };
+            let rows: [(&str, String); 10] = [
+                ("memory pools", yes_no(d.memory_pools).into()),
+                (
+                    "pool handle types",
+                    format!("{types} (0x{:x})", d.pool_handle_types),
+                ),
+                ("VMM", yes_no(d.virtual_memory_management).into()),
+                ("VMM POSIX fd handles", yes_no(d.posix_fd_handles).into()),
+                ("VMM fabric handles", yes_no(d.fabric_handles).into()),
+                ("IPC events", yes_no(d.ipc_events).into()),
+                (
+                    "64-bit stream mem ops",
+                    yes_no(d.stream_mem_ops_64bit).into(),
+                ),
+                ("legacy IPC (UVA)", yes_no(d.legacy_ipc).into()),
+                ("MPS (device)", mps.into()),
+                (
+                    "gpipe path",
+                    match d.chosen_path() {
+                        Ok(path) => path.to_string(),
+                        Err(_) => format!("none; missing: {}", d.missing().join(", ")),
+                    },
+                ),
+            ];
+            for (label, value) in rows {
+                writeln!(f, "  {label:<24}{value}")?;
+            }
+            for note in &d.notes {
+                writeln!(f, "  note: {note}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h100() -> Capabilities {
+        Capabilities {
+            ordinal: 0,
+            name: "NVIDIA H100 80GB HBM3".into(),
+            uuid: "GPU-00000000-0000-0000-0000-000000000000".into(),
+            compute_capability: [9, 0],
+            total_memory_bytes: 80 << 30,
+            multiprocessors: 132,
+            memory_pools: true,
+            pool_handle_types: HANDLE_TYPE_POSIX_FD_BIT | HANDLE_TYPE_FABRIC_BIT,
+            pool_posix_fd: true,
+            pool_fabric: true,
+            virtual_memory_management: true,
+            posix_fd_handles: true,
+            fabric_handles: true,
+            ipc_events: true,
+            stream_mem_ops_64bit: true,
+            legacy_ipc: true,
+            mps_enabled: Some(false),
+            notes: vec![],
+        }
+    }
+
+    fn report(devices: Vec<Capabilities>) -> ProbeReport {
+        ProbeReport {
+            driver_version: 13000,
+            nvrtc_version: Some([13, 0]),
+            nvrtc_error: None,
+            mps_control_pipe: None,
+            devices,
+        }
+    }
+
+    #[test]
+    fn full_support_takes_the_pool_path() {
+        let r = report(vec![h100()]);
+        assert_eq!(r.chosen_path().unwrap(), TransportPath::PoolIpcEvents);
+        assert_eq!(
+            TransportPath::PoolIpcEvents.to_string(),
+            "pool + IPC events"
+        );
+        let text = r.to_string();
+        assert!(text.contains("CUDA driver API   13.0 (13000)"), "{text}");
+        assert!(text.contains("posix_fd, fabric (0x9)"), "{text}");
+        assert!(text.contains("pool + IPC events"), "{text}");
+        assert!(!r.mps_active());
+    }
+
+    #[test]
+    fn missing_capabilities_are_named() {
+        let mut d = h100();
+        d.pool_posix_fd = false;
+        d.ipc_events = false;
+        let e = report(vec![d.clone()]).chosen_path().unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains("missing: memory pools with POSIX fd handles, IPC events"),
+            "{text}"
+        );
+        d.memory_pools = false;
+        assert_eq!(d.missing(), vec!["memory pools", "IPC events"]);
+        assert!(report(vec![]).chosen_path().is_err());
+    }
+
+    #[test]
+    fn report_serializes() {
+        fn assert_serialize<T: Serialize>(_: &T) {}
+        assert_serialize(&report(vec![h100()]));
+    }
+
+    #[test]
+    fn mps_pipe_heuristic_looks_for_control() {
+        let dir = std::env::temp_dir().join(format!("gpipe-mps-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        assert_eq!(control_pipe_in(&dir), None);
+        std::fs::write(dir.join("control"), b"").unwrap();
+        assert_eq!(control_pipe_in(&dir), Some(dir.join("control")));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn probe_without_a_driver_is_an_error_not_a_panic() {
+        if driver::driver_present() {
+            return;
+        }
+        assert!(matches!(probe(), Err(CudaError::NoDriver(_))));
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn probe_finds_the_pool_path_on_the_gpu() {
+        let r = probe().unwrap();
+        println!("{r}");
+        assert!(!r.devices.is_empty());
+        r.chosen_path().unwrap();
+    }
+}

@@ -1,0 +1,489 @@
+//! `gpipe`: run, feed, consume, inspect and benchmark gpipe rings.
+
+mod bench;
+mod size;
+mod work;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use clap::{Parser, Subcommand, ValueEnum};
+use pipeline_core::{
+    Consumer, ConsumerBackend, ConsumerConfig, HostConsumer, HostOptions, HostProducer, LagPolicy,
+    Mode, PendingAttach, Producer, ProducerBackend, ProducerConfig,
+};
+
+use crate::work::{Check, ConsumeOptions, Fill};
+
+/// Set by SIGINT/SIGTERM.
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    STOP.store(true, Ordering::Relaxed);
+}
+
+fn install_signal_handlers() {
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: the handler only stores to a static atomic, which is async-signal-safe;
+        // `signal` is called before any other thread could race on the disposition.
+        unsafe {
+            libc::signal(sig, on_signal as *const () as libc::sighandler_t);
+        }
+    }
+}
+
+#[derive(Parser)]
+#[command(
+    name = "gpipe",
+    version,
+    about = "Zero-copy GPU/host batch pipelines between processes"
+)]
+struct Cli {
+    /// Log filter (e.g. info, debug, pipeline_core=debug); also RUST_LOG.
+    #[arg(long, global = true, default_value = "warn")]
+    log: String,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum BackendArg {
+    /// CUDA if a GPU is usable, else host.
+    Auto,
+    /// Slots in host shared memory.
+    Host,
+    /// Slots in an exportable CUDA memory pool.
+    Cuda,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum ModeArg {
+    Broadcast,
+    Shared,
+}
+
+impl From<ModeArg> for Mode {
+    fn from(m: ModeArg) -> Mode {
+        match m {
+            ModeArg::Broadcast => Mode::Broadcast,
+            ModeArg::Shared => Mode::Shared,
+        }
+    }
+}
+
+#[derive(clap::Args, Clone, Debug)]
+struct RingArgs {
+    /// Delivery mode: every consumer gets every batch, or each batch goes to one consumer.
+    #[arg(long, value_enum, default_value = "broadcast")]
+    mode: ModeArg,
+    /// Slots in the ring.
+    #[arg(long, default_value_t = 8)]
+    slots: u32,
+    /// Bytes per batch (units: KiB, MiB, GiB, K, M, G); slots are rounded up to 2 MiB.
+    #[arg(long, value_parser = size::parse, default_value = "4MiB")]
+    batch_bytes: u64,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Start a producer and N consumer processes, verify every batch, report throughput.
+    Bench {
+        /// Which backend.
+        #[arg(long, value_enum, default_value = "auto")]
+        backend: BackendArg,
+        /// Consumer processes.
+        #[arg(long, default_value_t = 2)]
+        consumers: u32,
+        #[command(flatten)]
+        ring: RingArgs,
+        /// Batches to publish.
+        #[arg(long, default_value_t = 2000)]
+        batches: u64,
+        /// Fail (and kill the consumers) if the run takes longer than this many seconds.
+        #[arg(long, default_value_t = 300)]
+        timeout: u64,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run a producer that publishes pattern batches until Ctrl-C (or --batches).
+    Produce {
+        /// Socket path consumers attach to.
+        #[arg(long)]
+        socket: PathBuf,
+        /// Which backend.
+        #[arg(long, value_enum, default_value = "auto")]
+        backend: BackendArg,
+        #[command(flatten)]
+        ring: RingArgs,
+        /// Stop after this many batches (default: run until Ctrl-C).
+        #[arg(long)]
+        batches: Option<u64>,
+        /// Most batches per second (default: as fast as consumers release).
+        #[arg(long)]
+        rate: Option<f64>,
+        /// Most consumers at once (at most 63).
+        #[arg(long, default_value_t = 16)]
+        max_consumers: u32,
+        /// Also allow this uid to attach (repeatable).
+        #[arg(long)]
+        allow_uid: Vec<u32>,
+        /// Detach a consumer that holds a needed slot longer than this many ms (default: wait).
+        #[arg(long)]
+        detach_after_ms: Option<u64>,
+    },
+    /// Attach to a producer and consume batches until it closes (or Ctrl-C).
+    Consume {
+        /// The producer's socket.
+        #[arg(long)]
+        socket: PathBuf,
+        /// Verify each batch's checksum.
+        #[arg(long)]
+        verify: bool,
+        /// Stop after this many batches.
+        #[arg(long)]
+        max_batches: Option<u64>,
+        /// Write every received sequence number here (u64 little-endian).
+        #[arg(long)]
+        seq_log: Option<PathBuf>,
+        /// Print the final report as JSON.
+        #[arg(long)]
+        json: bool,
+        /// Sleep this many microseconds per batch (simulates work).
+        #[arg(long, default_value_t = 0)]
+        work_us: u64,
+        /// Internal: run as a bench consumer (JSON report on stdout).
+        #[arg(long, hide = true)]
+        bench_child: bool,
+    },
+    /// Show the live state of a ring: slots, sequence numbers, consumers, lag, liveness.
+    Inspect {
+        /// The producer's socket.
+        #[arg(long)]
+        socket: PathBuf,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cli.log));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    install_signal_handlers();
+    match run(cli.cmd) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("gpipe: error: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// Resolves `auto` to a concrete backend, saying why when it falls back to host.
+fn resolve_backend(b: BackendArg) -> Result<BackendArg, String> {
+    match b {
+        BackendArg::Auto => match cuda_usable() {
+            Ok(()) => Ok(BackendArg::Cuda),
+            Err(why) => {
+                eprintln!("gpipe: no usable CUDA GPU ({why}); using the host backend");
+                Ok(BackendArg::Host)
+            }
+        },
+        BackendArg::Cuda => cuda_usable()
+            .map(|_| BackendArg::Cuda)
+            .map_err(|why| format!("--backend cuda: {why}")),
+        other => Ok(other),
+    }
+}
+
+fn cuda_usable() -> Result<(), String> {
+    Err("the CUDA backend is not available in this build yet".into())
+}
+
+fn run(cmd: Cmd) -> Result<ExitCode, String> {
+    match cmd {
+        Cmd::Bench {
+            backend,
+            consumers,
+            ring,
+            batches,
+            timeout,
+            json,
+        } => {
+            let mut args = bench::BenchArgs {
+                consumers,
+                mode: ring.mode.into(),
+                slots: ring.slots,
+                batch_bytes: ring.batch_bytes,
+                batches,
+                timeout: Duration::from_secs(timeout),
+                json,
+                backend: "host",
+                consumer_args: Vec::new(),
+            };
+            let report = match resolve_backend(backend)? {
+                BackendArg::Host => {
+                    bench::run::<HostProducer, _>(&args, HostOptions, &mut work::HostFill)?
+                }
+                _ => {
+                    args.backend = "cuda";
+                    return Err("the CUDA backend is not available in this build yet".into());
+                }
+            };
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?
+                );
+            } else {
+                print!("{report}");
+            }
+            Ok(if report.problems.is_empty() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
+        }
+        Cmd::Produce {
+            socket,
+            backend,
+            ring,
+            batches,
+            rate,
+            max_consumers,
+            allow_uid,
+            detach_after_ms,
+        } => {
+            let config = ProducerConfig {
+                slots: ring.slots,
+                batch_bytes: ring.batch_bytes,
+                mode: ring.mode.into(),
+                max_consumers,
+                allowed_uids: allow_uid,
+                lag: detach_after_ms
+                    .map(|ms| LagPolicy::DetachAfter(Duration::from_millis(ms)))
+                    .unwrap_or_default(),
+                ..Default::default()
+            };
+            if ring.batch_bytes % 8 != 0 {
+                return Err("--batch-bytes must be a multiple of 8".into());
+            }
+            match resolve_backend(backend)? {
+                BackendArg::Host => produce::<HostProducer, _>(
+                    &socket,
+                    config,
+                    HostOptions,
+                    &mut work::HostFill,
+                    batches,
+                    rate,
+                    ring.batch_bytes,
+                ),
+                _ => Err("the CUDA backend is not available in this build yet".into()),
+            }
+        }
+        Cmd::Consume {
+            socket,
+            verify,
+            max_batches,
+            seq_log,
+            json,
+            work_us,
+            bench_child,
+        } => {
+            let pending = PendingAttach::connect(&socket, ConsumerConfig::default())
+                .map_err(|e| e.to_string())?;
+            let opts = ConsumeCmd {
+                verify,
+                max_batches,
+                seq_log,
+                json: json || bench_child,
+                quiet: bench_child,
+                work_us,
+            };
+            match pending.backend() {
+                pipeline_core::BackendKind::Host => {
+                    let c: Consumer<HostConsumer> =
+                        pending.finish(HostOptions).map_err(|e| e.to_string())?;
+                    consume(c, &mut work::HostCheck::default(), &opts)
+                }
+                pipeline_core::BackendKind::Cuda => Err(
+                    "the producer uses the CUDA backend, which this build cannot import yet".into(),
+                ),
+            }
+        }
+        Cmd::Inspect { socket, json } => {
+            let (seg, backend) = pipeline_core::observe(&socket, ConsumerConfig::default())
+                .map_err(|e| e.to_string())?;
+            let snap = pipeline_core::inspect::Snapshot::read(&seg, &backend.to_string());
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&snap).map_err(|e| e.to_string())?
+                );
+            } else {
+                print!("{snap}");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn produce<B: ProducerBackend, F: Fill<B>>(
+    socket: &std::path::Path,
+    config: ProducerConfig,
+    options: B::Options,
+    fill: &mut F,
+    batches: Option<u64>,
+    rate: Option<f64>,
+    len: u64,
+) -> Result<ExitCode, String> {
+    let mut producer: Producer<B> =
+        Producer::bind(socket, config, options).map_err(|e| e.to_string())?;
+    eprintln!(
+        "gpipe: producing on {} ({} backend); Ctrl-C stops",
+        socket.display(),
+        B::KIND
+    );
+    let start = Instant::now();
+    let mut last = Instant::now();
+    let mut last_n = 0u64;
+    let interval = rate
+        .filter(|r| *r > 0.0)
+        .map(|r| Duration::from_secs_f64(1.0 / r));
+    let n = work::produce_loop(&mut producer, fill, batches, len, &STOP, |n, consumers| {
+        if let Some(iv) = interval {
+            let due = start + iv * n as u32;
+            if let Some(wait) = due.checked_duration_since(Instant::now()) {
+                std::thread::sleep(wait);
+            }
+        }
+        if last.elapsed() >= Duration::from_secs(1) {
+            let dt = last.elapsed().as_secs_f64();
+            eprintln!(
+                "gpipe: {} batches published ({:.0}/s), {} consumers",
+                n,
+                (n - last_n) as f64 / dt,
+                consumers
+            );
+            last = Instant::now();
+            last_n = n;
+        }
+    });
+    let stats = producer.close();
+    eprintln!(
+        "gpipe: producer stopped after {} batches; consumers attached {}, left {}, died {}, detached {}, requeued batches {}",
+        stats.published, stats.attached, stats.left, stats.died, stats.detached, stats.requeued
+    );
+    n.map(|_| ExitCode::SUCCESS)
+}
+
+struct ConsumeCmd {
+    verify: bool,
+    max_batches: Option<u64>,
+    seq_log: Option<PathBuf>,
+    json: bool,
+    quiet: bool,
+    work_us: u64,
+}
+
+fn consume<B: ConsumerBackend, C: Check<B>>(
+    mut consumer: Consumer<B>,
+    check: &mut C,
+    opts: &ConsumeCmd,
+) -> Result<ExitCode, String> {
+    if !opts.quiet {
+        eprintln!(
+            "gpipe: attached as consumer #{} ({} mode, {} slots); Ctrl-C stops",
+            consumer.index(),
+            consumer.layout().mode,
+            consumer.layout().slot_count
+        );
+    }
+    let mut slow;
+    let check: Option<&mut C> = if opts.verify { Some(check) } else { None };
+    let (report, seqs) = if opts.work_us > 0 {
+        slow = Slow {
+            inner: check,
+            us: opts.work_us,
+        };
+        work::consume_loop(
+            &mut consumer,
+            Some(&mut slow),
+            &ConsumeOptions {
+                max_batches: opts.max_batches,
+                stop: &STOP,
+                keep_seqs: opts.seq_log.is_some(),
+                progress: !opts.quiet,
+            },
+        )
+    } else {
+        work::consume_loop(
+            &mut consumer,
+            check,
+            &ConsumeOptions {
+                max_batches: opts.max_batches,
+                stop: &STOP,
+                keep_seqs: opts.seq_log.is_some(),
+                progress: !opts.quiet,
+            },
+        )
+    };
+    drop(consumer);
+    if let Some(p) = &opts.seq_log {
+        bench::write_seq_log(p, &seqs).map_err(|e| format!("cannot write {}: {e}", p.display()))?;
+    }
+    if opts.json {
+        println!(
+            "{}",
+            serde_json::to_string(&report).map_err(|e| e.to_string())?
+        );
+    } else {
+        println!(
+            "consumer #{}: {} batches, {:.3} GB, {} checksum mismatches{}",
+            report.index,
+            report.received,
+            report.bytes as f64 / 1e9,
+            report.mismatches,
+            report
+                .error
+                .as_ref()
+                .map(|e| format!("; ended with: {e}"))
+                .unwrap_or_default()
+        );
+    }
+    Ok(if report.error.is_none() && report.mismatches == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// Wraps a check with a per-batch sleep (simulated work).
+struct Slow<'a, C> {
+    inner: Option<&'a mut C>,
+    us: u64,
+}
+
+impl<B: ConsumerBackend, C: Check<B>> Check<B> for Slow<'_, C> {
+    fn check(&mut self, batch: &pipeline_core::Batch<'_, B>) -> Result<(), String> {
+        std::thread::sleep(Duration::from_micros(self.us));
+        match self.inner.as_deref_mut() {
+            Some(c) => c.check(batch),
+            None => Ok(()),
+        }
+    }
+    fn finish(&mut self) -> Result<Vec<u64>, String> {
+        match self.inner.as_deref_mut() {
+            Some(c) => c.finish(),
+            None => Ok(Vec::new()),
+        }
+    }
+}

@@ -1,0 +1,221 @@
+//! What `gpipe` does with each batch: fill it on the producer side, verify it on the consumer
+//! side, and the loops around them. Generic over the backend so the host and CUDA paths share
+//! one loop.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use pipeline_core::{
+    Batch, Consumer, ConsumerBackend, Error, Mode, Producer, ProducerBackend, Slot,
+    USER_HEADER_WORDS, pattern,
+};
+
+/// Header word 0: the checksum the producer computed; word 1: the sequence number.
+pub const H_CHECKSUM: usize = 0;
+/// Header word carrying the sequence number.
+pub const H_SEQ: usize = 1;
+
+/// Producer-side fill for one backend.
+pub trait Fill<B: ProducerBackend> {
+    /// Writes batch `seq` of `len` bytes into the slot; returns the user header.
+    fn fill(
+        &mut self,
+        slot: &mut Slot<'_, B>,
+        seq: u64,
+        len: u64,
+    ) -> Result<[u64; USER_HEADER_WORDS], String>;
+}
+
+/// Consumer-side verification for one backend.
+pub trait Check<B: ConsumerBackend> {
+    /// Checks one batch (may defer the verdict, e.g. to the GPU).
+    fn check(&mut self, batch: &Batch<'_, B>) -> Result<(), String>;
+    /// Sequence numbers whose verification failed, once all are known.
+    fn finish(&mut self) -> Result<Vec<u64>, String>;
+}
+
+/// Host fill: the pattern, with its checksum in the header.
+pub struct HostFill;
+
+impl Fill<pipeline_core::HostProducer> for HostFill {
+    fn fill(
+        &mut self,
+        slot: &mut Slot<'_, pipeline_core::HostProducer>,
+        seq: u64,
+        len: u64,
+    ) -> Result<[u64; USER_HEADER_WORDS], String> {
+        let sum = pattern::fill(&mut slot.memory()[..len as usize], seq);
+        let mut h = [0u64; USER_HEADER_WORDS];
+        h[H_CHECKSUM] = sum;
+        h[H_SEQ] = seq;
+        Ok(h)
+    }
+}
+
+/// Host check: recompute the checksum over the batch in place.
+#[derive(Default)]
+pub struct HostCheck {
+    bad: Vec<u64>,
+}
+
+impl Check<pipeline_core::HostConsumer> for HostCheck {
+    fn check(&mut self, batch: &Batch<'_, pipeline_core::HostConsumer>) -> Result<(), String> {
+        let h = batch.header();
+        let ok = h[H_SEQ] == batch.seq() && pattern::checksum(batch.data()) == h[H_CHECKSUM];
+        if !ok {
+            self.bad.push(batch.seq());
+        }
+        Ok(())
+    }
+    fn finish(&mut self) -> Result<Vec<u64>, String> {
+        Ok(std::mem::take(&mut self.bad))
+    }
+}
+
+/// What a consumer reports at the end (one JSON line in bench mode).
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+pub struct ConsumerReport {
+    /// Consumer index in the ring.
+    pub index: u32,
+    /// Process id.
+    pub pid: u32,
+    /// Batches received.
+    pub received: u64,
+    /// Bytes received.
+    pub bytes: u64,
+    /// Whether batches were verified.
+    pub verified: bool,
+    /// Batches whose checksum did not match.
+    pub mismatches: u64,
+    /// The first few mismatching sequence numbers.
+    pub bad_seqs: Vec<u64>,
+    /// First sequence number received.
+    pub first_seq: Option<u64>,
+    /// Last sequence number received.
+    pub last_seq: Option<u64>,
+    /// Broadcast: places where the sequence skipped (lost batches).
+    pub gaps: u64,
+    /// Seconds from attach to the end.
+    pub elapsed_s: f64,
+    /// How the run ended, if not cleanly.
+    pub error: Option<String>,
+}
+
+/// Options of the consume loop.
+pub struct ConsumeOptions<'a> {
+    /// Stop after this many batches.
+    pub max_batches: Option<u64>,
+    /// Set by Ctrl-C.
+    pub stop: &'a AtomicBool,
+    /// Record every sequence number (for exact loss/duplicate checks).
+    pub keep_seqs: bool,
+    /// Print a line per second.
+    pub progress: bool,
+}
+
+/// Receives until the producer closes (or `max_batches`, or Ctrl-C), verifying with `check`.
+pub fn consume_loop<B: ConsumerBackend, C: Check<B>>(
+    consumer: &mut Consumer<B>,
+    mut check: Option<&mut C>,
+    opts: &ConsumeOptions<'_>,
+) -> (ConsumerReport, Vec<u64>) {
+    let start = Instant::now();
+    let mut rep = ConsumerReport {
+        index: consumer.index(),
+        pid: std::process::id(),
+        verified: check.is_some(),
+        ..Default::default()
+    };
+    let mut seqs = Vec::new();
+    let broadcast = consumer.layout().mode == Mode::Broadcast;
+    let mut last_print = Instant::now();
+    loop {
+        if opts.stop.load(Ordering::Relaxed) || opts.max_batches.is_some_and(|m| rep.received >= m)
+        {
+            break;
+        }
+        let batch = match consumer.recv_timeout(Duration::from_millis(250)) {
+            Ok(Some(b)) => b,
+            Ok(None) => break,
+            Err(Error::Timeout(_)) => continue,
+            Err(e) => {
+                rep.error = Some(e.to_string());
+                break;
+            }
+        };
+        let seq = batch.seq();
+        if let Some(c) = check.as_deref_mut() {
+            if let Err(e) = c.check(&batch) {
+                rep.error = Some(e);
+                break;
+            }
+        }
+        if broadcast {
+            if let Some(last) = rep.last_seq {
+                if seq != last + 1 {
+                    rep.gaps += 1;
+                }
+            }
+        }
+        rep.first_seq.get_or_insert(seq);
+        rep.last_seq = Some(seq);
+        rep.received += 1;
+        rep.bytes += batch.len();
+        if opts.keep_seqs {
+            seqs.push(seq);
+        }
+        if let Err(e) = batch.release() {
+            rep.error = Some(e.to_string());
+            break;
+        }
+        if opts.progress && last_print.elapsed() >= Duration::from_secs(1) {
+            last_print = Instant::now();
+            eprintln!(
+                "consumer #{}: {} batches, {:.2} GB",
+                rep.index,
+                rep.received,
+                rep.bytes as f64 / 1e9
+            );
+        }
+    }
+    if let Some(c) = check {
+        match c.finish() {
+            Ok(bad) => {
+                rep.mismatches = bad.len() as u64;
+                rep.bad_seqs = bad.into_iter().take(10).collect();
+            }
+            Err(e) => {
+                rep.error.get_or_insert(e);
+            }
+        }
+    }
+    rep.elapsed_s = start.elapsed().as_secs_f64();
+    (rep, seqs)
+}
+
+/// Publishes `batches` batches (None: until `stop`) of `len` bytes filled by `fill`.
+/// `on_batch` is called after each publish (progress). Returns how many were published.
+pub fn produce_loop<B: ProducerBackend, F: Fill<B>>(
+    producer: &mut Producer<B>,
+    fill: &mut F,
+    batches: Option<u64>,
+    len: u64,
+    stop: &AtomicBool,
+    mut on_batch: impl FnMut(u64, u32),
+) -> Result<u64, String> {
+    let mut n = 0u64;
+    while batches.is_none_or(|b| n < b) && !stop.load(Ordering::Relaxed) {
+        let mut slot = match producer.acquire_timeout(Duration::from_millis(250)) {
+            Ok(s) => s,
+            Err(Error::Timeout(_)) => continue,
+            Err(e) => return Err(e.to_string()),
+        };
+        let seq = slot.seq();
+        let header = fill.fill(&mut slot, seq, len)?;
+        slot.publish_with_header(len, &header)
+            .map_err(|e| e.to_string())?;
+        n += 1;
+        on_batch(n, producer.consumers());
+    }
+    Ok(n)
+}
