@@ -71,7 +71,7 @@ struct Welcomed {
 }
 
 fn welcome(conn: &UnixStream, role: Role) -> Result<Welcomed, Error> {
-    wire::send(
+    let sent = wire::send(
         conn,
         &Message::Hello {
             version: PROTOCOL_VERSION,
@@ -79,8 +79,17 @@ fn welcome(conn: &UnixStream, role: Role) -> Result<Welcomed, Error> {
             backend: 0,
         },
         &[],
-    )?;
-    let (msg, fds) = wire::recv(conn)?;
+    );
+    // A producer that refuses us (uid check) may answer and close before our Hello is
+    // written: its Reject is still readable and says more than the broken pipe.
+    let received = wire::recv(conn);
+    if let (Err(e), Err(_)) = (&sent, &received) {
+        return Err(Error::Os {
+            what: "send Hello",
+            source: std::io::Error::other(e.to_string()),
+        });
+    }
+    let (msg, fds) = received?;
     match msg {
         Message::Welcome {
             version,

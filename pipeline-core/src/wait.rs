@@ -20,7 +20,7 @@ pub struct WaitPolicy {
 impl Default for WaitPolicy {
     fn default() -> Self {
         Self {
-            spin: Duration::from_micros(20),
+            spin: Duration::from_micros(100),
             tick: Duration::from_millis(100),
         }
     }

@@ -9,6 +9,7 @@
 //! for kernels, `libnvrtc`) can be loaded and returns [`driver::CudaError::NoDriver`] (or
 //! [`driver::CudaError::NoNvrtc`]) when it cannot.
 
+pub mod backend;
 pub mod driver;
 pub mod kernels;
 pub mod probe;

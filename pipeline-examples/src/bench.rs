@@ -32,6 +32,8 @@ pub struct BenchArgs {
     pub backend: &'static str,
     /// Extra arguments for the consumer processes (backend selection).
     pub consumer_args: Vec<String>,
+    /// Measure each batch's round trip (publish -> consumer done -> slot free); needs 1 slot.
+    pub round_trip: bool,
 }
 
 /// The bench result.
@@ -65,6 +67,10 @@ pub struct BenchReport {
     pub lost: u64,
     /// Batches delivered more than once (shared) or twice to one consumer.
     pub duplicated: u64,
+    /// Round trip publish -> consumer done -> slot free, median (µs), with `--round-trip`.
+    pub round_trip_p50_us: Option<f64>,
+    /// Round trip, 99th percentile (µs).
+    pub round_trip_p99_us: Option<f64>,
     /// Problems found, in words.
     pub problems: Vec<String>,
     /// Extra measurements the backend adds (e.g. the CUDA single-process ceiling).
@@ -171,6 +177,7 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
         None
     };
     let stop = AtomicBool::new(false);
+    let mut rtt = Vec::new();
     let start = Instant::now();
     let published = work::produce_loop(
         &mut producer,
@@ -178,6 +185,7 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
         Some(args.batches),
         args.batch_bytes,
         &stop,
+        args.round_trip.then_some(&mut rtt),
         |n, _| {
             if let Some(b) = &bar {
                 if n % 64 == 0 {
@@ -289,6 +297,10 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
             stats.died, stats.detached
         ));
     }
+    rtt.sort_by(f64::total_cmp);
+    let pct = |p: f64| -> Option<f64> {
+        (!rtt.is_empty()).then(|| rtt[((rtt.len() - 1) as f64 * p).round() as usize] * 1e6)
+    };
     let delivered: u64 = per_consumer.iter().map(|r| r.bytes).sum();
     let bytes = published * args.batch_bytes;
     Ok(BenchReport {
@@ -306,6 +318,8 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
         mismatches,
         lost,
         duplicated,
+        round_trip_p50_us: pct(0.5),
+        round_trip_p99_us: pct(0.99),
         problems,
         extra: serde_json::Value::Null,
     })
@@ -359,6 +373,12 @@ impl std::fmt::Display for BenchReport {
                 r.received,
                 r.mismatches,
                 if r.verified { "" } else { " (not verified)" }
+            )?;
+        }
+        if let (Some(p50), Some(p99)) = (self.round_trip_p50_us, self.round_trip_p99_us) {
+            writeln!(
+                f,
+                "  round trip (publish -> consumer done -> slot free): p50 {p50:.1} µs, p99 {p99:.1} µs"
             )?;
         }
         if !self.extra.is_null() {

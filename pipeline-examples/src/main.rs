@@ -1,6 +1,7 @@
 //! `gpipe`: run, feed, consume, inspect and benchmark gpipe rings.
 
 mod bench;
+mod cuda_work;
 mod size;
 mod work;
 
@@ -14,6 +15,8 @@ use pipeline_core::{
     Consumer, ConsumerBackend, ConsumerConfig, HostConsumer, HostOptions, HostProducer, LagPolicy,
     Mode, PendingAttach, Producer, ProducerBackend, ProducerConfig,
 };
+
+use pipeline_cuda::backend::{CudaConsumer, CudaOptions, CudaProducer};
 
 use crate::work::{Check, ConsumeOptions, Fill};
 
@@ -105,6 +108,16 @@ enum Cmd {
         #[arg(long, default_value_t = 300)]
         timeout: u64,
         /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+        /// Measure each batch's round trip (publish -> consumer done -> slot free); use with
+        /// --slots 1.
+        #[arg(long)]
+        round_trip: bool,
+    },
+    /// Show the CUDA devices, driver, the capabilities gpipe uses and the path it takes.
+    Probe {
+        /// JSON output.
         #[arg(long)]
         json: bool,
     },
@@ -205,7 +218,7 @@ fn resolve_backend(b: BackendArg) -> Result<BackendArg, String> {
 }
 
 fn cuda_usable() -> Result<(), String> {
-    Err("the CUDA backend is not available in this build yet".into())
+    cuda_work::usable()
 }
 
 fn run(cmd: Cmd) -> Result<ExitCode, String> {
@@ -217,6 +230,7 @@ fn run(cmd: Cmd) -> Result<ExitCode, String> {
             batches,
             timeout,
             json,
+            round_trip,
         } => {
             let mut args = bench::BenchArgs {
                 consumers,
@@ -228,14 +242,40 @@ fn run(cmd: Cmd) -> Result<ExitCode, String> {
                 json,
                 backend: "host",
                 consumer_args: Vec::new(),
+                round_trip,
             };
+            if round_trip && ring.slots != 1 {
+                return Err("--round-trip measures a single-slot round trip: add --slots 1".into());
+            }
             let report = match resolve_backend(backend)? {
                 BackendArg::Host => {
                     bench::run::<HostProducer, _>(&args, HostOptions, &mut work::HostFill)?
                 }
                 _ => {
                     args.backend = "cuda";
-                    return Err("the CUDA backend is not available in this build yet".into());
+                    let mps = pipeline_cuda::probe::probe()
+                        .map(|r| r.mps_active())
+                        .unwrap_or(false);
+                    if !mps && !json {
+                        eprintln!(
+                            "gpipe: MPS is not running, so the GPU time-slices between processes; \
+                             for higher throughput start it (nvidia-cuda-mps-control -d)"
+                        );
+                    }
+                    let mut report = bench::run::<CudaProducer, _>(
+                        &args,
+                        CudaOptions::default(),
+                        &mut cuda_work::CudaFill::default(),
+                    )?;
+                    let ceiling =
+                        cuda_work::ceiling(ring.batch_bytes, ring.slots, batches.min(4000))
+                            .map_err(|e| format!("measuring the single-process ceiling: {e}"))?;
+                    report.extra = serde_json::json!({
+                        "ceiling_batches_per_s": ceiling,
+                        "ratio_to_ceiling": report.batches_per_s / ceiling,
+                        "mps_active": mps,
+                    });
+                    report
                 }
             };
             if json {
@@ -286,7 +326,15 @@ fn run(cmd: Cmd) -> Result<ExitCode, String> {
                     rate,
                     ring.batch_bytes,
                 ),
-                _ => Err("the CUDA backend is not available in this build yet".into()),
+                _ => produce::<CudaProducer, _>(
+                    &socket,
+                    config,
+                    CudaOptions::default(),
+                    &mut cuda_work::CudaFill::default(),
+                    batches,
+                    rate,
+                    ring.batch_bytes,
+                ),
             }
         }
         Cmd::Consume {
@@ -314,11 +362,46 @@ fn run(cmd: Cmd) -> Result<ExitCode, String> {
                         pending.finish(HostOptions).map_err(|e| e.to_string())?;
                     consume(c, &mut work::HostCheck::default(), &opts)
                 }
-                pipeline_core::BackendKind::Cuda => Err(
-                    "the producer uses the CUDA backend, which this build cannot import yet".into(),
-                ),
+                pipeline_core::BackendKind::Cuda => {
+                    let c: Consumer<CudaConsumer> = pending
+                        .finish(CudaOptions::default())
+                        .map_err(|e| e.to_string())?;
+                    consume(c, &mut cuda_work::CudaCheck::default(), &opts)
+                }
             }
         }
+        Cmd::Probe { json } => match pipeline_cuda::probe::probe() {
+            Ok(report) => {
+                let path = report.chosen_path();
+                if json {
+                    let mut v = serde_json::to_value(&report).map_err(|e| e.to_string())?;
+                    v["chosen_path"] = match &path {
+                        Ok(p) => serde_json::Value::String(p.to_string()),
+                        Err(e) => serde_json::Value::String(format!("none: {e}")),
+                    };
+                    v["mps_active"] = serde_json::Value::Bool(report.mps_active());
+                    println!(
+                        "{}",
+                        serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?
+                    );
+                } else {
+                    print!("{report}");
+                    match &path {
+                        Ok(p) => println!("\ngpipe will use: {p}"),
+                        Err(e) => println!("\ngpipe cannot use CUDA here: {e}"),
+                    }
+                }
+                Ok(if path.is_ok() {
+                    ExitCode::SUCCESS
+                } else {
+                    ExitCode::FAILURE
+                })
+            }
+            Err(e) => {
+                eprintln!("gpipe probe: no usable CUDA GPU: {e}");
+                Ok(ExitCode::FAILURE)
+            }
+        },
         Cmd::Inspect { socket, json } => {
             let (seg, backend) = pipeline_core::observe(&socket, ConsumerConfig::default())
                 .map_err(|e| e.to_string())?;
@@ -358,25 +441,33 @@ fn produce<B: ProducerBackend, F: Fill<B>>(
     let interval = rate
         .filter(|r| *r > 0.0)
         .map(|r| Duration::from_secs_f64(1.0 / r));
-    let n = work::produce_loop(&mut producer, fill, batches, len, &STOP, |n, consumers| {
-        if let Some(iv) = interval {
-            let due = start + iv * n as u32;
-            if let Some(wait) = due.checked_duration_since(Instant::now()) {
-                std::thread::sleep(wait);
+    let n = work::produce_loop(
+        &mut producer,
+        fill,
+        batches,
+        len,
+        &STOP,
+        None,
+        |n, consumers| {
+            if let Some(iv) = interval {
+                let due = start + iv * n as u32;
+                if let Some(wait) = due.checked_duration_since(Instant::now()) {
+                    std::thread::sleep(wait);
+                }
             }
-        }
-        if last.elapsed() >= Duration::from_secs(1) {
-            let dt = last.elapsed().as_secs_f64();
-            eprintln!(
-                "gpipe: {} batches published ({:.0}/s), {} consumers",
-                n,
-                (n - last_n) as f64 / dt,
-                consumers
-            );
-            last = Instant::now();
-            last_n = n;
-        }
-    });
+            if last.elapsed() >= Duration::from_secs(1) {
+                let dt = last.elapsed().as_secs_f64();
+                eprintln!(
+                    "gpipe: {} batches published ({:.0}/s), {} consumers",
+                    n,
+                    (n - last_n) as f64 / dt,
+                    consumers
+                );
+                last = Instant::now();
+                last_n = n;
+            }
+        },
+    );
     let stats = producer.close();
     eprintln!(
         "gpipe: producer stopped after {} batches; consumers attached {}, left {}, died {}, detached {}, requeued batches {}",
@@ -480,9 +571,9 @@ impl<B: ConsumerBackend, C: Check<B>> Check<B> for Slow<'_, C> {
             None => Ok(()),
         }
     }
-    fn finish(&mut self) -> Result<Vec<u64>, String> {
+    fn finish(&mut self, consumer: &Consumer<B>) -> Result<Vec<u64>, String> {
         match self.inner.as_deref_mut() {
-            Some(c) => c.finish(),
+            Some(c) => c.finish(consumer),
             None => Ok(Vec::new()),
         }
     }

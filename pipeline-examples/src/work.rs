@@ -24,6 +24,11 @@ pub trait Fill<B: ProducerBackend> {
         seq: u64,
         len: u64,
     ) -> Result<[u64; USER_HEADER_WORDS], String>;
+    /// Blocks until the slot's previous holders' work is complete (round-trip measurement
+    /// only; the host backend's is complete at release already).
+    fn settle(&mut self, _slot: &Slot<'_, B>) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// Consumer-side verification for one backend.
@@ -31,7 +36,7 @@ pub trait Check<B: ConsumerBackend> {
     /// Checks one batch (may defer the verdict, e.g. to the GPU).
     fn check(&mut self, batch: &Batch<'_, B>) -> Result<(), String>;
     /// Sequence numbers whose verification failed, once all are known.
-    fn finish(&mut self) -> Result<Vec<u64>, String>;
+    fn finish(&mut self, consumer: &Consumer<B>) -> Result<Vec<u64>, String>;
 }
 
 /// Host fill: the pattern, with its checksum in the header.
@@ -67,7 +72,7 @@ impl Check<pipeline_core::HostConsumer> for HostCheck {
         }
         Ok(())
     }
-    fn finish(&mut self) -> Result<Vec<u64>, String> {
+    fn finish(&mut self, _: &Consumer<pipeline_core::HostConsumer>) -> Result<Vec<u64>, String> {
         Ok(std::mem::take(&mut self.bad))
     }
 }
@@ -179,7 +184,7 @@ pub fn consume_loop<B: ConsumerBackend, C: Check<B>>(
         }
     }
     if let Some(c) = check {
-        match c.finish() {
+        match c.finish(consumer) {
             Ok(bad) => {
                 rep.mismatches = bad.len() as u64;
                 rep.bad_seqs = bad.into_iter().take(10).collect();
@@ -201,19 +206,30 @@ pub fn produce_loop<B: ProducerBackend, F: Fill<B>>(
     batches: Option<u64>,
     len: u64,
     stop: &AtomicBool,
+    mut rtt: Option<&mut Vec<f64>>,
     mut on_batch: impl FnMut(u64, u32),
 ) -> Result<u64, String> {
     let mut n = 0u64;
+    let mut last_publish: Option<Instant> = None;
     while batches.is_none_or(|b| n < b) && !stop.load(Ordering::Relaxed) {
         let mut slot = match producer.acquire_timeout(Duration::from_millis(250)) {
             Ok(s) => s,
             Err(Error::Timeout(_)) => continue,
             Err(e) => return Err(e.to_string()),
         };
+        if let Some(r) = rtt.as_deref_mut() {
+            // With one slot, acquire returned once the consumer released the previous batch;
+            // settle waits for its GPU work too: publish -> consumer done -> slot free.
+            fill.settle(&slot)?;
+            if let Some(t0) = last_publish {
+                r.push(t0.elapsed().as_secs_f64());
+            }
+        }
         let seq = slot.seq();
         let header = fill.fill(&mut slot, seq, len)?;
         slot.publish_with_header(len, &header)
             .map_err(|e| e.to_string())?;
+        last_publish = Some(Instant::now());
         n += 1;
         on_batch(n, producer.consumers());
     }

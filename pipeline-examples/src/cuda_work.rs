@@ -1,0 +1,223 @@
+//! The CUDA side of `gpipe`: GPU fill and verify, the single-process ceiling, availability.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use pipeline_core::{Batch, Consumer, Slot, USER_HEADER_WORDS};
+use pipeline_cuda::backend::{CudaConsumer, CudaProducer};
+use pipeline_cuda::driver::{self, Context, CudaError, DeviceBuffer, Event, PinnedBuffer, Stream};
+use pipeline_cuda::kernels::{self, Kernels, VERIFY_RESULT_BYTES, VerifyResult};
+
+use crate::work::{Check, Fill, H_SEQ};
+
+/// Why the CUDA backend cannot be used here, if it cannot.
+pub fn usable() -> Result<(), String> {
+    if !driver::driver_present() {
+        return Err("no CUDA driver (libcuda.so.1) could be loaded".into());
+    }
+    let report = pipeline_cuda::probe::probe().map_err(|e| e.to_string())?;
+    if report.devices.is_empty() {
+        return Err("the CUDA driver sees no device".into());
+    }
+    report.chosen_path().map_err(|e| e.to_string())?;
+    kernels::ensure_nvrtc().map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+/// Producer-side GPU fill: the pattern kernel on the producer's stream.
+#[derive(Default)]
+pub struct CudaFill {
+    kernels: Option<Kernels>,
+}
+
+impl Fill<CudaProducer> for CudaFill {
+    fn fill(
+        &mut self,
+        slot: &mut Slot<'_, CudaProducer>,
+        seq: u64,
+        len: u64,
+    ) -> Result<[u64; USER_HEADER_WORDS], String> {
+        if self.kernels.is_none() {
+            self.kernels =
+                Some(Kernels::load(slot.backend().context()).map_err(|e| e.to_string())?);
+        }
+        let k = self.kernels.as_ref().ok_or("kernels not loaded")?;
+        let mem = slot.memory();
+        if len > mem.capacity {
+            return Err(format!(
+                "batch of {len} bytes exceeds the slot ({})",
+                mem.capacity
+            ));
+        }
+        // SAFETY: the slot is ours between acquire and publish; its stream already waits for
+        // the previous holders' finished events; len <= capacity and the pointer is 2 MiB aligned.
+        unsafe { k.fill(mem.stream, mem.ptr, len as usize, seq) }.map_err(|e| e.to_string())?;
+        let mut h = [0u64; USER_HEADER_WORDS];
+        h[H_SEQ] = seq;
+        Ok(h)
+    }
+
+    fn settle(&mut self, slot: &Slot<'_, CudaProducer>) -> Result<(), String> {
+        slot.backend()
+            .stream()
+            .synchronize()
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// Results kept on the GPU before they are read back (one host sync per this many batches).
+const RESULT_RING: usize = 1024;
+
+struct VerifyState {
+    kernels: Kernels,
+    results: DeviceBuffer,
+    host: PinnedBuffer,
+    seqs: Vec<u64>,
+}
+
+/// Consumer-side GPU verification: the verify kernel compares every word with the pattern on
+/// the consumer's stream; results are read back every [`RESULT_RING`] batches and at the end.
+#[derive(Default)]
+pub struct CudaCheck {
+    state: Option<VerifyState>,
+    bad: Vec<u64>,
+}
+
+impl CudaCheck {
+    fn drain(&mut self, stream: &Stream) -> Result<(), String> {
+        let Some(st) = self.state.as_mut() else {
+            return Ok(());
+        };
+        if st.seqs.is_empty() {
+            return Ok(());
+        }
+        let n = st.seqs.len();
+        // SAFETY: host and device buffers hold RESULT_RING results; n <= RESULT_RING; the
+        // copy is ordered after the verify kernels on the same stream and completes at the
+        // synchronize below, before the host reads.
+        unsafe {
+            driver::memcpy_dtoh_async(
+                st.host.as_ptr(),
+                st.results.ptr(),
+                n * VERIFY_RESULT_BYTES,
+                stream,
+            )
+        }
+        .map_err(|e| e.to_string())?;
+        stream.synchronize().map_err(|e| e.to_string())?;
+        // SAFETY: the copy above completed (stream synchronized); nothing else writes `host`.
+        let bytes = unsafe { st.host.as_slice() };
+        for (i, &seq) in st.seqs.iter().enumerate() {
+            let r: &[u8; VERIFY_RESULT_BYTES] = bytes
+                [i * VERIFY_RESULT_BYTES..(i + 1) * VERIFY_RESULT_BYTES]
+                .try_into()
+                .map_err(|_| "result slice")?;
+            if !VerifyResult::from_bytes(r).passed() {
+                self.bad.push(seq);
+            }
+        }
+        st.seqs.clear();
+        // SAFETY: the results buffer is ours and no kernel uses it until after this memset in
+        // stream order.
+        unsafe {
+            driver::memset_d8_async(
+                st.results.ptr(),
+                0,
+                RESULT_RING * VERIFY_RESULT_BYTES,
+                stream,
+            )
+        }
+        .map_err(|e| e.to_string())?;
+        Ok(())
+    }
+}
+
+impl Check<CudaConsumer> for CudaCheck {
+    fn check(&mut self, batch: &Batch<'_, CudaConsumer>) -> Result<(), String> {
+        let be = batch.backend();
+        let stream = be.stream();
+        if self.state.is_none() {
+            let ctx: &Arc<Context> = be.context();
+            let results = DeviceBuffer::new(ctx, RESULT_RING * VERIFY_RESULT_BYTES)
+                .map_err(|e| e.to_string())?;
+            // SAFETY: freshly allocated, used only on this stream after this memset.
+            unsafe {
+                driver::memset_d8_async(results.ptr(), 0, RESULT_RING * VERIFY_RESULT_BYTES, stream)
+            }
+            .map_err(|e| e.to_string())?;
+            self.state = Some(VerifyState {
+                kernels: Kernels::load(ctx).map_err(|e| e.to_string())?,
+                results,
+                host: PinnedBuffer::new(ctx, RESULT_RING * VERIFY_RESULT_BYTES)
+                    .map_err(|e| e.to_string())?,
+                seqs: Vec::with_capacity(RESULT_RING),
+            });
+        }
+        if self
+            .state
+            .as_ref()
+            .is_some_and(|s| s.seqs.len() == RESULT_RING)
+        {
+            self.drain(stream)?;
+        }
+        let st = self.state.as_mut().ok_or("verify state")?;
+        if batch.header()[H_SEQ] != batch.seq() {
+            self.bad.push(batch.seq());
+            return Ok(());
+        }
+        let view = batch.data();
+        let out = st.results.ptr() + (st.seqs.len() * VERIFY_RESULT_BYTES) as u64;
+        // SAFETY: the batch is published and unreleased; its stream waits `ready`; `out` is a
+        // zeroed 24-byte result slot of ours not used by any other pending kernel.
+        unsafe {
+            st.kernels
+                .verify(view.stream, view.ptr, view.len as usize, batch.seq(), out)
+        }
+        .map_err(|e| e.to_string())?;
+        st.seqs.push(batch.seq());
+        Ok(())
+    }
+
+    fn finish(&mut self, consumer: &Consumer<CudaConsumer>) -> Result<Vec<u64>, String> {
+        self.drain(consumer.backend().stream())?;
+        Ok(std::mem::take(&mut self.bad))
+    }
+}
+
+/// The single-process ceiling: the same fill and verify kernels on one stream in one process,
+/// over `buffers` buffers of `bytes`, `batches` times. Returns batches per second.
+pub fn ceiling(bytes: u64, buffers: u32, batches: u64) -> Result<f64, CudaError> {
+    let ctx = Context::new(0)?;
+    let stream = Stream::new(&ctx)?;
+    let k = Kernels::load(&ctx)?;
+    let bufs: Vec<DeviceBuffer> = (0..buffers.max(1))
+        .map(|_| DeviceBuffer::new(&ctx, bytes as usize))
+        .collect::<Result<_, _>>()?;
+    let results = DeviceBuffer::new(&ctx, VERIFY_RESULT_BYTES)?;
+    let (start, end) = (Event::new_timing(&ctx)?, Event::new_timing(&ctx)?);
+    let run = |n: u64| -> Result<(), CudaError> {
+        for s in 0..n {
+            let b = &bufs[(s % bufs.len() as u64) as usize];
+            // SAFETY: our own buffers, used in stream order only.
+            unsafe {
+                k.fill(&stream, b.ptr(), bytes as usize, s)?;
+                k.verify(&stream, b.ptr(), bytes as usize, s, results.ptr())?;
+            }
+        }
+        Ok(())
+    };
+    run(batches.min(64))?; // warm-up
+    stream.synchronize()?;
+    let t = Instant::now();
+    start.record(&stream)?;
+    run(batches)?;
+    end.record(&stream)?;
+    end.synchronize()?;
+    let ms = Event::elapsed_ms(&start, &end)? as f64;
+    let secs = if ms > 0.0 {
+        ms / 1e3
+    } else {
+        t.elapsed().as_secs_f64()
+    };
+    Ok(batches as f64 / secs)
+}

@@ -1,0 +1,356 @@
+//! Helpers shared by the multi-process test files: spawning `gpipe`, a watchdog that kills
+//! every spawned process and fails the test instead of hanging, and result readers.
+#![allow(dead_code)]
+
+use std::io::Read;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::{Duration, Instant};
+
+pub const GPIPE: &str = env!("CARGO_BIN_EXE_gpipe");
+
+/// Kills registered processes if the test body overruns or panics.
+#[derive(Clone, Default)]
+pub struct Procs(pub Arc<Mutex<Vec<u32>>>);
+
+impl Procs {
+    pub fn add(&self, c: &Child) {
+        self.0.lock().unwrap().push(c.id());
+    }
+    pub fn kill_all(&self) {
+        for &pid in self.0.lock().unwrap().iter() {
+            signal(pid, libc::SIGKILL);
+        }
+    }
+}
+
+pub fn signal(pid: u32, sig: i32) {
+    // SAFETY: kill(2) with a pid we spawned and a valid signal number has no memory effects.
+    unsafe {
+        libc::kill(pid as i32, sig);
+    }
+}
+
+/// Runs `body` with a watchdog: after `secs` every registered process is killed and the
+/// test fails.
+pub fn watchdog(secs: u64, body: impl FnOnce(Procs) + Send + 'static) {
+    let procs = Procs::default();
+    let p2 = procs.clone();
+    let (tx, rx) = mpsc::channel();
+    let t = std::thread::spawn(move || {
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(p2.clone())));
+        p2.kill_all();
+        let _ = tx.send(());
+        if let Err(e) = r {
+            std::panic::resume_unwind(e);
+        }
+    });
+    match rx.recv_timeout(Duration::from_secs(secs)) {
+        Ok(()) => {
+            if let Err(e) = t.join() {
+                std::panic::resume_unwind(e);
+            }
+        }
+        Err(_) => {
+            procs.kill_all();
+            panic!("watchdog: test did not finish within {secs} s (processes killed)");
+        }
+    }
+}
+
+pub fn tmpdir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!(
+        "gpipe-test-{tag}-{}-{}",
+        std::process::id(),
+        Instant::now().elapsed().as_nanos() ^ rand_u32() as u128
+    ));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+pub fn rand_u32() -> u32 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos()
+}
+
+pub fn spawn(procs: &Procs, args: &[&str]) -> Child {
+    let c = Command::new(GPIPE)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn gpipe");
+    procs.add(&c);
+    c
+}
+
+pub fn producer(procs: &Procs, sock: &Path, extra: &[&str]) -> Child {
+    producer_on(procs, sock, "host", extra)
+}
+
+pub fn producer_on(procs: &Procs, sock: &Path, backend: &str, extra: &[&str]) -> Child {
+    let mut args = vec![
+        "produce",
+        "--socket",
+        sock.to_str().unwrap(),
+        "--backend",
+        backend,
+        "--batch-bytes",
+        "64KiB",
+        "--slots",
+        "4",
+    ];
+    args.extend_from_slice(extra);
+    let c = spawn(procs, &args);
+    wait_until(Duration::from_secs(10), "producer socket", || {
+        UnixStream::connect(sock).is_ok()
+    });
+    c
+}
+
+pub fn consumer(procs: &Procs, sock: &Path, log: &Path) -> Child {
+    spawn(
+        procs,
+        &[
+            "consume",
+            "--socket",
+            sock.to_str().unwrap(),
+            "--verify",
+            "--json",
+            "--seq-log",
+            log.to_str().unwrap(),
+        ],
+    )
+}
+
+pub fn wait_until(timeout: Duration, what: &str, mut f: impl FnMut() -> bool) {
+    let end = Instant::now() + timeout;
+    while !f() {
+        assert!(Instant::now() < end, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+pub fn inspect(sock: &Path) -> serde_json::Value {
+    let out = Command::new(GPIPE)
+        .args(["inspect", "--json", "--socket", sock.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "inspect failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+pub fn active_consumers(sock: &Path) -> usize {
+    inspect(sock)["consumers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["state"] == "active")
+        .count()
+}
+
+pub fn head(sock: &Path) -> u64 {
+    inspect(sock)["head"].as_u64().unwrap()
+}
+
+pub struct Exit {
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+pub fn finish(mut c: Child, timeout: Duration) -> Exit {
+    let end = Instant::now() + timeout;
+    let status = loop {
+        if let Some(s) = c.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() >= end {
+            let _ = c.kill();
+            panic!("process {} did not exit within {timeout:?}", c.id());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let mut stdout = String::new();
+    let mut stderr = String::new();
+    c.stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut stdout)
+        .unwrap();
+    c.stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    Exit {
+        code: status.code(),
+        stdout,
+        stderr,
+    }
+}
+
+pub fn report(e: &Exit) -> serde_json::Value {
+    let line = e
+        .stdout
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .unwrap_or_else(|| {
+            panic!(
+                "no JSON report; stdout {:?} stderr {:?}",
+                e.stdout, e.stderr
+            )
+        });
+    serde_json::from_str(line).unwrap()
+}
+
+pub fn seqs(path: &Path) -> Vec<u64> {
+    std::fs::read(path)
+        .unwrap()
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+pub fn assert_contiguous(s: &[u64], who: &str) {
+    assert!(!s.is_empty(), "{who} received nothing");
+    for w in s.windows(2) {
+        assert_eq!(w[1], w[0] + 1, "{who}: gap or duplicate after {}", w[0]);
+    }
+}
+
+/// A consumer joining late starts at the head and then misses nothing.
+pub fn late_join_case(backend: &'static str) {
+    watchdog(60, |procs| {
+        let dir = tmpdir("late");
+        let sock = dir.join("ring.sock");
+        let p = producer_on(&procs, &sock, backend, &["--rate", "400"]);
+        let a = consumer(&procs, &sock, &dir.join("a.seq"));
+        wait_until(Duration::from_secs(10), "first consumer", || {
+            active_consumers(&sock) == 1
+        });
+        wait_until(Duration::from_secs(10), "some batches", || head(&sock) > 50);
+        let b = consumer(&procs, &sock, &dir.join("b.seq"));
+        wait_until(Duration::from_secs(10), "second consumer", || {
+            active_consumers(&sock) == 2
+        });
+        let h = head(&sock);
+        wait_until(Duration::from_secs(10), "more batches", || {
+            head(&sock) > h + 100
+        });
+        signal(p.id(), libc::SIGINT);
+        let pe = finish(p, Duration::from_secs(15));
+        assert_eq!(pe.code, Some(0), "producer: {}", pe.stderr);
+        let (ea, eb) = (
+            finish(a, Duration::from_secs(10)),
+            finish(b, Duration::from_secs(10)),
+        );
+        assert_eq!(ea.code, Some(0), "consumer a: {} {}", ea.stdout, ea.stderr);
+        assert_eq!(eb.code, Some(0), "consumer b: {} {}", eb.stdout, eb.stderr);
+        let (sa, sb) = (seqs(&dir.join("a.seq")), seqs(&dir.join("b.seq")));
+        assert_contiguous(&sa, "early consumer");
+        assert_contiguous(&sb, "late consumer");
+        assert!(
+            sb[0] > 50,
+            "late consumer should start at the head, started at {}",
+            sb[0]
+        );
+        assert_eq!(sa.last(), sb.last(), "both drain to the same last batch");
+        assert_eq!(report(&ea)["mismatches"], 0);
+        assert_eq!(report(&eb)["mismatches"], 0);
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}
+
+/// SIGKILL of one consumer mid-stream: the producer and the others go on, nothing lost.
+pub fn consumer_sigkill_case(backend: &'static str) {
+    for mode in ["broadcast", "shared"] {
+        watchdog(60, move |procs| {
+            let dir = tmpdir("ckill");
+            let sock = dir.join("ring.sock");
+            let p = producer_on(&procs, &sock, backend, &["--mode", mode]);
+            let a = consumer(&procs, &sock, &dir.join("a.seq"));
+            let mut victim = consumer(&procs, &sock, &dir.join("v.seq"));
+            let c = consumer(&procs, &sock, &dir.join("c.seq"));
+            wait_until(Duration::from_secs(10), "three consumers", || {
+                active_consumers(&sock) == 3
+            });
+            wait_until(Duration::from_secs(10), "batches flowing", || {
+                head(&sock) > 200
+            });
+            victim.kill().unwrap();
+            victim.wait().unwrap();
+            let killed_at = Instant::now();
+            let mut victim_released = 0;
+            wait_until(
+                Duration::from_secs(1),
+                "the dead consumer's claims to be taken back",
+                || {
+                    inspect(&sock)["consumers"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .find(|c| c["state"] == "dead")
+                        .map(|c| victim_released = c["released"].as_u64().unwrap())
+                        .is_some()
+                },
+            );
+            assert!(killed_at.elapsed() < Duration::from_secs(1));
+            let h = head(&sock);
+            wait_until(Duration::from_secs(5), "the producer to go on", || {
+                head(&sock) > h + 500
+            });
+            signal(p.id(), libc::SIGINT);
+            let pe = finish(p, Duration::from_secs(15));
+            assert_eq!(pe.code, Some(0), "producer: {}", pe.stderr);
+            assert!(
+                pe.stderr.contains("died 1"),
+                "producer should report the death: {}",
+                pe.stderr
+            );
+            let (ea, ec) = (
+                finish(a, Duration::from_secs(10)),
+                finish(c, Duration::from_secs(10)),
+            );
+            assert_eq!(ea.code, Some(0), "{mode} consumer a: {}", ea.stderr);
+            assert_eq!(ec.code, Some(0), "{mode} consumer c: {}", ec.stderr);
+            let (sa, sc) = (seqs(&dir.join("a.seq")), seqs(&dir.join("c.seq")));
+            assert_eq!(report(&ea)["mismatches"], 0);
+            assert_eq!(report(&ec)["mismatches"], 0);
+            if mode == "broadcast" {
+                assert_contiguous(&sa, "consumer a");
+                assert_contiguous(&sc, "consumer c");
+                assert_eq!(sa.last(), sc.last());
+            } else {
+                // Shared: survivors' batches are disjoint, and together with the batches the
+                // victim released before it died they cover everything published: what it had
+                // claimed but not released was requeued for the survivors.
+                let mut all: Vec<u64> = sa.iter().chain(&sc).copied().collect();
+                all.sort_unstable();
+                let n = all.len();
+                all.dedup();
+                assert_eq!(all.len(), n, "a batch reached two survivors");
+                let published = all.last().copied().unwrap() + 1;
+                let missing = published as usize - all.len();
+                // The victim's counter is bumped just after its release, so a kill between
+                // the two leaves it one short.
+                assert!(
+                    missing as u64 == victim_released || missing as u64 == victim_released + 1,
+                    "survivors miss {missing} batches; the victim released {victim_released}"
+                );
+            }
+            let _ = std::fs::remove_dir_all(&dir);
+        });
+    }
+}

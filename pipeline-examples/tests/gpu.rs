@@ -1,0 +1,90 @@
+//! The multi-process conformance tests on the CUDA backend. They need a CUDA GPU, so they are
+//! ignored in CI; run them with `cargo test -- --include-ignored` (or `.gpu/run.sh`) on a GPU
+//! machine.
+
+mod common;
+
+use std::process::Command;
+
+use common::*;
+
+fn bench(mode: &str, consumers: u32) {
+    let out = Command::new(GPIPE)
+        .args([
+            "bench",
+            "--backend",
+            "cuda",
+            "--mode",
+            mode,
+            "--consumers",
+            &consumers.to_string(),
+            "--batches",
+            "600",
+            "--batch-bytes",
+            "8MiB",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{mode} x{consumers}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["backend"], "cuda");
+    assert_eq!(r["published"], 600);
+    assert_eq!(r["lost"], 0);
+    assert_eq!(r["duplicated"], 0);
+    assert_eq!(r["mismatches"], 0);
+    let per = r["per_consumer"].as_array().unwrap();
+    assert_eq!(per.len(), consumers as usize);
+    assert!(per.iter().all(|c| c["verified"] == true));
+    let total: u64 = per.iter().map(|c| c["received"].as_u64().unwrap()).sum();
+    let expected = if mode == "broadcast" {
+        600 * consumers as u64
+    } else {
+        600
+    };
+    assert_eq!(
+        total, expected,
+        "every batch checked by the GPU verify kernel"
+    );
+    assert!(r["extra"]["ceiling_batches_per_s"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_broadcast_one_consumer() {
+    watchdog(180, |_| bench("broadcast", 1));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_broadcast_four_consumers() {
+    watchdog(180, |_| bench("broadcast", 4));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_shared_one_consumer() {
+    watchdog(180, |_| bench("shared", 1));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_shared_four_consumers() {
+    watchdog(180, |_| bench("shared", 4));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_late_join() {
+    late_join_case("cuda");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_consumer_sigkill_mid_stream() {
+    consumer_sigkill_case("cuda");
+}

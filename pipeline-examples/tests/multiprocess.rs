@@ -1,0 +1,305 @@
+//! Multi-process tests on the host backend: they spawn the real `gpipe` binary as producer
+//! and consumers, kill them, feed garbage, scribble on the control segment, and check that
+//! survivors lose nothing. Every test runs under a watchdog that kills its processes and
+//! fails the test instead of letting CI hang.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::process::Command;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+#[test]
+fn bench_broadcast_verifies_every_batch() {
+    watchdog(120, |_| {
+        let out = Command::new(GPIPE)
+            .args([
+                "bench",
+                "--backend",
+                "host",
+                "--consumers",
+                "3",
+                "--batches",
+                "400",
+                "--batch-bytes",
+                "256KiB",
+                "--json",
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(r["published"], 400);
+        assert_eq!(r["lost"], 0);
+        assert_eq!(r["duplicated"], 0);
+        assert_eq!(r["mismatches"], 0);
+        let per = r["per_consumer"].as_array().unwrap();
+        assert_eq!(per.len(), 3);
+        assert!(
+            per.iter()
+                .all(|c| c["received"] == 400 && c["verified"] == true)
+        );
+    });
+}
+
+#[test]
+fn bench_shared_splits_work_exactly_once() {
+    watchdog(120, |_| {
+        let out = Command::new(GPIPE)
+            .args([
+                "bench",
+                "--backend",
+                "host",
+                "--mode",
+                "shared",
+                "--consumers",
+                "3",
+                "--batches",
+                "600",
+                "--batch-bytes",
+                "128KiB",
+                "--json",
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(r["lost"], 0);
+        assert_eq!(r["duplicated"], 0);
+        assert_eq!(r["mismatches"], 0);
+        let total: u64 = r["per_consumer"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["received"].as_u64().unwrap())
+            .sum();
+        assert_eq!(total, 600);
+    });
+}
+
+#[test]
+fn late_consumer_starts_at_head_and_misses_nothing_after() {
+    late_join_case("host");
+}
+
+#[test]
+fn consumer_sigkill_does_not_stall_producer_or_others() {
+    consumer_sigkill_case("host");
+}
+
+#[test]
+fn producer_sigkill_gives_consumers_a_clear_error_promptly() {
+    watchdog(60, |procs| {
+        let dir = tmpdir("pkill");
+        let sock = dir.join("ring.sock");
+        let mut p = producer(&procs, &sock, &["--rate", "200"]);
+        let a = consumer(&procs, &sock, &dir.join("a.seq"));
+        let b = consumer(&procs, &sock, &dir.join("b.seq"));
+        wait_until(Duration::from_secs(10), "two consumers", || {
+            active_consumers(&sock) == 2
+        });
+        wait_until(Duration::from_secs(10), "batches", || head(&sock) > 20);
+        p.kill().unwrap();
+        p.wait().unwrap();
+        let t = Instant::now();
+        for (name, c) in [("a", a), ("b", b)] {
+            let e = finish(c, Duration::from_secs(3));
+            assert_eq!(
+                e.code,
+                Some(1),
+                "consumer {name} should fail: {} {}",
+                e.stdout,
+                e.stderr
+            );
+            let r = report(&e);
+            let err = r["error"].as_str().unwrap_or_default();
+            assert!(
+                err.contains("producer died"),
+                "consumer {name} error: {err:?}"
+            );
+            assert_eq!(r["mismatches"], 0);
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "consumers took {:?} to notice",
+            t.elapsed()
+        );
+        assert_contiguous(&seqs(&dir.join("a.seq")), "consumer a");
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}
+
+fn frame(kind: u16, body: &[u8]) -> Vec<u8> {
+    let mut f = Vec::new();
+    f.extend_from_slice(b"GPW1");
+    f.extend_from_slice(&kind.to_le_bytes());
+    f.extend_from_slice(&0u16.to_le_bytes());
+    f.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    f.extend_from_slice(body);
+    f
+}
+
+/// Sends bytes to the producer and returns what it answered before closing.
+fn poke(sock: &Path, bytes: &[u8]) -> Vec<u8> {
+    let mut s = UnixStream::connect(sock).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let _ = s.write_all(bytes);
+    let _ = s.shutdown(std::net::Shutdown::Write);
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    out
+}
+
+#[test]
+fn garbage_and_wrong_version_handshakes_are_refused_without_harm() {
+    watchdog(60, |procs| {
+        let dir = tmpdir("garbage");
+        let sock = dir.join("ring.sock");
+        let p = producer(&procs, &sock, &["--rate", "300"]);
+        let a = consumer(&procs, &sock, &dir.join("a.seq"));
+        wait_until(Duration::from_secs(10), "consumer", || {
+            active_consumers(&sock) == 1
+        });
+        // Random garbage: refused with a reason naming the magic.
+        let r = poke(&sock, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n");
+        assert!(
+            String::from_utf8_lossy(&r).contains("magic"),
+            "reply: {:?}",
+            String::from_utf8_lossy(&r)
+        );
+        // A well-framed Hello with a future version: refused naming the version.
+        let mut hello = Vec::new();
+        for v in [99u32, 1, 0] {
+            hello.extend_from_slice(&v.to_le_bytes());
+        }
+        let r = poke(&sock, &frame(1, &hello));
+        assert!(
+            String::from_utf8_lossy(&r).contains("version"),
+            "reply: {:?}",
+            String::from_utf8_lossy(&r)
+        );
+        // A huge announced body: refused, not allocated.
+        let mut big = frame(1, &[]);
+        big[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+        let r = poke(&sock, &big);
+        assert!(
+            String::from_utf8_lossy(&r).contains("limit"),
+            "reply: {:?}",
+            String::from_utf8_lossy(&r)
+        );
+        // Truncated mid-frame, then closed.
+        let _ = poke(&sock, &frame(1, &hello)[..7]);
+        // The consumer never noticed; the ring goes on.
+        let h = head(&sock);
+        wait_until(Duration::from_secs(5), "progress", || head(&sock) > h + 50);
+        assert_eq!(active_consumers(&sock), 1);
+        signal(p.id(), libc::SIGINT);
+        assert_eq!(finish(p, Duration::from_secs(15)).code, Some(0));
+        let ea = finish(a, Duration::from_secs(10));
+        assert_eq!(ea.code, Some(0), "{}", ea.stderr);
+        assert_contiguous(&seqs(&dir.join("a.seq")), "consumer");
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}
+
+#[test]
+fn socket_is_private_and_foreign_uids_are_refused() {
+    watchdog(60, |procs| {
+        use std::os::unix::fs::PermissionsExt;
+        use std::os::unix::process::CommandExt;
+        let dir = tmpdir("uid");
+        let sock = dir.join("ring.sock");
+        let p = producer(&procs, &sock, &["--rate", "100"]);
+        let mode = std::fs::metadata(&sock).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "socket mode");
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } == 0 {
+            // Root can impersonate another uid: open the directory to it, and expect the
+            // producer's SO_PEERCRED check (not file permissions) to refuse it.
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+            std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o777)).unwrap();
+            let out = Command::new(GPIPE)
+                .args(["consume", "--socket", sock.to_str().unwrap()])
+                .uid(65534)
+                .gid(65534)
+                .output()
+                .unwrap();
+            assert!(!out.status.success());
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(err.contains("uid 65534 is not allowed"), "stderr: {err}");
+        } else {
+            // Not root: another uid cannot even reach the socket (mode 0600, checked above).
+            eprintln!("not root: the SO_PEERCRED refusal path is covered only when run as root");
+        }
+        signal(p.id(), libc::SIGINT);
+        let pe = finish(p, Duration::from_secs(15));
+        assert_eq!(pe.code, Some(0), "{}", pe.stderr);
+        assert!(
+            !sock.exists(),
+            "the producer removes its socket on a clean exit"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}
+
+#[test]
+fn scribbled_control_segment_gives_clear_errors_not_hangs() {
+    watchdog(60, |procs| {
+        let dir = tmpdir("scribble");
+        let sock = dir.join("ring.sock");
+        let p = producer(&procs, &sock, &["--rate", "300"]);
+        let a = consumer(&procs, &sock, &dir.join("a.seq"));
+        wait_until(Duration::from_secs(10), "consumer", || {
+            active_consumers(&sock) == 1
+        });
+        wait_until(Duration::from_secs(10), "batches", || head(&sock) > 20);
+        // A hostile consumer attaches like any other, then scribbles on the shared head.
+        let hostile: pipeline_core::Consumer<pipeline_core::HostConsumer> =
+            pipeline_core::Consumer::attach(&sock, pipeline_core::HostOptions).unwrap();
+        // It keeps scribbling (the producer rewrites the head at every publish) until the
+        // victim has stopped.
+        let h = &hostile.segment().header().head.value;
+        let mut a = a;
+        let until = Instant::now() + Duration::from_secs(5);
+        while a.try_wait().unwrap().is_none() && Instant::now() < until {
+            h.fetch_add(1_000_000, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let ea = finish(a, Duration::from_secs(1));
+        assert_eq!(
+            ea.code,
+            Some(1),
+            "the victim must stop with an error, not crash: {}",
+            ea.stderr
+        );
+        let err = report(&ea)["error"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        assert!(err.contains("control segment corrupted"), "error: {err}");
+        assert_eq!(
+            report(&ea)["mismatches"],
+            0,
+            "nothing it accepted was corrupt"
+        );
+        // The producer never reads the head back from shared memory: it goes on.
+        drop(hostile);
+        signal(p.id(), libc::SIGINT);
+        let pe = finish(p, Duration::from_secs(15));
+        assert_eq!(pe.code, Some(0), "producer: {}", pe.stderr);
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}
