@@ -85,9 +85,9 @@ pub trait ProducerBackend: Send + Sync + Sized + 'static {
     /// The consumer left (`died == false`) or died: stop waiting on anything of its.
     fn detach(&self, consumer: u32, died: bool);
     /// Orders the producer's next writes to `slot` after the work of the consumers in
-    /// `holders` (bit c = consumer c) that had its previous batch. The ring has already seen
-    /// them release it.
-    fn wait_finished(&self, slot: u32, holders: u64) -> Result<(), BackendError>;
+    /// `holders` (bit c = consumer c) that had its previous batch, `prev_seq`. The ring has
+    /// already seen them release it.
+    fn wait_finished(&self, slot: u32, prev_seq: u64, holders: u64) -> Result<(), BackendError>;
     /// The slot's memory for writing.
     ///
     /// # Safety
@@ -125,8 +125,9 @@ pub trait ConsumerBackend: Send + Sized + 'static {
     /// `slot` holds a published batch of `len` bytes (`len <= slot_bytes`) that this consumer
     /// has not released; the reference must not outlive the release.
     unsafe fn batch_ref(&self, slot: u32, len: u64) -> Self::BatchRef<'_>;
-    /// Marks the consumer's use of `slot` complete (the ring releases only after this).
-    fn signal_finished(&mut self, slot: u32) -> Result<(), BackendError>;
+    /// Marks the consumer's use of batch `seq` in `slot` complete (the ring releases only
+    /// after this).
+    fn signal_finished(&mut self, slot: u32, seq: u64) -> Result<(), BackendError>;
 }
 
 /// The host backend: slots in one sealed memfd, written with the CPU. Ready and finished need
@@ -186,7 +187,7 @@ impl ProducerBackend for HostProducer {
 
     fn detach(&self, _: u32, _: bool) {}
 
-    fn wait_finished(&self, _: u32, _: u64) -> Result<(), BackendError> {
+    fn wait_finished(&self, _: u32, _: u64, _: u64) -> Result<(), BackendError> {
         Ok(())
     }
 
@@ -276,7 +277,7 @@ impl ConsumerBackend for HostConsumer {
         }
     }
 
-    fn signal_finished(&mut self, _: u32) -> Result<(), BackendError> {
+    fn signal_finished(&mut self, _: u32, _: u64) -> Result<(), BackendError> {
         Ok(())
     }
 }

@@ -579,7 +579,7 @@ impl<B: ConsumerBackend> Consumer<B> {
     }
 
     fn release_batch(&mut self, seq: u64, slot: u32) -> Result<(), Error> {
-        let finished = self.backend.signal_finished(slot);
+        let finished = self.backend.signal_finished(slot, seq);
         let ok = self.release_slot(slot);
         self.seg
             .consumer(self.index)

@@ -629,7 +629,7 @@ impl<B: ProducerBackend> Producer<B> {
         }
         let n = self.shared.layout.slot_count;
         let k = ring::slot_of(s, n);
-        if ring::previous_in_slot(s, n).is_some() {
+        if let Some(prev) = ring::previous_in_slot(s, n) {
             self.wait_slot_free(k, deadline)?;
             let active = self.shared.active.load(Ordering::Acquire);
             let holders = if self.shared.shared_mode() {
@@ -644,7 +644,7 @@ impl<B: ProducerBackend> Producer<B> {
             };
             self.shared
                 .backend
-                .wait_finished(k, holders)
+                .wait_finished(k, prev, holders)
                 .map_err(Error::Backend)?;
         }
         Ok(Slot {

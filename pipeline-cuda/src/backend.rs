@@ -1,12 +1,20 @@
 //! The CUDA backend of the ring: slots from an IPC-capable stream-ordered memory pool, one
-//! `ready` IPC event per slot (the producer's), one `finished` IPC event per slot per
-//! consumer (each consumer's).
+//! `ready` IPC event per slot (the producer's), and one `finished` timeline word per slot per
+//! consumer.
 //!
-//! Ordering (docs/protocol.md): the producer's stream waits the `finished[k]` events of the
-//! consumers that had slot k's previous batch, runs the fill, records `ready[k]`, and only then
-//! is the descriptor published. A consumer's stream waits `ready[k]`, runs its kernels and
-//! records `finished[k]`, and only then is the slot released. No host synchronisation happens
-//! per batch.
+//! Ordering (docs/protocol.md): the producer's stream waits until the `finished[c][k]` words of
+//! the consumers that had slot k's previous batch reach that batch's generation, runs the fill,
+//! records `ready[k]`, and only then is the descriptor published. A consumer's stream waits
+//! `ready[k]`, runs its kernels and writes `finished[c][k] = seq + 1` (cuStreamWriteValue64),
+//! and only then is the slot released. No host synchronisation happens per batch.
+//!
+//! Why `finished` is a timeline word and not an IPC event: measured on an H100 (driver
+//! 580.159.04, 2026-11-21), when a consumer is SIGKILLed after recording `finished` but before
+//! its GPU work ran, a producer stream that waits that event never proceeds, and the producer
+//! stalls for good. An event record cannot be completed by anyone else; a timeline word can:
+//! on a consumer's death the producer stores a far-future value into its words, which releases
+//! every wait on them. The words live in a sealed memfd both processes map and register with
+//! the driver (stream memory operations reject memory from IPC-capable pools).
 //!
 //! ```no_run
 //! use pipeline_core::{Consumer, Producer, ProducerConfig};
@@ -35,6 +43,9 @@
 use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use memmap2::{MmapOptions, MmapRaw};
 
 use parking_lot::Mutex;
 use pipeline_core::wire::Reader;
@@ -43,7 +54,8 @@ use pipeline_core::{
 };
 
 use crate::driver::{
-    self, CUdeviceptr, Context, CudaError, Event, MemPool, PoolHandleType, Stream,
+    self, CUdeviceptr, Context, CudaError, Event, HostRegistration, MemPool, PoolHandleType,
+    Stream, WaitCondition,
 };
 use crate::probe::Capabilities;
 
@@ -86,6 +98,68 @@ fn be(e: CudaError) -> BackendError {
     Box::new(e)
 }
 
+/// A value past any real generation (sequences are below 2^48) that still compares as
+/// "greater or equal" in the driver's wrapping comparison: it releases every wait.
+const RELEASED: u64 = 1 << 62;
+
+/// The finished timelines: `capacity × slots` u64 words in a sealed memfd, mapped here and
+/// registered with the driver. Word `c * slots + k` holds the generation (`seq + 1`) of the
+/// last batch in slot k that consumer c finished.
+struct Timelines {
+    // Field order matters: the registration must go before the mapping.
+    reg: HostRegistration,
+    map: MmapRaw,
+    fd: OwnedFd,
+    slots: u32,
+    words: usize,
+}
+
+impl Timelines {
+    fn bytes(layout: &RingLayout) -> u64 {
+        (layout.consumer_capacity as u64 * layout.slot_count as u64 * 8).div_ceil(4096) * 4096
+    }
+
+    fn create(ctx: &Arc<Context>, layout: &RingLayout) -> Result<Self, BackendError> {
+        let fd = pipeline_core::sys::sealed_memfd("gpipe-finished", Self::bytes(layout))?;
+        Self::map(ctx, layout, fd)
+    }
+
+    fn map(ctx: &Arc<Context>, layout: &RingLayout, fd: OwnedFd) -> Result<Self, BackendError> {
+        let bytes = Self::bytes(layout);
+        pipeline_core::sys::check_sealed_memfd(fd.as_fd(), bytes)
+            .map_err(|m| format!("finished timelines: {m}"))?;
+        let map = MmapOptions::new().len(bytes as usize).map_raw(&fd)?;
+        // SAFETY: the mapping is page-aligned, `bytes` long (a page multiple), and owned by
+        // this struct, whose field order drops the registration before the mapping.
+        let reg =
+            unsafe { HostRegistration::new(ctx, map.as_mut_ptr(), bytes as usize) }.map_err(be)?;
+        Ok(Self {
+            reg,
+            map,
+            fd,
+            slots: layout.slot_count,
+            words: (layout.consumer_capacity * layout.slot_count) as usize,
+        })
+    }
+
+    fn index(&self, consumer: u32, slot: u32) -> usize {
+        let i = consumer as usize * self.slots as usize + slot as usize;
+        assert!(i < self.words, "timeline index out of range");
+        i
+    }
+
+    fn device(&self, consumer: u32, slot: u32) -> CUdeviceptr {
+        self.reg.device_ptr() + 8 * self.index(consumer, slot) as u64
+    }
+
+    fn host(&self, consumer: u32, slot: u32) -> &AtomicU64 {
+        let i = self.index(consumer, slot);
+        // SAFETY: i < words and the mapping holds words * 8 bytes, 8-aligned (page base); the
+        // word is only ever accessed atomically (here) or by the GPU's stream memory ops.
+        unsafe { &*(self.map.as_mut_ptr().add(8 * i) as *const AtomicU64) }
+    }
+}
+
 fn check_capabilities(ctx: &Arc<Context>) -> Result<(), BackendError> {
     let caps = Capabilities::of(ctx.device()).map_err(be)?;
     caps.chosen_path().map_err(be)?;
@@ -102,8 +176,10 @@ pub struct CudaProducer {
     ready: Vec<Event>,
     export: Vec<u8>,
     slot_bytes: u64,
-    /// finished[c] = consumer c's finished events, one per slot.
-    finished: Mutex<Vec<Option<Vec<Event>>>>,
+    timelines: Timelines,
+    /// Consumers whose timelines the producer waits on (bit c). Held while enqueueing waits,
+    /// so no wait on a departed consumer is enqueued after its words were released.
+    live: Mutex<u64>,
 }
 
 impl CudaProducer {
@@ -156,6 +232,7 @@ impl ProducerBackend for CudaProducer {
             export.extend_from_slice(&ev.ipc_handle().map_err(be)?);
             ready.push(ev);
         }
+        let timelines = Timelines::create(&ctx, layout)?;
         Ok(Self {
             ctx,
             stream,
@@ -165,14 +242,15 @@ impl ProducerBackend for CudaProducer {
             ready,
             export,
             slot_bytes: layout.slot_bytes,
-            finished: Mutex::new((0..layout.consumer_capacity).map(|_| None).collect()),
+            timelines,
+            live: Mutex::new(0),
         })
     }
 
     fn export(&self, _consumer: u32) -> Result<Export, BackendError> {
         Ok(Export {
             blob: self.export.clone(),
-            fds: vec![self.pool_fd.try_clone()?],
+            fds: vec![self.pool_fd.try_clone()?, self.timelines.fd.try_clone()?],
         })
     }
 
@@ -185,49 +263,59 @@ impl ProducerBackend for CudaProducer {
             return Err("CUDA consumer reply has a bad magic".into());
         }
         let n = r.u32()? as usize;
-        if n != self.slots.len() {
-            return Err(format!(
-                "CUDA consumer sent {n} finished events for {} slots",
-                self.slots.len()
-            )
-            .into());
-        }
-        let mut events = Vec::with_capacity(n);
-        for _ in 0..n {
-            let h: [u8; HANDLE] = r.bytes(HANDLE)?.try_into()?;
-            events.push(Event::open_ipc(&self.ctx, &h).map_err(be)?);
-        }
         r.finish()?;
-        let mut f = self.finished.lock();
-        let entry = f
-            .get_mut(consumer as usize)
-            .ok_or("consumer index out of range")?;
-        *entry = Some(events);
+        if n != self.slots.len() {
+            return Err(format!("CUDA consumer imported {n} slots of {}", self.slots.len()).into());
+        }
+        let mut live = self.live.lock();
+        // A previous holder of this index may still have waits in our stream (released by
+        // its departure): let them pass before its words go back to zero.
+        self.stream.synchronize().map_err(be)?;
+        for k in 0..self.slots.len() as u32 {
+            self.timelines.host(consumer, k).store(0, Ordering::Release);
+        }
+        *live |= 1u64 << consumer;
         Ok(())
     }
 
     fn detach(&self, consumer: u32, died: bool) {
-        // Stop waiting on its events. Waits already enqueued keep their own reference in the
-        // driver; a dead consumer's last record either completed or never happened.
-        if let Some(e) = self.finished.lock().get_mut(consumer as usize) {
-            if e.take().is_some() && died {
-                tracing::debug!(consumer, "dropped the finished events of a dead consumer");
-            }
+        let mut live = self.live.lock();
+        *live &= !(1u64 << consumer);
+        // Release every wait on its words, now and later: a dead consumer's last writes may
+        // never happen.
+        for k in 0..self.slots.len() as u32 {
+            self.timelines
+                .host(consumer, k)
+                .store(RELEASED, Ordering::Release);
+        }
+        if died {
+            tracing::debug!(
+                consumer,
+                "released the finished timelines of a dead consumer"
+            );
         }
     }
 
-    fn wait_finished(&self, slot: u32, holders: u64) -> Result<(), BackendError> {
+    fn wait_finished(&self, slot: u32, prev_seq: u64, holders: u64) -> Result<(), BackendError> {
         if holders == 0 {
             return Ok(());
         }
-        let f = self.finished.lock();
-        for (c, events) in f.iter().enumerate() {
-            if holders & (1u64 << c) == 0 {
+        let live = self.live.lock();
+        for c in 0..64u32 {
+            if holders & *live & (1u64 << c) == 0 {
                 continue;
             }
-            if let Some(events) = events {
-                self.stream.wait_event(&events[slot as usize]).map_err(be)?;
+            // SAFETY: the word is in our registered timelines, mapped for our lifetime; the
+            // stream is ours.
+            unsafe {
+                driver::stream_wait_value64(
+                    &self.stream,
+                    self.timelines.device(c, slot),
+                    prev_seq + 1,
+                    WaitCondition::Geq,
+                )
             }
+            .map_err(be)?;
         }
         Ok(())
     }
@@ -272,7 +360,8 @@ pub struct CudaConsumer {
     pool: MemPool,
     slots: Vec<CUdeviceptr>,
     ready: Vec<Event>,
-    finished: Vec<Event>,
+    timelines: Timelines,
+    index: u32,
     slot_bytes: u64,
 }
 
@@ -310,7 +399,7 @@ impl ConsumerBackend for CudaConsumer {
 
     fn import(
         layout: &RingLayout,
-        _consumer: u32,
+        consumer: u32,
         options: CudaOptions,
         blob: &[u8],
         fds: Vec<OwnedFd>,
@@ -336,9 +425,9 @@ impl ConsumerBackend for CudaConsumer {
             exports.push((p, e));
         }
         r.finish()?;
-        let [pool_fd] = <[OwnedFd; 1]>::try_from(fds).map_err(|f| {
+        let [pool_fd, timeline_fd] = <[OwnedFd; 2]>::try_from(fds).map_err(|f| {
             format!(
-                "CUDA export must carry exactly one pool fd, got {}",
+                "CUDA export must carry a pool fd and a timeline fd, got {} fds",
                 f.len()
             )
         })?;
@@ -363,15 +452,10 @@ impl ConsumerBackend for CudaConsumer {
             slots.push(ptr);
             ready.push(Event::open_ipc(&ctx, e).map_err(be)?);
         }
-        let mut reply = Vec::with_capacity(8 + HANDLE * n as usize);
+        let timelines = Timelines::map(&ctx, layout, timeline_fd)?;
+        let mut reply = Vec::with_capacity(8);
         reply.extend_from_slice(&REPLY_MAGIC.to_le_bytes());
         reply.extend_from_slice(&n.to_le_bytes());
-        let mut finished = Vec::with_capacity(n as usize);
-        for _ in 0..n {
-            let ev = Event::new_ipc(&ctx).map_err(be)?;
-            reply.extend_from_slice(&ev.ipc_handle().map_err(be)?);
-            finished.push(ev);
-        }
         Ok((
             Self {
                 ctx,
@@ -379,7 +463,8 @@ impl ConsumerBackend for CudaConsumer {
                 pool,
                 slots,
                 ready,
-                finished,
+                timelines,
+                index: consumer,
                 slot_bytes,
             },
             Export {
@@ -404,10 +489,17 @@ impl ConsumerBackend for CudaConsumer {
         }
     }
 
-    fn signal_finished(&mut self, slot: u32) -> Result<(), BackendError> {
-        self.finished[slot as usize]
-            .record(&self.stream)
-            .map_err(be)
+    fn signal_finished(&mut self, slot: u32, seq: u64) -> Result<(), BackendError> {
+        // SAFETY: the word is in our registered timelines, mapped for our lifetime; the
+        // stream is ours.
+        unsafe {
+            driver::stream_write_value64(
+                &self.stream,
+                self.timelines.device(self.index, slot),
+                seq + 1,
+            )
+        }
+        .map_err(be)
     }
 }
 

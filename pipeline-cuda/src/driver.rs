@@ -1208,3 +1208,63 @@ mod tests {
         }
     }
 }
+
+/// Host memory registered with the driver (`cuMemHostRegister`, portable and device-mapped),
+/// so that GPU stream memory operations can read and write it. Unregistered on drop; the
+/// memory itself stays owned by the caller and must outlive this registration.
+#[derive(Debug)]
+pub struct HostRegistration {
+    host: *mut c_void,
+    device_ptr: CUdeviceptr,
+    ctx: Arc<Context>,
+}
+
+// SAFETY: the registration is a driver-side record usable from any thread; we only keep the
+// address to unregister it.
+unsafe impl Send for HostRegistration {}
+// SAFETY: no method mutates through `&self`.
+unsafe impl Sync for HostRegistration {}
+
+impl HostRegistration {
+    /// Registers `len` bytes at `host` (page-aligned, `len` a multiple of the page size).
+    ///
+    /// # Safety
+    /// `host..host + len` is a live mapping that stays mapped until this value is dropped.
+    pub unsafe fn new(ctx: &Arc<Context>, host: *mut u8, len: usize) -> Result<Self, CudaError> {
+        ctx.make_current()?;
+        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+        // SAFETY: the caller guarantees the range is mapped for the registration's life.
+        check("cuMemHostRegister_v2", unsafe {
+            sys::cuMemHostRegister_v2(host.cast::<c_void>(), len, flags as c_uint)
+        })?;
+        let reg = HostRegistration {
+            host: host.cast::<c_void>(),
+            device_ptr: 0,
+            ctx: Arc::clone(ctx),
+        };
+        let mut dptr: CUdeviceptr = 0;
+        // SAFETY: the range was just registered; the out-pointer is a valid local.
+        check("cuMemHostGetDevicePointer_v2", unsafe {
+            sys::cuMemHostGetDevicePointer_v2(&mut dptr, reg.host, 0)
+        })?;
+        let mut reg = reg;
+        reg.device_ptr = dptr;
+        Ok(reg)
+    }
+
+    /// The device address of the registered memory's first byte.
+    pub fn device_ptr(&self) -> CUdeviceptr {
+        self.device_ptr
+    }
+}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        if self.ctx.make_current().is_err() {
+            return;
+        }
+        // SAFETY: registered in `new`, unregistered once, here, while still mapped.
+        let r = unsafe { sys::cuMemHostUnregister(self.host) };
+        log_drop_error("host registration", "cuMemHostUnregister", r);
+    }
+}

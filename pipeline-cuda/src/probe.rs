@@ -156,6 +156,9 @@ impl Capabilities {
         } else if !self.pool_posix_fd {
             missing.push("memory pools with POSIX fd handles");
         }
+        if !self.stream_mem_ops_64bit {
+            missing.push("64-bit stream memory operations (for finished timelines)");
+        }
         if !self.ipc_events {
             missing.push("IPC events");
         }

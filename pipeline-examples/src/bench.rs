@@ -51,8 +51,10 @@ pub struct BenchReport {
     pub batch_bytes: u64,
     /// Batches published.
     pub published: u64,
-    /// Seconds from first acquire to the last release.
+    /// Seconds from the first timed batch (after the warm-up) to the last release.
     pub elapsed_s: f64,
+    /// Batches published before timing started (verified, not timed).
+    pub warmup: u64,
     /// Batches per second published and fully consumed.
     pub batches_per_s: f64,
     /// GB/s of batches handed over (published bytes / s).
@@ -178,7 +180,10 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
     };
     let stop = AtomicBool::new(false);
     let mut rtt = Vec::new();
-    let start = Instant::now();
+    // The first batches warm up (kernel compilation, first touches) and are not timed, but
+    // they are verified like every other.
+    let warmup = (args.batches / 5).min(100);
+    let mut timed_from: Option<Instant> = (warmup == 0).then(Instant::now);
     let published = work::produce_loop(
         &mut producer,
         fill,
@@ -187,6 +192,9 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
         &stop,
         args.round_trip.then_some(&mut rtt),
         |n, _| {
+            if n == warmup {
+                timed_from = Some(Instant::now());
+            }
             if let Some(b) = &bar {
                 if n % 64 == 0 {
                     b.set_position(n);
@@ -196,7 +204,7 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
     );
     // Close: consumers drain, release and detach; elapsed covers the last release.
     let stats = producer.close();
-    let elapsed = start.elapsed().as_secs_f64();
+    let elapsed = timed_from.map(|t| t.elapsed().as_secs_f64()).unwrap_or(0.0);
     if let Some(b) = bar {
         b.finish_and_clear();
     }
@@ -301,8 +309,10 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
     let pct = |p: f64| -> Option<f64> {
         (!rtt.is_empty()).then(|| rtt[((rtt.len() - 1) as f64 * p).round() as usize] * 1e6)
     };
-    let delivered: u64 = per_consumer.iter().map(|r| r.bytes).sum();
-    let bytes = published * args.batch_bytes;
+    let timed = published.saturating_sub(warmup);
+    let delivered: u64 =
+        per_consumer.iter().map(|r| r.bytes).sum::<u64>() * timed / published.max(1);
+    let bytes = timed * args.batch_bytes;
     Ok(BenchReport {
         backend: args.backend.to_string(),
         mode: args.mode,
@@ -311,7 +321,8 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
         batch_bytes: args.batch_bytes,
         published,
         elapsed_s: elapsed,
-        batches_per_s: published as f64 / elapsed,
+        warmup,
+        batches_per_s: timed as f64 / elapsed,
         gb_per_s: bytes as f64 / elapsed / 1e9,
         delivered_gb_per_s: delivered as f64 / elapsed / 1e9,
         per_consumer,
@@ -357,8 +368,9 @@ impl std::fmt::Display for BenchReport {
         )?;
         writeln!(
             f,
-            "  {} batches in {:.3} s: {:.0} batches/s, {:.2} GB/s handed over ({:.2} GB/s delivered to all consumers)",
-            self.published,
+            "  {} timed batches (after {} warm-up) in {:.3} s: {:.0} batches/s, {:.2} GB/s handed over ({:.2} GB/s delivered to all consumers)",
+            self.published - self.warmup,
+            self.warmup,
             self.elapsed_s,
             self.batches_per_s,
             self.gb_per_s,
