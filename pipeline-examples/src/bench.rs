@@ -69,6 +69,8 @@ pub struct BenchReport {
     pub lost: u64,
     /// Batches delivered more than once (shared) or twice to one consumer.
     pub duplicated: u64,
+    /// Seconds the producer spent in `acquire` waiting for consumers to release (whole run).
+    pub producer_acquire_wait_s: f64,
     /// Round trip publish -> consumer done -> slot free, median (µs), with `--round-trip`.
     pub round_trip_p50_us: Option<f64>,
     /// Round trip, 99th percentile (µs).
@@ -179,7 +181,10 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
         None
     };
     let stop = AtomicBool::new(false);
-    let mut rtt = Vec::new();
+    let mut timing = work::ProduceTiming {
+        round_trips: args.round_trip.then(Vec::new),
+        ..Default::default()
+    };
     // The first batches warm up (kernel compilation, first touches) and are not timed, but
     // they are verified like every other.
     let warmup = (args.batches / 5).min(100);
@@ -190,7 +195,7 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
         Some(args.batches),
         args.batch_bytes,
         &stop,
-        args.round_trip.then_some(&mut rtt),
+        &mut timing,
         |n, _| {
             if n == warmup {
                 timed_from = Some(Instant::now());
@@ -305,6 +310,7 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
             stats.died, stats.detached
         ));
     }
+    let mut rtt = timing.round_trips.take().unwrap_or_default();
     rtt.sort_by(f64::total_cmp);
     let pct = |p: f64| -> Option<f64> {
         (!rtt.is_empty()).then(|| rtt[((rtt.len() - 1) as f64 * p).round() as usize] * 1e6)
@@ -329,6 +335,7 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
         mismatches,
         lost,
         duplicated,
+        producer_acquire_wait_s: timing.acquire_wait.as_secs_f64(),
         round_trip_p50_us: pct(0.5),
         round_trip_p99_us: pct(0.99),
         problems,
@@ -387,6 +394,16 @@ impl std::fmt::Display for BenchReport {
                 if r.verified { "" } else { " (not verified)" }
             )?;
         }
+        writeln!(
+            f,
+            "  where the time went: producer waited {:.3} s for free slots; consumers waited {} s for batches",
+            self.producer_acquire_wait_s,
+            self.per_consumer
+                .iter()
+                .map(|r| format!("{:.3}", r.recv_wait_s))
+                .collect::<Vec<_>>()
+                .join("/")
+        )?;
         if let (Some(p50), Some(p99)) = (self.round_trip_p50_us, self.round_trip_p99_us) {
             writeln!(
                 f,

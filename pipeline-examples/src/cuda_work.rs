@@ -221,3 +221,49 @@ pub fn ceiling(bytes: u64, buffers: u32, batches: u64) -> Result<f64, CudaError>
     };
     Ok(batches as f64 / secs)
 }
+
+/// The single-process ceiling with the two stages overlapped the way the pipeline overlaps
+/// them: fills on one stream, verifies on another, `buffers` slots ordered by same-process
+/// events. It tells how much of the pipeline's gap is the GPU running two memory-bound
+/// kernels at once rather than gpipe. Returns batches per second.
+pub fn two_stream_ceiling(bytes: u64, buffers: u32, batches: u64) -> Result<f64, CudaError> {
+    let ctx = Context::new(0)?;
+    let (fs, vs) = (Stream::new(&ctx)?, Stream::new(&ctx)?);
+    let k = Kernels::load(&ctx)?;
+    let n = buffers.max(1) as usize;
+    let bufs: Vec<DeviceBuffer> = (0..n)
+        .map(|_| DeviceBuffer::new(&ctx, bytes as usize))
+        .collect::<Result<_, _>>()?;
+    let results = DeviceBuffer::new(&ctx, VERIFY_RESULT_BYTES)?;
+    let filled: Vec<Event> = (0..n)
+        .map(|_| Event::new_ipc(&ctx))
+        .collect::<Result<_, _>>()?;
+    let verified: Vec<Event> = (0..n)
+        .map(|_| Event::new_ipc(&ctx))
+        .collect::<Result<_, _>>()?;
+    let run = |count: u64| -> Result<(), CudaError> {
+        for s in 0..count {
+            let i = (s % n as u64) as usize;
+            let b = &bufs[i];
+            if s >= n as u64 {
+                fs.wait_event(&verified[i])?;
+            }
+            // SAFETY: our own buffers; fills wait the slot's last verify, verifies wait the fill.
+            unsafe { k.fill(&fs, b.ptr(), bytes as usize, s)? };
+            filled[i].record(&fs)?;
+            vs.wait_event(&filled[i])?;
+            // SAFETY: as above.
+            unsafe { k.verify(&vs, b.ptr(), bytes as usize, s, results.ptr())? };
+            verified[i].record(&vs)?;
+        }
+        Ok(())
+    };
+    run(batches.min(64))?;
+    fs.synchronize()?;
+    vs.synchronize()?;
+    let t = Instant::now();
+    run(batches)?;
+    fs.synchronize()?;
+    vs.synchronize()?;
+    Ok(batches as f64 / t.elapsed().as_secs_f64())
+}

@@ -270,8 +270,15 @@ fn run(cmd: Cmd) -> Result<ExitCode, String> {
                     let ceiling =
                         cuda_work::ceiling(ring.batch_bytes, ring.slots, batches.min(4000))
                             .map_err(|e| format!("measuring the single-process ceiling: {e}"))?;
+                    let overlapped = cuda_work::two_stream_ceiling(
+                        ring.batch_bytes,
+                        ring.slots,
+                        batches.min(4000),
+                    )
+                    .map_err(|e| format!("measuring the two-stream ceiling: {e}"))?;
                     report.extra = serde_json::json!({
                         "ceiling_batches_per_s": ceiling,
+                        "two_stream_ceiling_batches_per_s": overlapped,
                         "ratio_to_ceiling": report.batches_per_s / ceiling,
                         "mps_active": mps,
                     });
@@ -441,13 +448,14 @@ fn produce<B: ProducerBackend, F: Fill<B>>(
     let interval = rate
         .filter(|r| *r > 0.0)
         .map(|r| Duration::from_secs_f64(1.0 / r));
+    let mut timing = work::ProduceTiming::default();
     let n = work::produce_loop(
         &mut producer,
         fill,
         batches,
         len,
         &STOP,
-        None,
+        &mut timing,
         |n, consumers| {
             if let Some(iv) = interval {
                 let due = start + iv * n as u32;

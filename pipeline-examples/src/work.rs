@@ -102,6 +102,8 @@ pub struct ConsumerReport {
     pub gaps: u64,
     /// Seconds from attach to the end.
     pub elapsed_s: f64,
+    /// Seconds spent inside `recv` (waiting for the producer, or validating).
+    pub recv_wait_s: f64,
     /// How the run ended, if not cleanly.
     pub error: Option<String>,
 }
@@ -139,7 +141,10 @@ pub fn consume_loop<B: ConsumerBackend, C: Check<B>>(
         {
             break;
         }
-        let batch = match consumer.recv_timeout(Duration::from_millis(250)) {
+        let t_recv = Instant::now();
+        let got = consumer.recv_timeout(Duration::from_millis(250));
+        rep.recv_wait_s += t_recv.elapsed().as_secs_f64();
+        let batch = match got {
             Ok(Some(b)) => b,
             Ok(None) => break,
             Err(Error::Timeout(_)) => continue,
@@ -198,6 +203,15 @@ pub fn consume_loop<B: ConsumerBackend, C: Check<B>>(
     (rep, seqs)
 }
 
+/// What the produce loop measures as it goes.
+#[derive(Default)]
+pub struct ProduceTiming {
+    /// Time spent in `acquire` waiting for free slots.
+    pub acquire_wait: Duration,
+    /// When set, each batch's round trip in seconds (meaningful with one slot).
+    pub round_trips: Option<Vec<f64>>,
+}
+
 /// Publishes `batches` batches (None: until `stop`) of `len` bytes filled by `fill`.
 /// `on_batch` is called after each publish (progress). Returns how many were published.
 pub fn produce_loop<B: ProducerBackend, F: Fill<B>>(
@@ -206,18 +220,21 @@ pub fn produce_loop<B: ProducerBackend, F: Fill<B>>(
     batches: Option<u64>,
     len: u64,
     stop: &AtomicBool,
-    mut rtt: Option<&mut Vec<f64>>,
+    timing: &mut ProduceTiming,
     mut on_batch: impl FnMut(u64, u32),
 ) -> Result<u64, String> {
     let mut n = 0u64;
     let mut last_publish: Option<Instant> = None;
     while batches.is_none_or(|b| n < b) && !stop.load(Ordering::Relaxed) {
-        let mut slot = match producer.acquire_timeout(Duration::from_millis(250)) {
+        let t_acq = Instant::now();
+        let got = producer.acquire_timeout(Duration::from_millis(250));
+        timing.acquire_wait += t_acq.elapsed();
+        let mut slot = match got {
             Ok(s) => s,
             Err(Error::Timeout(_)) => continue,
             Err(e) => return Err(e.to_string()),
         };
-        if let Some(r) = rtt.as_deref_mut() {
+        if let Some(r) = timing.round_trips.as_mut() {
             // With one slot, acquire returned once the consumer released the previous batch;
             // settle waits for its GPU work too: publish -> consumer done -> slot free.
             fill.settle(&slot)?;
