@@ -631,17 +631,7 @@ impl<B: ProducerBackend> Producer<B> {
         let k = ring::slot_of(s, n);
         if let Some(prev) = ring::previous_in_slot(s, n) {
             self.wait_slot_free(k, deadline)?;
-            let active = self.shared.active.load(Ordering::Acquire);
-            let holders = if self.shared.shared_mode() {
-                let c = self.shared.seg.slot(k).claimer.load(Ordering::Acquire);
-                if c < 63 {
-                    ring::bit(c as u32) & active
-                } else {
-                    0
-                }
-            } else {
-                self.holders[k as usize] & active
-            };
+            let holders = self.holders_of(k);
             self.shared
                 .backend
                 .wait_finished(k, prev, holders)
@@ -696,6 +686,39 @@ impl<B: ProducerBackend> Producer<B> {
                 Ok(None)
             },
         )
+    }
+
+    /// Waits until every published batch has been released by every consumer that holds it,
+    /// and orders the backend after their work (as `acquire` does for each slot): afterwards
+    /// the ring is idle. Gives up with [`Error::Timeout`] after `timeout`.
+    pub fn flush(&mut self, timeout: Duration) -> Result<(), Error> {
+        let deadline = Some(Instant::now() + timeout);
+        let n = self.shared.layout.slot_count;
+        for s in self.head.saturating_sub(n as u64)..self.head {
+            let k = ring::slot_of(s, n);
+            self.wait_slot_free(k, deadline)?;
+            let holders = self.holders_of(k);
+            self.shared
+                .backend
+                .wait_finished(k, s, holders)
+                .map_err(Error::Backend)?;
+        }
+        Ok(())
+    }
+
+    /// The consumers that got slot `k`'s current batch and are still attached.
+    fn holders_of(&self, k: u32) -> u64 {
+        let active = self.shared.active.load(Ordering::Acquire);
+        if self.shared.shared_mode() {
+            let c = self.shared.seg.slot(k).claimer.load(Ordering::Acquire);
+            if c < 63 {
+                ring::bit(c as u32) & active
+            } else {
+                0
+            }
+        } else {
+            self.holders[k as usize] & active
+        }
     }
 
     /// Shuts the ring down cleanly: consumers get every batch already published, then end.

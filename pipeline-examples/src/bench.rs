@@ -207,9 +207,15 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
             }
         },
     );
-    // Close: consumers drain, release and detach; elapsed covers the last release.
-    let stats = producer.close();
+    // The timed run ends when every consumer has released (and, on a GPU, finished) the
+    // last batch; closing (consumers detach, free their imports, exit) is not timed.
+    let flushed = producer
+        .flush(Duration::from_secs(60))
+        .map_err(|e| e.to_string())
+        .and_then(|_| fill.settle(producer.backend()));
     let elapsed = timed_from.map(|t| t.elapsed().as_secs_f64()).unwrap_or(0.0);
+    let stats = producer.close();
+    flushed?;
     if let Some(b) = bar {
         b.finish_and_clear();
     }

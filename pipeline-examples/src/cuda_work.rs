@@ -57,11 +57,8 @@ impl Fill<CudaProducer> for CudaFill {
         Ok(h)
     }
 
-    fn settle(&mut self, slot: &Slot<'_, CudaProducer>) -> Result<(), String> {
-        slot.backend()
-            .stream()
-            .synchronize()
-            .map_err(|e| e.to_string())
+    fn settle(&mut self, backend: &CudaProducer) -> Result<(), String> {
+        backend.stream().synchronize().map_err(|e| e.to_string())
     }
 }
 
@@ -187,10 +184,57 @@ impl Check<CudaConsumer> for CudaCheck {
 /// The single-process ceiling: the same fill and verify kernels on one stream in one process,
 /// over `buffers` buffers of `bytes`, `batches` times. Returns batches per second.
 pub fn ceiling(bytes: u64, buffers: u32, batches: u64) -> Result<f64, CudaError> {
+    lagged_ceiling(bytes, buffers, batches, 0)
+}
+
+/// As [`ceiling`], but with the buffers allocated from an IPC-capable (POSIX fd) memory
+/// pool like the ring's slots, instead of `cuMemAlloc`: isolates the cost of the memory kind.
+pub fn pool_ceiling(bytes: u64, buffers: u32, batches: u64) -> Result<f64, CudaError> {
     let ctx = Context::new(0)?;
     let stream = Stream::new(&ctx)?;
     let k = Kernels::load(&ctx)?;
-    let bufs: Vec<DeviceBuffer> = (0..buffers.max(1))
+    let n = buffers.max(1) as u64;
+    let pool = pipeline_cuda::driver::MemPool::new_exportable(
+        &ctx,
+        (bytes * n) as usize,
+        pipeline_cuda::driver::PoolHandleType::PosixFd,
+    )?;
+    let ptrs: Vec<_> = (0..n)
+        .map(|_| pool.alloc_async(bytes as usize, &stream))
+        .collect::<Result<_, _>>()?;
+    let results = DeviceBuffer::new(&ctx, VERIFY_RESULT_BYTES)?;
+    let run = |count: u64| -> Result<(), CudaError> {
+        for s in 0..count {
+            let p = ptrs[(s % n) as usize];
+            // SAFETY: pool allocations of `bytes`, used in stream order only.
+            unsafe {
+                k.fill(&stream, p, bytes as usize, s)?;
+                k.verify(&stream, p, bytes as usize, s, results.ptr())?;
+            }
+        }
+        Ok(())
+    };
+    run(batches.min(64))?;
+    stream.synchronize()?;
+    let t = Instant::now();
+    run(batches)?;
+    stream.synchronize()?;
+    let rate = batches as f64 / t.elapsed().as_secs_f64();
+    for p in ptrs {
+        // SAFETY: allocated above from this pool, freed once after all work completed.
+        unsafe { pool.free_async(p, &stream)? };
+    }
+    stream.synchronize()?;
+    Ok(rate)
+}
+
+/// As [`ceiling`], but each verify reads the buffer filled `lag` batches earlier (so, as in
+/// a pipeline `lag` deep, the data has left the L2 cache when it is read back).
+pub fn lagged_ceiling(bytes: u64, buffers: u32, batches: u64, lag: u32) -> Result<f64, CudaError> {
+    let ctx = Context::new(0)?;
+    let stream = Stream::new(&ctx)?;
+    let k = Kernels::load(&ctx)?;
+    let bufs: Vec<DeviceBuffer> = (0..buffers.max(lag + 1))
         .map(|_| DeviceBuffer::new(&ctx, bytes as usize))
         .collect::<Result<_, _>>()?;
     let results = DeviceBuffer::new(&ctx, VERIFY_RESULT_BYTES)?;
@@ -199,9 +243,11 @@ pub fn ceiling(bytes: u64, buffers: u32, batches: u64) -> Result<f64, CudaError>
         for s in 0..n {
             let b = &bufs[(s % bufs.len() as u64) as usize];
             // SAFETY: our own buffers, used in stream order only.
-            unsafe {
-                k.fill(&stream, b.ptr(), bytes as usize, s)?;
-                k.verify(&stream, b.ptr(), bytes as usize, s, results.ptr())?;
+            unsafe { k.fill(&stream, b.ptr(), bytes as usize, s)? };
+            if let Some(v) = s.checked_sub(lag as u64) {
+                let vb = &bufs[(v % bufs.len() as u64) as usize];
+                // SAFETY: as above; buffers > lag, so batch v's buffer is not refilled yet.
+                unsafe { k.verify(&stream, vb.ptr(), bytes as usize, v, results.ptr())? };
             }
         }
         Ok(())

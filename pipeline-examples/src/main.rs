@@ -276,8 +276,20 @@ fn run(cmd: Cmd) -> Result<ExitCode, String> {
                         batches.min(4000),
                     )
                     .map_err(|e| format!("measuring the two-stream ceiling: {e}"))?;
+                    let lag = (ring.slots / 2).max(1);
+                    let lagged = cuda_work::lagged_ceiling(
+                        ring.batch_bytes,
+                        ring.slots,
+                        batches.min(4000),
+                        lag,
+                    )
+                    .map_err(|e| format!("measuring the lagged ceiling: {e}"))?;
                     report.extra = serde_json::json!({
                         "ceiling_batches_per_s": ceiling,
+                        "lagged_ceiling_batches_per_s": lagged,
+                        "pool_ceiling_batches_per_s": cuda_work::pool_ceiling(ring.batch_bytes, ring.slots, batches.min(4000))
+                            .map_err(|e| format!("measuring the pool ceiling: {e}"))?,
+                        "lag": lag,
                         "two_stream_ceiling_batches_per_s": overlapped,
                         "ratio_to_ceiling": report.batches_per_s / ceiling,
                         "mps_active": mps,

@@ -26,7 +26,7 @@ pub trait Fill<B: ProducerBackend> {
     ) -> Result<[u64; USER_HEADER_WORDS], String>;
     /// Blocks until the slot's previous holders' work is complete (round-trip measurement
     /// only; the host backend's is complete at release already).
-    fn settle(&mut self, _slot: &Slot<'_, B>) -> Result<(), String> {
+    fn settle(&mut self, _backend: &B) -> Result<(), String> {
         Ok(())
     }
 }
@@ -237,7 +237,7 @@ pub fn produce_loop<B: ProducerBackend, F: Fill<B>>(
         if let Some(r) = timing.round_trips.as_mut() {
             // With one slot, acquire returned once the consumer released the previous batch;
             // settle waits for its GPU work too: publish -> consumer done -> slot free.
-            fill.settle(&slot)?;
+            fill.settle(slot.backend())?;
             if let Some(t0) = last_publish {
                 r.push(t0.elapsed().as_secs_f64());
             }
