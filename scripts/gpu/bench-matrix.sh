@@ -29,6 +29,8 @@ matrix() { # mps label
     done
     run "gpipe-rtt mps=$mps size=$size" --batch-bytes $size --consumers 1 --batches 2000 --slots 1 --round-trip
   done
+  run "gpipe mps=$mps size=2MiB consumers=1 slots=32" --batch-bytes 2MiB --consumers 1 --batches 20000 --slots 32
+  run "gpipe mps=$mps size=2MiB consumers=4 mode=shared" --batch-bytes 2MiB --consumers 4 --batches 20000 --slots 8 --mode shared
 }
 torch_matrix() {
   local mps=$1
