@@ -351,14 +351,10 @@ impl<B: ConsumerBackend> Consumer<B> {
         for (h, w) in header.iter_mut().zip(&desc.header) {
             *h = w.load(Ordering::Relaxed);
         }
-        if len > self.layout.slot_bytes {
+        if let Err(v) = ring::check_len(seq, slot, len, self.layout.slot_bytes) {
             // Give the slot back so the producer is not stalled by our refusal.
             self.release_slot(slot);
-            return Err(ProtocolError::Segment(format!(
-                "batch {seq} in slot {slot} claims {len} bytes; slots hold {}",
-                self.layout.slot_bytes
-            ))
-            .into());
+            return Err(violation(v));
         }
         if let Err(e) = self.backend.wait_ready(slot) {
             self.release_slot(slot);
@@ -378,13 +374,7 @@ impl<B: ConsumerBackend> Consumer<B> {
 
     fn load_head(&mut self) -> Result<u64, Error> {
         let head = self.seg.header().head.value.load(Ordering::Acquire);
-        if head < self.last_head {
-            return Err(ProtocolError::Segment(format!(
-                "head went backwards from {} to {head}",
-                self.last_head
-            ))
-            .into());
-        }
+        ring::check_head(self.last_head, head).map_err(violation)?;
         self.last_head = head;
         Ok(head)
     }
@@ -443,26 +433,12 @@ impl<B: ConsumerBackend> Consumer<B> {
             }
             head = self.load_head()?;
         }
-        if head > c + n as u64 {
-            return Err(ProtocolError::Segment(format!(
-                "head {head} is more than {n} batches past our cursor {c}: the producer overwrote batches we had not released"
-            ))
-            .into());
-        }
+        ring::check_window(head, c, n).map_err(violation)?;
         let k = ring::slot_of(c, n);
         let desc = self.seg.slot(k);
         let seq = desc.seq.load(Ordering::Acquire);
-        if seq != c {
-            return Err(ProtocolError::Segment(format!(
-                "slot {k} holds sequence {seq}, expected {c}"
-            ))
-            .into());
-        }
-        if desc.pending.load(Ordering::Acquire) & ring::bit(self.index) == 0 {
-            return Err(Error::Detached(format!(
-                "batch {c} was not addressed to us (we were dropped from the ring)"
-            )));
-        }
+        let pending = desc.pending.load(Ordering::Acquire);
+        ring::check_slot(k, seq, c, pending, self.index).map_err(violation)?;
         self.cursor = c + 1;
         self.seg
             .consumer(self.index)
@@ -480,11 +456,7 @@ impl<B: ConsumerBackend> Consumer<B> {
             let requeued = claim.requeued.value.load(Ordering::Acquire);
             let window = ring::live_window(head, n);
             let hint = claim.claim_hint.value.load(Ordering::Acquire);
-            let start = if requeued > 0 {
-                window.start
-            } else {
-                hint.clamp(window.start, window.end)
-            };
+            let start = ring::scan_start(head, hint, requeued, n);
             for s in start..window.end {
                 let k = ring::slot_of(s, n);
                 let desc = self.seg.slot(k);
@@ -500,7 +472,7 @@ impl<B: ConsumerBackend> Consumer<B> {
                     .value
                     .load(Ordering::Acquire)
                     .max(head);
-                if ring::slot_of(seq, n) != k || seq >= now || seq + (n as u64) < now {
+                if let Err(v) = ring::check_claimed(k, seq, now, n) {
                     // Put it back untouched and report the corruption.
                     let _ = desc.pending.compare_exchange(
                         ring::bit(me),
@@ -508,10 +480,7 @@ impl<B: ConsumerBackend> Consumer<B> {
                         Ordering::AcqRel,
                         Ordering::Relaxed,
                     );
-                    return Err(ProtocolError::Segment(format!(
-                        "slot {k} holds sequence {seq}, impossible with head {now}"
-                    ))
-                    .into());
+                    return Err(violation(v));
                 }
                 if seq < hint {
                     let _ = claim.requeued.value.fetch_update(
@@ -666,6 +635,14 @@ impl<B: ConsumerBackend> Drop for Batch<'_, B> {
                 self.consumer.deferred = Some(e);
             }
         }
+    }
+}
+
+/// A violation becomes "detached" when it means the producer dropped us, else "corrupted".
+fn violation(v: ring::Violation) -> Error {
+    match v {
+        ring::Violation::NotAddressed { .. } => Error::Detached(v.to_string()),
+        _ => ProtocolError::Segment(v.to_string()).into(),
     }
 }
 

@@ -99,6 +99,164 @@ pub fn reclaim(pending: &AtomicU64, c: u32, shared: bool) -> bool {
     }
 }
 
+/// A value read from shared memory that cannot be right: the checks every consumer applies
+/// before using what it read. Pure functions, so they can be fuzzed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Violation {
+    /// The head decreased.
+    HeadBackwards {
+        /// Head seen before.
+        from: u64,
+        /// Head seen now.
+        to: u64,
+    },
+    /// The head is more than a ring past a broadcast consumer's cursor.
+    Overrun {
+        /// Head.
+        head: u64,
+        /// Cursor.
+        cursor: u64,
+        /// Slots.
+        n: u32,
+    },
+    /// A slot holds another sequence number than the one expected there.
+    WrongSeq {
+        /// Slot.
+        slot: u32,
+        /// Found.
+        found: u64,
+        /// Expected.
+        expected: u64,
+    },
+    /// The batch was not addressed to this consumer (it was dropped from the ring).
+    NotAddressed {
+        /// Sequence number.
+        seq: u64,
+    },
+    /// A batch claims more bytes than a slot holds.
+    TooLong {
+        /// Sequence number.
+        seq: u64,
+        /// Slot.
+        slot: u32,
+        /// Claimed length.
+        len: u64,
+        /// Slot capacity.
+        capacity: u64,
+    },
+    /// A claimed slot holds a sequence number outside the live window.
+    ImpossibleClaim {
+        /// Slot.
+        slot: u32,
+        /// Sequence number found.
+        seq: u64,
+        /// Head.
+        head: u64,
+    },
+}
+
+impl std::fmt::Display for Violation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Violation::HeadBackwards { from, to } => {
+                write!(f, "head went backwards from {from} to {to}")
+            }
+            Violation::Overrun { head, cursor, n } => write!(
+                f,
+                "head {head} is more than {n} batches past our cursor {cursor}: the producer overwrote batches we had not released"
+            ),
+            Violation::WrongSeq {
+                slot,
+                found,
+                expected,
+            } => write!(f, "slot {slot} holds sequence {found}, expected {expected}"),
+            Violation::NotAddressed { seq } => write!(
+                f,
+                "batch {seq} was not addressed to us (we were dropped from the ring)"
+            ),
+            Violation::TooLong {
+                seq,
+                slot,
+                len,
+                capacity,
+            } => write!(
+                f,
+                "batch {seq} in slot {slot} claims {len} bytes; slots hold {capacity}"
+            ),
+            Violation::ImpossibleClaim { slot, seq, head } => write!(
+                f,
+                "slot {slot} holds sequence {seq}, impossible with head {head}"
+            ),
+        }
+    }
+}
+
+/// The head must never decrease.
+pub fn check_head(last: u64, head: u64) -> Result<(), Violation> {
+    if head < last {
+        return Err(Violation::HeadBackwards {
+            from: last,
+            to: head,
+        });
+    }
+    Ok(())
+}
+
+/// Broadcast: the producer cannot be more than a ring ahead of a consumer it waits for.
+pub fn check_window(head: u64, cursor: u64, n: u32) -> Result<(), Violation> {
+    if head > cursor.saturating_add(n as u64) {
+        return Err(Violation::Overrun { head, cursor, n });
+    }
+    Ok(())
+}
+
+/// Broadcast: the slot of `expected` holds it, and is addressed to consumer `me`.
+pub fn check_slot(k: u32, seq: u64, expected: u64, pending: u64, me: u32) -> Result<(), Violation> {
+    if seq != expected {
+        return Err(Violation::WrongSeq {
+            slot: k,
+            found: seq,
+            expected,
+        });
+    }
+    if pending & bit(me) == 0 {
+        return Err(Violation::NotAddressed { seq });
+    }
+    Ok(())
+}
+
+/// A batch's length fits its slot.
+pub fn check_len(seq: u64, k: u32, len: u64, capacity: u64) -> Result<(), Violation> {
+    if len > capacity {
+        return Err(Violation::TooLong {
+            seq,
+            slot: k,
+            len,
+            capacity,
+        });
+    }
+    Ok(())
+}
+
+/// Shared: a batch just claimed in slot `k` must be one the head says can be there.
+pub fn check_claimed(k: u32, seq: u64, head: u64, n: u32) -> Result<(), Violation> {
+    if slot_of(seq, n) != k || seq >= head || seq.saturating_add(n as u64) < head {
+        return Err(Violation::ImpossibleClaim { slot: k, seq, head });
+    }
+    Ok(())
+}
+
+/// Shared: where to start looking for unclaimed batches: the whole live window when batches
+/// were requeued, else from the (untrusted, so clamped) claim hint.
+pub fn scan_start(head: u64, hint: u64, requeued: u64, n: u32) -> u64 {
+    let w = live_window(head, n);
+    if requeued > 0 {
+        w.start
+    } else {
+        hint.clamp(w.start, w.end)
+    }
+}
+
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
@@ -143,6 +301,33 @@ mod tests {
                 prop_assert_eq!(had, left & bit(c) != 0);
                 left &= !bit(c);
             }
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn checks_never_panic_and_bound_what_they_accept(
+            head in any::<u64>(), last in any::<u64>(), cursor in any::<u64>(), n in 1u32..=4096,
+            seq in any::<u64>(), pending in any::<u64>(), me in 0u32..63, len in any::<u64>(),
+            hint in any::<u64>(), requeued in any::<u64>(),
+        ) {
+            let _ = check_head(last, head);
+            if check_window(head, cursor, n).is_ok() {
+                prop_assert!(head <= cursor.saturating_add(n as u64));
+            }
+            let k = slot_of(cursor, n);
+            if check_slot(k, seq, cursor, pending, me).is_ok() {
+                prop_assert_eq!(seq, cursor);
+            }
+            if check_len(seq, k, len, 2 << 20).is_ok() {
+                prop_assert!(len <= 2 << 20);
+            }
+            if check_claimed(k, seq, head, n).is_ok() {
+                prop_assert!(live_window(head, n).contains(&seq));
+            }
+            let st = scan_start(head, hint, requeued, n);
+            let w = live_window(head, n);
+            prop_assert!(st >= w.start && st <= w.end);
         }
     }
 
