@@ -356,10 +356,12 @@ impl<B: ConsumerBackend> Consumer<B> {
             self.release_slot(slot);
             return Err(violation(v));
         }
+        crate::fault::point("consumer.before_wait");
         if let Err(e) = self.backend.wait_ready(slot) {
             self.release_slot(slot);
             return Err(Error::Backend(e));
         }
+        crate::fault::point("consumer.after_wait");
         let rec = self.seg.consumer(self.index);
         rec.received.fetch_add(1, Ordering::Relaxed);
         Ok(Some(Batch {
@@ -549,7 +551,9 @@ impl<B: ConsumerBackend> Consumer<B> {
 
     fn release_batch(&mut self, seq: u64, slot: u32) -> Result<(), Error> {
         let finished = self.backend.signal_finished(slot, seq);
+        crate::fault::point("consumer.before_release");
         let ok = self.release_slot(slot);
+        crate::fault::point("consumer.after_release");
         self.seg
             .consumer(self.index)
             .released

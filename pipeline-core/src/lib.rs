@@ -41,6 +41,8 @@ pub mod consumer;
 #[cfg(not(loom))]
 pub mod error;
 #[cfg(not(loom))]
+pub mod fault;
+#[cfg(not(loom))]
 pub mod inspect;
 #[cfg(not(loom))]
 pub mod layout;

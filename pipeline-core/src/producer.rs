@@ -831,6 +831,7 @@ impl<'p, B: ProducerBackend> Slot<'p, B> {
         }
         desc.claimer.store(u64::MAX, Ordering::Relaxed);
         desc.seq.store(self.seq, Ordering::Relaxed);
+        crate::fault::point("producer.before_publish");
         let h = sh.seg.header();
         let mask = {
             let mut m = sh.members.lock();
@@ -843,6 +844,7 @@ impl<'p, B: ProducerBackend> Slot<'p, B> {
             m.head = self.seq + 1;
             mask
         };
+        crate::fault::point("producer.after_publish");
         p.holders[self.slot as usize] = mask;
         p.head = self.seq + 1;
         wait::notify(&h.data_wake.value, &h.data_sleepers.value, true);

@@ -101,6 +101,25 @@ fn consumer_sigkill_does_not_stall_producer_or_others() {
 }
 
 #[test]
+fn consumer_killed_at_every_protocol_step() {
+    for point in [
+        "consumer.before_wait",
+        "consumer.after_wait",
+        "consumer.before_release",
+        "consumer.after_release",
+    ] {
+        consumer_death_case("host", Some(point));
+    }
+}
+
+#[test]
+fn producer_killed_before_and_after_publish() {
+    for point in ["producer.before_publish", "producer.after_publish"] {
+        producer_death_case("host", point);
+    }
+}
+
+#[test]
 fn producer_sigkill_gives_consumers_a_clear_error_promptly() {
     watchdog(60, |procs| {
         let dir = tmpdir("pkill");
@@ -300,6 +319,135 @@ fn scribbled_control_segment_gives_clear_errors_not_hangs() {
         signal(p.id(), libc::SIGINT);
         let pe = finish(p, Duration::from_secs(15));
         assert_eq!(pe.code, Some(0), "producer: {}", pe.stderr);
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}
+
+#[test]
+fn socket_closed_mid_handshake_frees_the_consumer_slot() {
+    watchdog(60, |procs| {
+        let dir = tmpdir("midhs");
+        let sock = dir.join("ring.sock");
+        let p = producer(&procs, &sock, &["--rate", "500", "--max-consumers", "1"]);
+        // Hello, read the Welcome (its fds are dropped by a plain read), then hang up.
+        let mut hello = Vec::new();
+        for v in [1u32, 1, 0] {
+            hello.extend_from_slice(&v.to_le_bytes());
+        }
+        {
+            let mut s = UnixStream::connect(&sock).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            s.write_all(&frame(1, &hello)).unwrap();
+            let mut prefix = [0u8; 12];
+            s.read_exact(&mut prefix).unwrap();
+            assert_eq!(&prefix[..4], b"GPW1");
+            assert_eq!(
+                u16::from_le_bytes([prefix[4], prefix[5]]),
+                2,
+                "expected Welcome"
+            );
+        }
+        // The only consumer index must be free again: a real consumer attaches and receives.
+        let a = consumer(&procs, &sock, &dir.join("a.seq"));
+        wait_until(Duration::from_secs(10), "the consumer to attach", || {
+            active_consumers(&sock) == 1
+        });
+        let h = head(&sock);
+        wait_until(Duration::from_secs(5), "progress", || head(&sock) > h + 50);
+        signal(p.id(), libc::SIGINT);
+        assert_eq!(finish(p, Duration::from_secs(15)).code, Some(0));
+        let ea = finish(a, Duration::from_secs(10));
+        assert_eq!(ea.code, Some(0), "{}", ea.stderr);
+        assert_contiguous(&seqs(&dir.join("a.seq")), "consumer");
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}
+
+#[test]
+fn lag_policy_detach_after_drops_a_stuck_consumer_only() {
+    watchdog(60, |procs| {
+        let dir = tmpdir("lagdetach");
+        let sock = dir.join("ring.sock");
+        let p = producer(&procs, &sock, &["--detach-after-ms", "300"]);
+        let a = consumer(&procs, &sock, &dir.join("a.seq"));
+        // Holds each batch for 3 s: alive, but not releasing.
+        let slow = spawn(
+            &procs,
+            &[
+                "consume",
+                "--socket",
+                sock.to_str().unwrap(),
+                "--json",
+                "--work-us",
+                "3000000",
+            ],
+        );
+        let es = finish(slow, Duration::from_secs(10));
+        assert_eq!(
+            es.code,
+            Some(1),
+            "the slow consumer must be told: {}",
+            es.stdout
+        );
+        let err = report(&es)["error"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        assert!(err.contains("detached"), "error: {err}");
+        let h = head(&sock);
+        wait_until(Duration::from_secs(5), "the producer to go on", || {
+            head(&sock) > h + 200
+        });
+        assert!(
+            inspect(&sock)["consumers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|c| c["state"] == "detached")
+        );
+        signal(p.id(), libc::SIGINT);
+        let pe = finish(p, Duration::from_secs(15));
+        assert_eq!(pe.code, Some(0), "{}", pe.stderr);
+        assert!(pe.stderr.contains("detached 1"), "{}", pe.stderr);
+        let ea = finish(a, Duration::from_secs(10));
+        assert_eq!(ea.code, Some(0), "{}", ea.stderr);
+        assert_contiguous(&seqs(&dir.join("a.seq")), "the healthy consumer");
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}
+
+#[test]
+fn lag_policy_block_holds_the_producer_until_a_stopped_consumer_resumes() {
+    watchdog(60, |procs| {
+        let dir = tmpdir("lagblock");
+        let sock = dir.join("ring.sock");
+        let p = producer(&procs, &sock, &[]);
+        let a = consumer(&procs, &sock, &dir.join("a.seq"));
+        let b = consumer(&procs, &sock, &dir.join("b.seq"));
+        wait_until(Duration::from_secs(10), "two consumers", || {
+            active_consumers(&sock) == 2
+        });
+        wait_until(Duration::from_secs(10), "batches", || head(&sock) > 100);
+        signal(b.id(), libc::SIGSTOP);
+        std::thread::sleep(Duration::from_millis(200));
+        let h1 = head(&sock);
+        std::thread::sleep(Duration::from_millis(500));
+        let h2 = head(&sock);
+        assert_eq!(
+            h1, h2,
+            "the producer must wait for the stopped consumer (back-pressure)"
+        );
+        signal(b.id(), libc::SIGCONT);
+        wait_until(Duration::from_secs(5), "the producer to resume", || {
+            head(&sock) > h2 + 100
+        });
+        signal(p.id(), libc::SIGINT);
+        assert_eq!(finish(p, Duration::from_secs(15)).code, Some(0));
+        for (name, c, log) in [("a", a, "a.seq"), ("b", b, "b.seq")] {
+            let e = finish(c, Duration::from_secs(10));
+            assert_eq!(e.code, Some(0), "consumer {name}: {}", e.stderr);
+            assert_contiguous(&seqs(&dir.join(log)), name);
+        }
         let _ = std::fs::remove_dir_all(&dir);
     });
 }

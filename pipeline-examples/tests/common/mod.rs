@@ -79,8 +79,13 @@ pub fn rand_u32() -> u32 {
 }
 
 pub fn spawn(procs: &Procs, args: &[&str]) -> Child {
+    spawn_env(procs, args, &[])
+}
+
+pub fn spawn_env(procs: &Procs, args: &[&str], env: &[(&str, &str)]) -> Child {
     let c = Command::new(GPIPE)
         .args(args)
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -115,7 +120,11 @@ pub fn producer_on(procs: &Procs, sock: &Path, backend: &str, extra: &[&str]) ->
 }
 
 pub fn consumer(procs: &Procs, sock: &Path, log: &Path) -> Child {
-    spawn(
+    consumer_env(procs, sock, log, &[])
+}
+
+pub fn consumer_env(procs: &Procs, sock: &Path, log: &Path, env: &[(&str, &str)]) -> Child {
+    spawn_env(
         procs,
         &[
             "consume",
@@ -126,6 +135,7 @@ pub fn consumer(procs: &Procs, sock: &Path, log: &Path) -> Child {
             "--seq-log",
             log.to_str().unwrap(),
         ],
+        env,
     )
 }
 
@@ -275,22 +285,44 @@ pub fn late_join_case(backend: &'static str) {
 
 /// SIGKILL of one consumer mid-stream: the producer and the others go on, nothing lost.
 pub fn consumer_sigkill_case(backend: &'static str) {
+    consumer_death_case(backend, None);
+}
+
+/// One consumer dies mid-stream — SIGKILLed by the test (`fault: None`), or killing itself
+/// at a protocol step (`GPIPE_FAULT`) — in both modes; the producer and the others go on with
+/// nothing lost or duplicated.
+pub fn consumer_death_case(backend: &'static str, fault: Option<&'static str>) {
     for mode in ["broadcast", "shared"] {
         watchdog(60, move |procs| {
             let dir = tmpdir("ckill");
             let sock = dir.join("ring.sock");
             let p = producer_on(&procs, &sock, backend, &["--mode", mode]);
             let a = consumer(&procs, &sock, &dir.join("a.seq"));
-            let mut victim = consumer(&procs, &sock, &dir.join("v.seq"));
+            let fault_env = fault.map(|f| format!("{f}:300"));
+            let env: Vec<(&str, &str)> = fault_env
+                .as_deref()
+                .map(|f| vec![("GPIPE_FAULT", f)])
+                .unwrap_or_default();
+            let mut victim = consumer_env(&procs, &sock, &dir.join("v.seq"), &env);
             let c = consumer(&procs, &sock, &dir.join("c.seq"));
             wait_until(Duration::from_secs(10), "three consumers", || {
-                active_consumers(&sock) == 3
+                active_consumers(&sock) >= 2
             });
             wait_until(Duration::from_secs(10), "batches flowing", || {
                 head(&sock) > 200
             });
-            victim.kill().unwrap();
-            victim.wait().unwrap();
+            if fault.is_none() {
+                victim.kill().unwrap();
+            }
+            let status = victim.wait().unwrap();
+            {
+                use std::os::unix::process::ExitStatusExt;
+                assert_eq!(
+                    status.signal(),
+                    Some(libc::SIGKILL),
+                    "{mode} {fault:?}: victim {status}"
+                );
+            }
             let killed_at = Instant::now();
             let mut victim_released = 0;
             wait_until(
@@ -353,4 +385,70 @@ pub fn consumer_sigkill_case(backend: &'static str) {
             let _ = std::fs::remove_dir_all(&dir);
         });
     }
+}
+
+/// The producer kills itself at a protocol step: every consumer ends with a clear error
+/// promptly, having received a contiguous, verified prefix.
+pub fn producer_death_case(backend: &'static str, fault: &'static str) {
+    watchdog(60, move |procs| {
+        let dir = tmpdir("pfault");
+        let sock = dir.join("ring.sock");
+        let spec = format!("{fault}:400");
+        let p = {
+            let args = [
+                "produce",
+                "--socket",
+                sock.to_str().unwrap(),
+                "--backend",
+                backend,
+                "--batch-bytes",
+                "64KiB",
+                "--slots",
+                "4",
+                "--rate",
+                "2000",
+            ];
+            let c = spawn_env(&procs, &args, &[("GPIPE_FAULT", &spec)]);
+            wait_until(Duration::from_secs(10), "producer socket", || {
+                std::os::unix::net::UnixStream::connect(&sock).is_ok()
+            });
+            c
+        };
+        let a = consumer(&procs, &sock, &dir.join("a.seq"));
+        let b = consumer(&procs, &sock, &dir.join("b.seq"));
+        let pe = finish(p, Duration::from_secs(20));
+        assert_eq!(
+            pe.code, None,
+            "the producer should have been killed at {fault}: {}",
+            pe.stderr
+        );
+        let t = Instant::now();
+        for (name, c, log) in [("a", a, "a.seq"), ("b", b, "b.seq")] {
+            let e = finish(c, Duration::from_secs(3));
+            assert_eq!(
+                e.code,
+                Some(1),
+                "consumer {name}: {} {}",
+                e.stdout,
+                e.stderr
+            );
+            let r = report(&e);
+            let err = r["error"].as_str().unwrap_or_default();
+            assert!(
+                err.contains("producer died"),
+                "consumer {name} error: {err:?}"
+            );
+            assert_eq!(r["mismatches"], 0);
+            let s = seqs(&dir.join(log));
+            if !s.is_empty() {
+                assert_contiguous(&s, name);
+            }
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(2),
+            "consumers took {:?}",
+            t.elapsed()
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    });
 }
