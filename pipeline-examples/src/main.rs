@@ -3,6 +3,7 @@
 mod bench;
 mod cuda_work;
 mod size;
+mod soak;
 mod work;
 
 use std::path::PathBuf;
@@ -115,6 +116,28 @@ enum Cmd {
         #[arg(long)]
         round_trip: bool,
     },
+    /// Run a ring for a while with consumers joining, leaving and being killed at random;
+    /// report batches delivered, verified and lost (must be 0) and the producer's memory and
+    /// open fds (must not grow).
+    Soak {
+        /// Which backend.
+        #[arg(long, value_enum, default_value = "auto")]
+        backend: BackendArg,
+        /// How long, in seconds.
+        #[arg(long, default_value_t = 60)]
+        duration: u64,
+        /// Most consumer processes at once.
+        #[arg(long, default_value_t = 6)]
+        max_consumers: u32,
+        #[command(flatten)]
+        ring: RingArgs,
+        /// Seed of the random schedule (replay a failing run with the same seed).
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Show the CUDA devices, driver, the capabilities gpipe uses and the path it takes.
     Probe {
         /// JSON output.
@@ -143,6 +166,9 @@ enum Cmd {
         /// Also allow this uid to attach (repeatable).
         #[arg(long)]
         allow_uid: Vec<u32>,
+        /// Also allow peers whose group is this gid (repeatable).
+        #[arg(long)]
+        allow_gid: Vec<u32>,
         /// Detach a consumer that holds a needed slot longer than this many ms (default: wait).
         #[arg(long)]
         detach_after_ms: Option<u64>,
@@ -319,6 +345,7 @@ fn run(cmd: Cmd) -> Result<ExitCode, String> {
             rate,
             max_consumers,
             allow_uid,
+            allow_gid,
             detach_after_ms,
         } => {
             let config = ProducerConfig {
@@ -327,6 +354,7 @@ fn run(cmd: Cmd) -> Result<ExitCode, String> {
                 mode: ring.mode.into(),
                 max_consumers,
                 allowed_uids: allow_uid,
+                allowed_gids: allow_gid,
                 lag: detach_after_ms
                     .map(|ms| LagPolicy::DetachAfter(Duration::from_millis(ms)))
                     .unwrap_or_default(),
@@ -388,6 +416,50 @@ fn run(cmd: Cmd) -> Result<ExitCode, String> {
                     consume(c, &mut cuda_work::CudaCheck::default(), &opts)
                 }
             }
+        }
+        Cmd::Soak {
+            backend,
+            duration,
+            max_consumers,
+            ring,
+            seed,
+            json,
+        } => {
+            let mut args = soak::SoakArgs {
+                duration: Duration::from_secs(duration),
+                max_consumers,
+                mode: ring.mode.into(),
+                slots: ring.slots,
+                batch_bytes: ring.batch_bytes,
+                seed,
+                backend: "host",
+            };
+            let report = match resolve_backend(backend)? {
+                BackendArg::Host => {
+                    soak::run::<HostProducer, _>(&args, HostOptions, &mut work::HostFill)?
+                }
+                _ => {
+                    args.backend = "cuda";
+                    soak::run::<CudaProducer, _>(
+                        &args,
+                        CudaOptions::default(),
+                        &mut cuda_work::CudaFill::default(),
+                    )?
+                }
+            };
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?
+                );
+            } else {
+                print!("{report}");
+            }
+            Ok(if report.problems.is_empty() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
         }
         Cmd::Probe { json } => match pipeline_cuda::probe::probe() {
             Ok(report) => {

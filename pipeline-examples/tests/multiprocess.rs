@@ -451,3 +451,26 @@ fn lag_policy_block_holds_the_producer_until_a_stopped_consumer_resumes() {
         let _ = std::fs::remove_dir_all(&dir);
     });
 }
+
+#[test]
+fn short_soak_loses_nothing() {
+    watchdog(120, |_| {
+        for mode in ["broadcast", "shared"] {
+            let out = Command::new(GPIPE)
+                .args([
+                    "soak", "--backend", "host", "--duration", "4", "--mode", mode,
+                    "--batch-bytes", "128KiB", "--seed", "3", "--json",
+                ])
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{mode}: {}", String::from_utf8_lossy(&out.stdout));
+            let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            assert_eq!(r["lost"], 0, "{mode}");
+            assert_eq!(r["duplicated"], 0, "{mode}");
+            assert_eq!(r["mismatches"], 0, "{mode}");
+            assert!(r["consumers_started"].as_u64().unwrap() > 3, "{mode}: {r}");
+            assert!(r["delivered"].as_u64().unwrap() > 0, "{mode}: {r}");
+            assert_eq!(r["delivered"], r["verified"], "{mode}");
+        }
+    });
+}

@@ -1,0 +1,459 @@
+//! `gpipe soak`: run a ring for a given time while consumers join, leave and are killed at
+//! random; check every batch a surviving consumer received (verified, contiguous, nothing
+//! lost or duplicated) and watch the producer's memory and open fds for growth.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use pipeline_core::{Mode, Producer, ProducerBackend, ProducerConfig};
+
+use crate::work::{self, ConsumerReport, Fill};
+
+/// Soak settings.
+#[derive(Clone, Debug)]
+pub struct SoakArgs {
+    /// How long to run.
+    pub duration: Duration,
+    /// Most consumers alive at once.
+    pub max_consumers: u32,
+    /// Delivery mode.
+    pub mode: Mode,
+    /// Slots.
+    pub slots: u32,
+    /// Bytes per batch.
+    pub batch_bytes: u64,
+    /// Seed of the random schedule.
+    pub seed: u64,
+    /// Backend name for the report.
+    pub backend: &'static str,
+}
+
+/// What a soak found.
+#[derive(Debug, Default, serde::Serialize)]
+pub struct SoakReport {
+    /// Backend.
+    pub backend: String,
+    /// Mode.
+    pub mode: String,
+    /// Seconds run.
+    pub duration_s: f64,
+    /// Batches published.
+    pub published: u64,
+    /// Consumers started.
+    pub consumers_started: u64,
+    /// Consumers SIGKILLed on purpose.
+    pub consumers_killed: u64,
+    /// Consumers that left cleanly (after a random number of batches, or at the end).
+    pub consumers_left: u64,
+    /// Batches delivered to consumers that left cleanly (whose logs are checked).
+    pub delivered: u64,
+    /// Of those, verified by checksum.
+    pub verified: u64,
+    /// Checksum mismatches.
+    pub mismatches: u64,
+    /// Batches missing from a clean consumer's contiguous range (broadcast), or delivered to
+    /// no one where they should have been.
+    pub lost: u64,
+    /// Batches delivered twice to one consumer, or to two consumers in shared mode.
+    pub duplicated: u64,
+    /// Producer resident memory after warm-up and at the end, KiB.
+    pub rss_kib_after_warmup: u64,
+    /// Producer resident memory at the end, KiB.
+    pub rss_kib_end: u64,
+    /// Peak resident memory, KiB.
+    pub rss_kib_peak: u64,
+    /// Open fds after warm-up.
+    pub fds_after_warmup: u64,
+    /// Open fds at the end (before close).
+    pub fds_end: u64,
+    /// Peak open fds.
+    pub fds_peak: u64,
+    /// Problems, in words.
+    pub problems: Vec<String>,
+}
+
+fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse().ok()))
+        })
+        .unwrap_or(0)
+}
+
+fn open_fds() -> u64 {
+    std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.count() as u64)
+        .unwrap_or(0)
+}
+
+/// A tiny deterministic generator (xorshift64*), so a failing schedule can be replayed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+struct Live {
+    child: Child,
+    log: PathBuf,
+}
+
+#[derive(Default)]
+struct Tally {
+    started: u64,
+    killed: u64,
+    reports: Vec<(ConsumerReport, Vec<u64>, bool)>,
+    problems: Vec<String>,
+}
+
+fn read_log(path: &Path) -> Vec<u64> {
+    std::fs::read(path)
+        .map(|b| {
+            b.chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn reap(live: &mut Vec<Live>, tally: &mut Tally, at_end: bool) {
+    let mut i = 0;
+    while i < live.len() {
+        let done = match live[i].child.try_wait() {
+            Ok(Some(_)) => true,
+            Ok(None) => false,
+            Err(_) => true,
+        };
+        if !done {
+            i += 1;
+            continue;
+        }
+        let mut l = live.swap_remove(i);
+        let status = l.child.wait().ok();
+        let killed = {
+            use std::os::unix::process::ExitStatusExt;
+            status.and_then(|s| s.signal()) == Some(libc::SIGKILL)
+        };
+        if killed {
+            continue;
+        }
+        let mut out = String::new();
+        if let Some(mut so) = l.child.stdout.take() {
+            let _ = std::io::Read::read_to_string(&mut so, &mut out);
+        }
+        match out
+            .lines()
+            .rev()
+            .find_map(|x| serde_json::from_str::<ConsumerReport>(x).ok())
+        {
+            Some(r) => {
+                if let Some(e) = &r.error {
+                    // One still attaching when the ring closed is refused: not a failure.
+                    let late = at_end && r.received == 0 && e.contains("shut down");
+                    if !late {
+                        tally
+                            .problems
+                            .push(format!("consumer pid {} ended with: {e}", r.pid));
+                    }
+                }
+                let log = read_log(&l.log);
+                let _ = std::fs::remove_file(&l.log);
+                tally.reports.push((r, log, at_end));
+            }
+            None => tally
+                .problems
+                .push(format!("a consumer exited ({status:?}) without a report")),
+        }
+    }
+}
+
+/// Runs the soak with backend `B`.
+pub fn run<B: ProducerBackend, F: Fill<B>>(
+    args: &SoakArgs,
+    options: B::Options,
+    fill: &mut F,
+) -> Result<SoakReport, String> {
+    if args.batch_bytes % 8 != 0 || args.batch_bytes == 0 {
+        return Err("--batch-bytes must be a positive multiple of 8".into());
+    }
+    let dir = std::env::temp_dir().join(format!("gpipe-soak-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let sock = dir.join("ring.sock");
+    let config = ProducerConfig {
+        slots: args.slots,
+        batch_bytes: args.batch_bytes,
+        mode: args.mode,
+        max_consumers: args.max_consumers.max(1),
+        drain_timeout: Duration::from_secs(30),
+        ..Default::default()
+    };
+    let mut producer: Producer<B> =
+        Producer::bind(&sock, config, options).map_err(|e| e.to_string())?;
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let tally = Arc::new(Mutex::new(Tally::default()));
+    let live: Arc<Mutex<Vec<Live>>> = Arc::new(Mutex::new(Vec::new()));
+    let done = Arc::new(AtomicBool::new(false));
+    // The chaos thread: starts, ends and kills consumers at random, and ends the run.
+    let chaos = {
+        let (stop, tally, live, sock, dir) = (
+            stop.clone(),
+            tally.clone(),
+            live.clone(),
+            sock.clone(),
+            dir.clone(),
+        );
+        let (max, seed, duration) = (args.max_consumers, args.seed, args.duration);
+        let done = done.clone();
+        std::thread::spawn(move || {
+            let mut rng = Rng(seed | 1);
+            let mut n = 0u64;
+            let began = Instant::now();
+            while !stop.load(Ordering::Relaxed) {
+                if began.elapsed() >= duration || crate::STOP.load(Ordering::Relaxed) {
+                    // Tell the producer to finish; keep reaping until it stops us.
+                    done.store(true, Ordering::Relaxed);
+                }
+                std::thread::sleep(Duration::from_millis(50 + rng.below(200)));
+                let mut lv = live.lock().unwrap_or_else(|e| e.into_inner());
+                let mut t = tally.lock().unwrap_or_else(|e| e.into_inner());
+                reap(&mut lv, &mut t, false);
+                let roll = if done.load(Ordering::Relaxed) {
+                    100
+                } else {
+                    rng.below(100)
+                };
+                if (lv.len() as u32) < max && (roll < 45 || lv.is_empty()) {
+                    n += 1;
+                    let log = dir.join(format!("c{n}.seq"));
+                    let quota = 100 + rng.below(40_000);
+                    let spawned = Command::new(&exe)
+                        .args(["consume", "--socket"])
+                        .arg(&sock)
+                        .args(["--verify", "--bench-child", "--max-batches"])
+                        .arg(quota.to_string())
+                        .arg("--seq-log")
+                        .arg(&log)
+                        .stdin(Stdio::null())
+                        .stdout(Stdio::piped())
+                        .stderr(Stdio::null())
+                        .spawn();
+                    match spawned {
+                        Ok(child) => {
+                            t.started += 1;
+                            lv.push(Live { child, log });
+                        }
+                        Err(e) => t.problems.push(format!("cannot start a consumer: {e}")),
+                    }
+                } else if roll < 65 && !lv.is_empty() {
+                    let i = rng.below(lv.len() as u64) as usize;
+                    if lv[i].child.kill().is_ok() {
+                        t.killed += 1;
+                    }
+                }
+            }
+        })
+    };
+    let start = Instant::now();
+    let warmup = args.duration / 5;
+    let mut warm = (0u64, 0u64);
+    let (mut rss_peak, mut fds_peak) = (0u64, 0u64);
+    let mut last_sample = Instant::now();
+    let mut last_print = Instant::now();
+    let mut timing = work::ProduceTiming::default();
+    let published = work::produce_loop(
+        &mut producer,
+        fill,
+        None,
+        args.batch_bytes,
+        &done,
+        &mut timing,
+        |n, consumers| {
+            if last_sample.elapsed() >= Duration::from_millis(250) {
+                last_sample = Instant::now();
+                let (r, f) = (rss_kib(), open_fds());
+                rss_peak = rss_peak.max(r);
+                fds_peak = fds_peak.max(f);
+                if warm == (0, 0) && start.elapsed() >= warmup {
+                    warm = (r, f);
+                }
+            }
+            if last_print.elapsed() >= Duration::from_secs(10) {
+                last_print = Instant::now();
+                eprintln!(
+                    "gpipe soak: {:>5.0} s, {n} batches, {consumers} consumers attached",
+                    start.elapsed().as_secs_f64()
+                );
+            }
+        },
+    );
+    let (rss_end, fds_end) = (rss_kib(), open_fds());
+    stop.store(true, Ordering::Relaxed);
+    let _ = chaos.join();
+    let stats = producer.close();
+    let published = published?;
+    // Everyone left now ends cleanly (the ring is closed): collect their reports.
+    let end = Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut lv = live.lock().unwrap_or_else(|e| e.into_inner());
+        let mut t = tally.lock().unwrap_or_else(|e| e.into_inner());
+        reap(&mut lv, &mut t, true);
+        if lv.is_empty() {
+            break;
+        }
+        if Instant::now() >= end {
+            for l in lv.iter_mut() {
+                let _ = l.child.kill();
+            }
+            t.problems
+                .push("consumers did not end after the ring closed".into());
+            break;
+        }
+        drop((lv, t));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut t = std::mem::take(&mut *tally.lock().unwrap_or_else(|e| e.into_inner()));
+    let mut rep = SoakReport {
+        backend: args.backend.to_string(),
+        mode: args.mode.to_string(),
+        duration_s: start.elapsed().as_secs_f64(),
+        published,
+        consumers_started: t.started,
+        consumers_killed: t.killed,
+        consumers_left: t.reports.len() as u64,
+        rss_kib_after_warmup: warm.0,
+        rss_kib_end: rss_end,
+        rss_kib_peak: rss_peak,
+        fds_after_warmup: warm.1,
+        fds_end,
+        fds_peak,
+        ..Default::default()
+    };
+    let mut shared_seen = std::collections::HashSet::new();
+    for (r, log, at_end) in &t.reports {
+        rep.delivered += r.received;
+        rep.mismatches += r.mismatches;
+        if r.verified {
+            rep.verified += r.received - r.mismatches;
+        }
+        if log.len() as u64 != r.received {
+            t.problems.push(format!(
+                "consumer pid {} logged {} batches but reported {}",
+                r.pid,
+                log.len(),
+                r.received
+            ));
+        }
+        match args.mode {
+            Mode::Broadcast => {
+                for w in log.windows(2) {
+                    if w[1] <= w[0] {
+                        rep.duplicated += 1;
+                    } else {
+                        rep.lost += w[1] - w[0] - 1;
+                    }
+                }
+                // Alive at the close: it must have drained to the last batch.
+                if *at_end && r.error.is_none() && !log.is_empty() {
+                    let last = *log.last().unwrap_or(&0);
+                    if last + 1 < published {
+                        rep.lost += published - 1 - last;
+                    }
+                }
+            }
+            Mode::Shared => {
+                for s in log {
+                    if !shared_seen.insert(*s) {
+                        rep.duplicated += 1;
+                    }
+                }
+            }
+        }
+    }
+    if rep.lost > 0 {
+        t.problems.push(format!("{} batches lost", rep.lost));
+    }
+    if rep.duplicated > 0 {
+        t.problems
+            .push(format!("{} batches duplicated", rep.duplicated));
+    }
+    if rep.mismatches > 0 {
+        t.problems
+            .push(format!("{} checksum mismatches", rep.mismatches));
+    }
+    if rep.fds_after_warmup > 0 && rep.fds_end > rep.fds_after_warmup + 8 {
+        t.problems.push(format!(
+            "producer fds grew from {} after warm-up to {} at the end",
+            rep.fds_after_warmup, rep.fds_end
+        ));
+    }
+    if rep.rss_kib_after_warmup > 0 && rep.rss_kib_end > rep.rss_kib_after_warmup * 5 / 4 + 4096 {
+        t.problems.push(format!(
+            "producer RSS grew from {} KiB after warm-up to {} KiB at the end",
+            rep.rss_kib_after_warmup, rep.rss_kib_end
+        ));
+    }
+    if stats.died < t.killed.saturating_sub(stats.left + stats.detached) / 2 {
+        // Informational cross-check only; kills of consumers still attaching are not deaths.
+        tracing::info!(
+            died = stats.died,
+            killed = t.killed,
+            "soak: death accounting"
+        );
+    }
+    rep.problems = t.problems;
+    Ok(rep)
+}
+
+impl std::fmt::Display for SoakReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "gpipe soak: backend {} | mode {} | {:.0} s | {} batches published",
+            self.backend, self.mode, self.duration_s, self.published
+        )?;
+        writeln!(
+            f,
+            "  consumers: {} started, {} killed, {} left cleanly",
+            self.consumers_started, self.consumers_killed, self.consumers_left
+        )?;
+        writeln!(
+            f,
+            "  batches delivered to clean consumers {}, verified {}, lost {}, duplicated {}, mismatches {}",
+            self.delivered, self.verified, self.lost, self.duplicated, self.mismatches
+        )?;
+        writeln!(
+            f,
+            "  producer RSS {} KiB after warm-up, {} KiB at the end (peak {}); open fds {} -> {} (peak {})",
+            self.rss_kib_after_warmup,
+            self.rss_kib_end,
+            self.rss_kib_peak,
+            self.fds_after_warmup,
+            self.fds_end,
+            self.fds_peak
+        )?;
+        if self.problems.is_empty() {
+            writeln!(f, "  OK: nothing lost, nothing duplicated, no growth")
+        } else {
+            for p in &self.problems {
+                writeln!(f, "  PROBLEM: {p}")?;
+            }
+            Ok(())
+        }
+    }
+}
