@@ -458,12 +458,26 @@ fn short_soak_loses_nothing() {
         for mode in ["broadcast", "shared"] {
             let out = Command::new(GPIPE)
                 .args([
-                    "soak", "--backend", "host", "--duration", "4", "--mode", mode,
-                    "--batch-bytes", "128KiB", "--seed", "3", "--json",
+                    "soak",
+                    "--backend",
+                    "host",
+                    "--duration",
+                    "4",
+                    "--mode",
+                    mode,
+                    "--batch-bytes",
+                    "128KiB",
+                    "--seed",
+                    "3",
+                    "--json",
                 ])
                 .output()
                 .unwrap();
-            assert!(out.status.success(), "{mode}: {}", String::from_utf8_lossy(&out.stdout));
+            assert!(
+                out.status.success(),
+                "{mode}: {}",
+                String::from_utf8_lossy(&out.stdout)
+            );
             let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
             assert_eq!(r["lost"], 0, "{mode}");
             assert_eq!(r["duplicated"], 0, "{mode}");
