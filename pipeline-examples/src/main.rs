@@ -134,6 +134,9 @@ enum Cmd {
         /// Seed of the random schedule (replay a failing run with the same seed).
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// Mean milliseconds between chaos actions (starting or killing a consumer).
+        #[arg(long, default_value_t = 150)]
+        tick_ms: u64,
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
@@ -423,9 +426,11 @@ fn run(cmd: Cmd) -> Result<ExitCode, String> {
             max_consumers,
             ring,
             seed,
+            tick_ms,
             json,
         } => {
             let mut args = soak::SoakArgs {
+                tick_ms,
                 duration: Duration::from_secs(duration),
                 max_consumers,
                 mode: ring.mode.into(),

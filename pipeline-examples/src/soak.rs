@@ -27,6 +27,8 @@ pub struct SoakArgs {
     pub batch_bytes: u64,
     /// Seed of the random schedule.
     pub seed: u64,
+    /// Mean time between chaos actions (start, kill) in milliseconds.
+    pub tick_ms: u64,
     /// Backend name for the report.
     pub backend: &'static str,
 }
@@ -217,7 +219,12 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
             sock.clone(),
             dir.clone(),
         );
-        let (max, seed, duration) = (args.max_consumers, args.seed, args.duration);
+        let (max, seed, duration, tick) = (
+            args.max_consumers,
+            args.seed,
+            args.duration,
+            args.tick_ms.max(2),
+        );
         let done = done.clone();
         std::thread::spawn(move || {
             let mut rng = Rng(seed | 1);
@@ -228,7 +235,7 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
                     // Tell the producer to finish; keep reaping until it stops us.
                     done.store(true, Ordering::Relaxed);
                 }
-                std::thread::sleep(Duration::from_millis(50 + rng.below(200)));
+                std::thread::sleep(Duration::from_millis(tick / 2 + rng.below(tick)));
                 let mut lv = live.lock().unwrap_or_else(|e| e.into_inner());
                 let mut t = tally.lock().unwrap_or_else(|e| e.into_inner());
                 reap(&mut lv, &mut t, false);
