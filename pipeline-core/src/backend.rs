@@ -94,8 +94,9 @@ pub trait ProducerBackend: Send + Sync + Sized + 'static {
     /// The caller owns `slot` exclusively: no consumer holds it and no other `SlotMut` for it
     /// is alive (the ring guarantees this between `wait_finished` and publish).
     unsafe fn slot_mut(&self, slot: u32) -> Self::SlotMut<'_>;
-    /// Marks the producer's writes to `slot` complete (the ring publishes only after this).
-    fn signal_ready(&self, slot: u32) -> Result<(), BackendError>;
+    /// Marks the producer's writes to batch `seq` in `slot` complete (the ring publishes only
+    /// after this).
+    fn signal_ready(&self, slot: u32, seq: u64) -> Result<(), BackendError>;
 }
 
 /// The consumer's half of a backend.
@@ -117,8 +118,8 @@ pub trait ConsumerBackend: Send + Sized + 'static {
         blob: &[u8],
         fds: Vec<OwnedFd>,
     ) -> Result<(Self, Export), BackendError>;
-    /// Orders the consumer's use of `slot` after the producer's writes to it.
-    fn wait_ready(&mut self, slot: u32) -> Result<(), BackendError>;
+    /// Orders the consumer's use of batch `seq` in `slot` after the producer's writes to it.
+    fn wait_ready(&mut self, slot: u32, seq: u64) -> Result<(), BackendError>;
     /// The batch's memory for use in place.
     ///
     /// # Safety
@@ -128,6 +129,9 @@ pub trait ConsumerBackend: Send + Sized + 'static {
     /// Marks the consumer's use of batch `seq` in `slot` complete (the ring releases only
     /// after this).
     fn signal_finished(&mut self, slot: u32, seq: u64) -> Result<(), BackendError>;
+    /// The producer died: work waiting for its signals may never run. The backend must not
+    /// wait for it at teardown (and may release such waits itself).
+    fn abandon(&mut self) {}
 }
 
 /// The host backend: slots in one sealed memfd, written with the CPU. Ready and finished need
@@ -206,7 +210,7 @@ impl ProducerBackend for HostProducer {
         }
     }
 
-    fn signal_ready(&self, _: u32) -> Result<(), BackendError> {
+    fn signal_ready(&self, _: u32, _: u64) -> Result<(), BackendError> {
         Ok(())
     }
 }
@@ -258,7 +262,7 @@ impl ConsumerBackend for HostConsumer {
         ))
     }
 
-    fn wait_ready(&mut self, _: u32) -> Result<(), BackendError> {
+    fn wait_ready(&mut self, _: u32, _: u64) -> Result<(), BackendError> {
         Ok(())
     }
 

@@ -338,8 +338,16 @@ impl<B: ConsumerBackend> Consumer<B> {
             return Ok(None);
         }
         let got = match self.layout.mode {
-            Mode::Broadcast => self.next_broadcast(deadline)?,
-            Mode::Shared => self.next_shared(deadline)?,
+            Mode::Broadcast => self.next_broadcast(deadline),
+            Mode::Shared => self.next_shared(deadline),
+        };
+        let got = match got {
+            Ok(g) => g,
+            Err(Error::ProducerDied) => {
+                self.backend.abandon();
+                return Err(Error::ProducerDied);
+            }
+            Err(e) => return Err(e),
         };
         let Some((seq, slot)) = got else {
             self.ended = true;
@@ -357,7 +365,7 @@ impl<B: ConsumerBackend> Consumer<B> {
             return Err(violation(v));
         }
         crate::fault::point("consumer.before_wait");
-        if let Err(e) = self.backend.wait_ready(slot) {
+        if let Err(e) = self.backend.wait_ready(slot, seq) {
             self.release_slot(slot);
             return Err(Error::Backend(e));
         }

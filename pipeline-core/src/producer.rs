@@ -823,7 +823,9 @@ impl<'p, B: ProducerBackend> Slot<'p, B> {
                 sh.layout.slot_bytes
             )));
         }
-        sh.backend.signal_ready(self.slot).map_err(Error::Backend)?;
+        sh.backend
+            .signal_ready(self.slot, self.seq)
+            .map_err(Error::Backend)?;
         let desc = sh.seg.slot(self.slot);
         desc.len.store(len, Ordering::Relaxed);
         for (w, v) in desc.header.iter().zip(header) {

@@ -1,6 +1,12 @@
-//! The CUDA backend of the ring: slots from an IPC-capable stream-ordered memory pool, one
+//! The CUDA backend of the ring: slots in GPU memory shared on one of three memory paths
+//! ([`MemoryPath`]: an exportable stream-ordered pool, VMM allocations, or legacy IPC), one
 //! `ready` IPC event per slot (the producer's), and one `finished` timeline word per slot per
 //! consumer.
+//!
+//! The producer picks the path and the handle kind ([`CudaOptions::memory`],
+//! [`CudaOptions::handle`]); the export blob names them and consumers follow it. A consumer's
+//! attach cost per step is in [`CudaConsumer::import_timings`] (and
+//! [`last_import_timings`]).
 //!
 //! Ordering (docs/protocol.md): the producer's stream waits until the `finished[c][k]` words of
 //! the consumers that had slot k's previous batch reach that batch's generation, runs the fill,
@@ -40,10 +46,10 @@
 //! # Ok(()) }
 //! ```
 
-use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use memmap2::{MmapOptions, MmapRaw};
 
@@ -54,12 +60,12 @@ use pipeline_core::{
 };
 
 use crate::driver::{
-    self, CUdeviceptr, Context, CudaError, Event, HostRegistration, MemPool, PoolHandleType,
-    Stream, WaitCondition,
+    self, CUdeviceptr, Context, CudaError, Event, HostRegistration, Stream, WaitCondition,
 };
+use crate::memory::{ConsumerSlots, ExportHeader, ProducerSlots, SlotExport, micros};
+pub use crate::memory::{HandleKind, ImportTimings, MAX_VMM_FD_SLOTS, MemoryPath, SyncMode};
 use crate::probe::Capabilities;
 
-const EXPORT_MAGIC: u32 = u32::from_le_bytes(*b"GCU1");
 const REPLY_MAGIC: u32 = u32::from_le_bytes(*b"GCF1");
 const HANDLE: usize = 64;
 
@@ -69,6 +75,48 @@ pub struct CudaOptions {
     /// Device ordinal. A consumer uses the device whose UUID matches the producer's when
     /// `None`; set it to use another device (peer access).
     pub device: Option<usize>,
+    /// Producer: where the slots live and how they are shared (default: [`MemoryPath::Pool`]).
+    /// Consumers ignore it and follow the path the producer's export names.
+    pub memory: MemoryPath,
+    /// Producer: how the pool and VMM paths share their handles (default:
+    /// [`HandleKind::PosixFd`]; the legacy path refuses [`HandleKind::Fabric`]). Consumers
+    /// ignore it and follow the export.
+    pub handle: HandleKind,
+    /// Producer: how `ready` is signalled (default [`SyncMode::Events`]). Consumers ignore it
+    /// and follow the export.
+    pub sync: SyncMode,
+}
+
+impl CudaOptions {
+    /// These options with `memory` as the memory path.
+    pub fn with_memory(mut self, memory: MemoryPath) -> Self {
+        self.memory = memory;
+        self
+    }
+
+    /// These options with `sync` as the ready signal.
+    pub fn with_sync(mut self, sync: SyncMode) -> Self {
+        self.sync = sync;
+        self
+    }
+
+    /// These options with `handle` as the handle kind.
+    pub fn with_handle(mut self, handle: HandleKind) -> Self {
+        self.handle = handle;
+        self
+    }
+}
+
+static LAST_IMPORT: std::sync::Mutex<Option<ImportTimings>> = std::sync::Mutex::new(None);
+
+/// The attach cost of the most recent successful CUDA import in this process (per step, in
+/// microseconds), or `None` before the first. The same as [`CudaConsumer::import_timings`] of
+/// the consumer that attached last.
+pub fn last_import_timings() -> Option<ImportTimings> {
+    LAST_IMPORT
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone()
 }
 
 /// A slot as the producer writes it: device memory and the stream to order work on.
@@ -115,19 +163,20 @@ struct Timelines {
 }
 
 impl Timelines {
-    fn bytes(layout: &RingLayout) -> u64 {
-        (layout.consumer_capacity as u64 * layout.slot_count as u64 * 8).div_ceil(4096) * 4096
+    fn bytes(rows: u32, slots: u32) -> u64 {
+        (rows as u64 * slots as u64 * 8).div_ceil(4096) * 4096
     }
 
-    fn create(ctx: &Arc<Context>, layout: &RingLayout) -> Result<Self, BackendError> {
-        let fd = pipeline_core::sys::sealed_memfd("gpipe-finished", Self::bytes(layout))?;
-        Self::map(ctx, layout, fd)
+    /// `rows × slots` zeroed words (finished: a row per consumer; ready: one row).
+    fn create(ctx: &Arc<Context>, rows: u32, slots: u32, name: &str) -> Result<Self, BackendError> {
+        let fd = pipeline_core::sys::sealed_memfd(name, Self::bytes(rows, slots))?;
+        Self::map(ctx, rows, slots, fd)
     }
 
-    fn map(ctx: &Arc<Context>, layout: &RingLayout, fd: OwnedFd) -> Result<Self, BackendError> {
-        let bytes = Self::bytes(layout);
+    fn map(ctx: &Arc<Context>, rows: u32, slots: u32, fd: OwnedFd) -> Result<Self, BackendError> {
+        let bytes = Self::bytes(rows, slots);
         pipeline_core::sys::check_sealed_memfd(fd.as_fd(), bytes)
-            .map_err(|m| format!("finished timelines: {m}"))?;
+            .map_err(|m| format!("timeline words: {m}"))?;
         let map = MmapOptions::new().len(bytes as usize).map_raw(&fd)?;
         // SAFETY: the mapping is page-aligned, `bytes` long (a page multiple), and owned by
         // this struct, whose field order drops the registration before the mapping.
@@ -137,8 +186,8 @@ impl Timelines {
             reg,
             map,
             fd,
-            slots: layout.slot_count,
-            words: (layout.consumer_capacity * layout.slot_count) as usize,
+            slots,
+            words: (rows * slots) as usize,
         })
     }
 
@@ -160,9 +209,21 @@ impl Timelines {
     }
 }
 
-fn check_capabilities(ctx: &Arc<Context>) -> Result<(), BackendError> {
+/// How the producer signals `ready`.
+enum ReadySignal {
+    /// One IPC event per slot.
+    Events(Vec<Event>),
+    /// One timeline word per slot (a single row).
+    Semaphore(Timelines),
+}
+
+fn check_capabilities(
+    ctx: &Arc<Context>,
+    memory: MemoryPath,
+    handle: HandleKind,
+) -> Result<(), BackendError> {
     let caps = Capabilities::of(ctx.device()).map_err(be)?;
-    caps.chosen_path().map_err(be)?;
+    caps.check_path(memory, handle).map_err(be)?;
     Ok(())
 }
 
@@ -170,10 +231,11 @@ fn check_capabilities(ctx: &Arc<Context>) -> Result<(), BackendError> {
 pub struct CudaProducer {
     ctx: Arc<Context>,
     stream: Stream,
-    pool: MemPool,
-    pool_fd: OwnedFd,
-    slots: Vec<CUdeviceptr>,
-    ready: Vec<Event>,
+    slots: ProducerSlots,
+    slot_count: u32,
+    memory: MemoryPath,
+    handle: HandleKind,
+    ready: ReadySignal,
     export: Vec<u8>,
     slot_bytes: u64,
     timelines: Timelines,
@@ -191,6 +253,14 @@ impl CudaProducer {
     pub fn stream(&self) -> &Stream {
         &self.stream
     }
+    /// The memory path the slots live on.
+    pub fn memory_path(&self) -> MemoryPath {
+        self.memory
+    }
+    /// How the slots' handles are shared.
+    pub fn handle_kind(&self) -> HandleKind {
+        self.handle
+    }
 }
 
 impl ProducerBackend for CudaProducer {
@@ -199,46 +269,60 @@ impl ProducerBackend for CudaProducer {
     const KIND: BackendKind = BackendKind::Cuda;
 
     fn create(layout: &RingLayout, options: CudaOptions) -> Result<Self, BackendError> {
+        let (memory, handle) = (options.memory, options.handle);
+        if !memory.supports(handle) {
+            return Err(format!(
+                "the {memory} memory path cannot share memory with {handle} handles (fabric \
+                 handles apply to the pool and vmm paths)"
+            )
+            .into());
+        }
         driver::init().map_err(be)?;
         let ctx = Context::new(options.device.unwrap_or(0)).map_err(be)?;
-        check_capabilities(&ctx)?;
+        check_capabilities(&ctx, memory, handle)?;
         let stream = Stream::new(&ctx).map_err(be)?;
-        let total = layout
-            .slot_bytes
-            .checked_mul(layout.slot_count as u64)
-            .ok_or("ring size overflows")?;
-        let pool =
-            MemPool::new_exportable(&ctx, total as usize, PoolHandleType::PosixFd).map_err(be)?;
-        let pool_fd = pool.export_fd().map_err(be)?;
-        let mut slots = Vec::with_capacity(layout.slot_count as usize);
-        let mut ready = Vec::with_capacity(layout.slot_count as usize);
+        let slots = ProducerSlots::create(&ctx, &stream, layout, memory, handle).map_err(be)?;
         let mut export = Vec::new();
-        export.extend_from_slice(&EXPORT_MAGIC.to_le_bytes());
-        export.extend_from_slice(&1u32.to_le_bytes());
-        export.extend_from_slice(&ctx.device().uuid().map_err(be)?);
-        export.extend_from_slice(&layout.slot_count.to_le_bytes());
-        export.extend_from_slice(&layout.slot_bytes.to_le_bytes());
-        for _ in 0..layout.slot_count {
-            let ptr = pool
-                .alloc_async(layout.slot_bytes as usize, &stream)
-                .map_err(be)?;
-            slots.push(ptr);
+        ExportHeader {
+            memory,
+            handle,
+            sync: options.sync,
+            uuid: ctx.device().uuid().map_err(be)?,
+            slot_count: layout.slot_count,
+            slot_bytes: layout.slot_bytes,
         }
-        // Setup only: the allocations must exist before they are exported.
-        stream.synchronize().map_err(be)?;
-        for &ptr in &slots {
-            let ev = Event::new_ipc(&ctx).map_err(be)?;
-            export.extend_from_slice(&pool.export_pointer(ptr).map_err(be)?);
-            export.extend_from_slice(&ev.ipc_handle().map_err(be)?);
-            ready.push(ev);
-        }
-        let timelines = Timelines::create(&ctx, layout)?;
+        .write(&mut export);
+        slots.write_export(&mut export);
+        let ready = match options.sync {
+            SyncMode::Events => {
+                let mut events = Vec::with_capacity(layout.slot_count as usize);
+                for _ in 0..layout.slot_count {
+                    let ev = Event::new_ipc(&ctx).map_err(be)?;
+                    export.extend_from_slice(&ev.ipc_handle().map_err(be)?);
+                    events.push(ev);
+                }
+                ReadySignal::Events(events)
+            }
+            SyncMode::Semaphore => ReadySignal::Semaphore(Timelines::create(
+                &ctx,
+                1,
+                layout.slot_count,
+                "gpipe-ready",
+            )?),
+        };
+        let timelines = Timelines::create(
+            &ctx,
+            layout.consumer_capacity,
+            layout.slot_count,
+            "gpipe-finished",
+        )?;
         Ok(Self {
             ctx,
             stream,
-            pool,
-            pool_fd,
             slots,
+            slot_count: layout.slot_count,
+            memory,
+            handle,
             ready,
             export,
             slot_bytes: layout.slot_bytes,
@@ -248,9 +332,14 @@ impl ProducerBackend for CudaProducer {
     }
 
     fn export(&self, _consumer: u32) -> Result<Export, BackendError> {
+        let mut fds = self.slots.export_fds()?;
+        if let ReadySignal::Semaphore(words) = &self.ready {
+            fds.push(words.fd.try_clone()?);
+        }
+        fds.push(self.timelines.fd.try_clone()?);
         Ok(Export {
             blob: self.export.clone(),
-            fds: vec![self.pool_fd.try_clone()?, self.timelines.fd.try_clone()?],
+            fds,
         })
     }
 
@@ -264,14 +353,14 @@ impl ProducerBackend for CudaProducer {
         }
         let n = r.u32()? as usize;
         r.finish()?;
-        if n != self.slots.len() {
-            return Err(format!("CUDA consumer imported {n} slots of {}", self.slots.len()).into());
+        if n != self.slot_count as usize {
+            return Err(format!("CUDA consumer imported {n} slots of {}", self.slot_count).into());
         }
         let mut live = self.live.lock();
         // A previous holder of this index may still have waits in our stream (released by
         // its departure): let them pass before its words go back to zero.
         self.stream.synchronize().map_err(be)?;
-        for k in 0..self.slots.len() as u32 {
+        for k in 0..self.slot_count {
             self.timelines.host(consumer, k).store(0, Ordering::Release);
         }
         *live |= 1u64 << consumer;
@@ -283,7 +372,7 @@ impl ProducerBackend for CudaProducer {
         *live &= !(1u64 << consumer);
         // Release every wait on its words, now and later: a dead consumer's last writes may
         // never happen.
-        for k in 0..self.slots.len() as u32 {
+        for k in 0..self.slot_count {
             self.timelines
                 .host(consumer, k)
                 .store(RELEASED, Ordering::Release);
@@ -322,14 +411,22 @@ impl ProducerBackend for CudaProducer {
 
     unsafe fn slot_mut(&self, slot: u32) -> CudaSlotMut<'_> {
         CudaSlotMut {
-            ptr: self.slots[slot as usize],
+            ptr: self.slots.ptr(slot as usize),
             capacity: self.slot_bytes,
             stream: &self.stream,
         }
     }
 
-    fn signal_ready(&self, slot: u32) -> Result<(), BackendError> {
-        self.ready[slot as usize].record(&self.stream).map_err(be)
+    fn signal_ready(&self, slot: u32, seq: u64) -> Result<(), BackendError> {
+        match &self.ready {
+            ReadySignal::Events(events) => events[slot as usize].record(&self.stream).map_err(be),
+            // SAFETY: the word is in our registered ready timelines, mapped for our lifetime;
+            // the stream is ours.
+            ReadySignal::Semaphore(words) => unsafe {
+                driver::stream_write_value64(&self.stream, words.device(0, slot), seq + 1)
+            }
+            .map_err(be),
+        }
     }
 }
 
@@ -340,13 +437,7 @@ impl Drop for CudaProducer {
         if let Err(e) = self.stream.synchronize() {
             tracing::error!("CUDA producer teardown: stream synchronize failed: {e}");
         }
-        for &ptr in &self.slots {
-            // SAFETY: each pointer came from alloc_async on this pool, is freed once, here,
-            // after the stream finished all work that used it.
-            if let Err(e) = unsafe { self.pool.free_async(ptr, &self.stream) } {
-                tracing::error!("CUDA producer teardown: freeing a slot failed: {e}");
-            }
-        }
+        self.slots.release(&self.stream);
         if let Err(e) = self.stream.synchronize() {
             tracing::error!("CUDA producer teardown: stream synchronize failed: {e}");
         }
@@ -357,12 +448,14 @@ impl Drop for CudaProducer {
 pub struct CudaConsumer {
     ctx: Arc<Context>,
     stream: Stream,
-    pool: MemPool,
-    slots: Vec<CUdeviceptr>,
-    ready: Vec<Event>,
+    slots: ConsumerSlots,
+    ready: ReadySignal,
     timelines: Timelines,
     index: u32,
+    /// The producer died: waits on its `ready` signals may never complete.
+    abandoned: bool,
     slot_bytes: u64,
+    timings: ImportTimings,
 }
 
 impl CudaConsumer {
@@ -373,6 +466,18 @@ impl CudaConsumer {
     /// The consumer's stream.
     pub fn stream(&self) -> &Stream {
         &self.stream
+    }
+    /// The memory path the producer's slots live on (taken from its export).
+    pub fn memory_path(&self) -> MemoryPath {
+        self.timings.memory
+    }
+    /// How the producer shares its handles (taken from its export).
+    pub fn handle_kind(&self) -> HandleKind {
+        self.timings.handle
+    }
+    /// How long this consumer's import (its attach) took, per step.
+    pub fn import_timings(&self) -> &ImportTimings {
+        &self.timings
     }
 }
 
@@ -404,13 +509,15 @@ impl ConsumerBackend for CudaConsumer {
         blob: &[u8],
         fds: Vec<OwnedFd>,
     ) -> Result<(Self, Export), BackendError> {
+        let started = Instant::now();
         let mut r = Reader::new(blob, "CUDA export");
-        if r.u32()? != EXPORT_MAGIC || r.u32()? != 1 {
-            return Err("CUDA export has a bad magic or version".into());
-        }
-        let uuid: [u8; 16] = r.bytes(16)?.try_into()?;
-        let n = r.u32()?;
-        let slot_bytes = r.u64()?;
+        let header = ExportHeader::read(&mut r)?;
+        let (memory, handle, n, slot_bytes) = (
+            header.memory,
+            header.handle,
+            header.slot_count,
+            header.slot_bytes,
+        );
         if n != layout.slot_count || slot_bytes != layout.slot_bytes {
             return Err(format!(
                 "CUDA export describes {n} slots of {slot_bytes} bytes; the ring has {} of {}",
@@ -418,54 +525,77 @@ impl ConsumerBackend for CudaConsumer {
             )
             .into());
         }
-        let mut exports = Vec::with_capacity(n as usize);
-        for _ in 0..n {
-            let p: [u8; HANDLE] = r.bytes(HANDLE)?.try_into()?;
+        let mut fds = fds;
+        let timeline_fd = fds.pop().ok_or_else(|| {
+            format!("CUDA {memory} export carries no fds; it needs at least the timelines fd")
+        })?;
+        let ready_fd = match header.sync {
+            SyncMode::Events => None,
+            SyncMode::Semaphore => Some(fds.pop().ok_or_else(|| {
+                format!("CUDA {memory} export with semaphore sync carries no ready-words fd")
+            })?),
+        };
+        // Everything is parsed and counted before the driver sees any of it.
+        let export = SlotExport::parse(&mut r, memory, handle, n, slot_bytes, fds)?;
+        let mut ready_handles = Vec::with_capacity(n as usize);
+        for _ in 0..if ready_fd.is_none() { n } else { 0 } {
             let e: [u8; HANDLE] = r.bytes(HANDLE)?.try_into()?;
-            exports.push((p, e));
+            ready_handles.push(e);
         }
         r.finish()?;
-        let [pool_fd, timeline_fd] = <[OwnedFd; 2]>::try_from(fds).map_err(|f| {
-            format!(
-                "CUDA export must carry a pool fd and a timeline fd, got {} fds",
-                f.len()
-            )
-        })?;
+        let mut timings = ImportTimings {
+            memory,
+            handle,
+            slots: n,
+            ..ImportTimings::default()
+        };
+        let t = Instant::now();
         driver::init().map_err(be)?;
-        let ctx = Context::new(pick_device(&uuid, &options)?).map_err(be)?;
-        check_capabilities(&ctx)?;
+        let ctx = Context::new(pick_device(&header.uuid, &options)?).map_err(be)?;
+        check_capabilities(&ctx, memory, handle)?;
         let stream = Stream::new(&ctx).map_err(be)?;
-        let pool = MemPool::import_fd(&ctx, pool_fd.as_fd()).map_err(be)?;
-        drop(pool_fd);
-        pool.set_access(ctx.device(), true).map_err(be)?;
-        // Import each allocation once: a second import of the same allocation would share the
-        // mapping and the first free would unmap both.
-        let mut seen: HashMap<[u8; HANDLE], CUdeviceptr> = HashMap::new();
-        let mut slots = Vec::with_capacity(n as usize);
-        let mut ready = Vec::with_capacity(n as usize);
-        for (p, e) in &exports {
-            if seen.contains_key(p) {
-                return Err("the producer exported one allocation for two slots".into());
+        timings.setup_us = micros(t);
+        let slots = ConsumerSlots::import(&ctx, export, &mut timings)?;
+        debug_assert_eq!(slots.len(), n as usize);
+        let t = Instant::now();
+        let ready = match ready_fd {
+            None => {
+                let mut events = Vec::with_capacity(n as usize);
+                for e in &ready_handles {
+                    events.push(Event::open_ipc(&ctx, e).map_err(be)?);
+                }
+                ReadySignal::Events(events)
             }
-            let ptr = pool.import_pointer(p).map_err(be)?;
-            seen.insert(*p, ptr);
-            slots.push(ptr);
-            ready.push(Event::open_ipc(&ctx, e).map_err(be)?);
-        }
-        let timelines = Timelines::map(&ctx, layout, timeline_fd)?;
+            Some(fd) => ReadySignal::Semaphore(Timelines::map(&ctx, 1, n, fd)?),
+        };
+        timings.event_opens_us = micros(t);
+        let t = Instant::now();
+        let timelines = Timelines::map(
+            &ctx,
+            layout.consumer_capacity,
+            layout.slot_count,
+            timeline_fd,
+        )?;
+        timings.timelines_us = micros(t);
         let mut reply = Vec::with_capacity(8);
         reply.extend_from_slice(&REPLY_MAGIC.to_le_bytes());
         reply.extend_from_slice(&n.to_le_bytes());
+        timings.total_us = micros(started);
+        *LAST_IMPORT
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(timings.clone());
+        tracing::debug!(?timings, "CUDA consumer imported the producer's export");
         Ok((
             Self {
                 ctx,
                 stream,
-                pool,
                 slots,
                 ready,
                 timelines,
                 index: consumer,
+                abandoned: false,
                 slot_bytes,
+                timings,
             },
             Export {
                 blob: reply,
@@ -474,16 +604,39 @@ impl ConsumerBackend for CudaConsumer {
         ))
     }
 
-    fn wait_ready(&mut self, slot: u32) -> Result<(), BackendError> {
-        self.stream
-            .wait_event(&self.ready[slot as usize])
-            .map_err(be)
+    fn wait_ready(&mut self, slot: u32, seq: u64) -> Result<(), BackendError> {
+        match &self.ready {
+            ReadySignal::Events(events) => {
+                self.stream.wait_event(&events[slot as usize]).map_err(be)
+            }
+            // SAFETY: the word is in our registered ready timelines, mapped for our lifetime;
+            // the stream is ours.
+            ReadySignal::Semaphore(words) => unsafe {
+                driver::stream_wait_value64(
+                    &self.stream,
+                    words.device(0, slot),
+                    seq + 1,
+                    WaitCondition::Geq,
+                )
+            }
+            .map_err(be),
+        }
+    }
+
+    fn abandon(&mut self) {
+        self.abandoned = true;
+        if let ReadySignal::Semaphore(words) = &self.ready {
+            // Release our own stream's waits on a producer that will never signal.
+            for k in 0..words.slots {
+                words.host(0, k).store(RELEASED, Ordering::Release);
+            }
+        }
     }
 
     unsafe fn batch_ref(&self, slot: u32, len: u64) -> CudaBatchRef<'_> {
         debug_assert!(len <= self.slot_bytes);
         CudaBatchRef {
-            ptr: self.slots[slot as usize],
+            ptr: self.slots.ptr(slot as usize),
             len,
             stream: &self.stream,
         }
@@ -505,20 +658,191 @@ impl ConsumerBackend for CudaConsumer {
 
 impl Drop for CudaConsumer {
     fn drop(&mut self) {
-        // Importers free first: finish our work, free every imported pointer, and only then
-        // (when the core sends Goodbye after this drop) may the producer free its memory.
+        // Importers free first: finish our work, drop every import (free pool pointers, unmap
+        // and release VMM allocations, close legacy IPC handles), and only then (when the core
+        // sends Goodbye after this drop) may the producer free its memory.
+        if self.abandoned && matches!(self.ready, ReadySignal::Events(_)) {
+            // The producer died: our stream may wait forever on a `ready` event it recorded
+            // but never ran. Leave the imports to the driver's process teardown.
+            tracing::warn!("the producer died: skipping the CUDA consumer's teardown");
+            return;
+        }
         if let Err(e) = self.stream.synchronize() {
             tracing::error!("CUDA consumer teardown: stream synchronize failed: {e}");
         }
-        for &ptr in &self.slots {
-            // SAFETY: each pointer was imported once from this pool and is freed once, after
-            // the stream finished all our work on it.
-            if let Err(e) = unsafe { self.pool.free_async(ptr, &self.stream) } {
-                tracing::error!("CUDA consumer teardown: freeing an import failed: {e}");
+        self.slots.release(&self.stream);
+        if let Err(e) = self.stream.synchronize() {
+            tracing::error!("CUDA consumer teardown: stream synchronize failed: {e}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pipeline_core::Mode;
+
+    fn layout(slot_count: u32) -> RingLayout {
+        RingLayout {
+            slot_count,
+            slot_bytes: 2 << 20,
+            consumer_capacity: 4,
+            mode: Mode::Broadcast,
+        }
+    }
+
+    #[test]
+    fn options_default_to_the_pool_with_posix_fds() {
+        let o = CudaOptions::default();
+        assert_eq!(
+            (o.memory, o.handle),
+            (MemoryPath::Pool, HandleKind::PosixFd)
+        );
+        let o = o
+            .with_memory(MemoryPath::Vmm)
+            .with_handle(HandleKind::Fabric);
+        assert_eq!((o.memory, o.handle), (MemoryPath::Vmm, HandleKind::Fabric));
+    }
+
+    #[test]
+    fn legacy_with_fabric_is_refused_before_touching_the_driver() {
+        let o = CudaOptions::default()
+            .with_memory(MemoryPath::Legacy)
+            .with_handle(HandleKind::Fabric);
+        let e = CudaProducer::create(&layout(2), o).err().unwrap();
+        assert!(e.to_string().contains("legacy memory path cannot"), "{e}");
+    }
+
+    #[test]
+    fn consumers_refuse_a_mismatched_export_before_touching_the_driver() {
+        let mut blob = Vec::new();
+        ExportHeader {
+            memory: MemoryPath::Vmm,
+            handle: HandleKind::PosixFd,
+            sync: SyncMode::Events,
+            uuid: [0; 16],
+            slot_count: 2,
+            slot_bytes: 2 << 20,
+        }
+        .write(&mut blob);
+        blob.extend_from_slice(&(2u64 << 20).to_le_bytes());
+        blob.extend_from_slice(&[0; 2 * HANDLE]);
+        let memfd = || pipeline_core::sys::sealed_memfd("gpipe-test", 4096).unwrap();
+        // A pool-style fd set (one memory fd) for a VMM export of two slots.
+        let e = CudaConsumer::import(
+            &layout(2),
+            0,
+            CudaOptions::default(),
+            &blob,
+            vec![memfd(), memfd()],
+        )
+        .err()
+        .unwrap();
+        assert!(
+            e.to_string()
+                .contains("vmm export with posix_fd handles must carry 2"),
+            "{e}"
+        );
+        // A ring of another shape.
+        let e = CudaConsumer::import(&layout(3), 0, CudaOptions::default(), &blob, vec![])
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("describes 2 slots"), "{e}");
+        // Trailing bytes.
+        let mut long = blob.clone();
+        long.push(0);
+        let fds = vec![memfd(), memfd(), memfd()];
+        let e = CudaConsumer::import(&layout(2), 0, CudaOptions::default(), &long, fds)
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("trailing"), "{e}");
+    }
+
+    mod gpu {
+        use super::*;
+        use crate::driver::{PinnedBuffer, memcpy_dtoh_async, memset_d8_async};
+        use crate::memory::imex_channel_present;
+
+        /// Parses a producer's export the way a consumer does, without importing.
+        fn parse(export: Export, memory: MemoryPath, slots: u32) {
+            let mut r = Reader::new(&export.blob, "test export");
+            let h = ExportHeader::read(&mut r).unwrap();
+            assert_eq!((h.memory, h.handle), (memory, HandleKind::PosixFd));
+            assert_eq!((h.slot_count, h.slot_bytes), (slots, 2 << 20));
+            let mut fds = export.fds;
+            fds.pop().unwrap();
+            SlotExport::parse(&mut r, memory, h.handle, slots, 2 << 20, fds).unwrap();
+            r.bytes(slots as usize * HANDLE).unwrap();
+            r.finish().unwrap();
+        }
+
+        #[test]
+        #[ignore = "needs a CUDA GPU"]
+        fn every_path_allocates_writable_slots_and_exports_them() {
+            for (memory, memory_fds) in [
+                (MemoryPath::Pool, 1),
+                (MemoryPath::Vmm, 3),
+                (MemoryPath::Legacy, 0),
+            ] {
+                let options = CudaOptions::default().with_memory(memory);
+                let p = CudaProducer::create(&layout(3), options).unwrap();
+                assert_eq!(p.memory_path(), memory);
+                let export = p.export(0).unwrap();
+                assert_eq!(export.fds.len(), memory_fds + 1, "{memory}");
+                parse(export, memory, 3);
+                let host = PinnedBuffer::new(p.context(), 16).unwrap();
+                for k in 0..3 {
+                    // SAFETY: no consumer is attached, so the producer owns every slot.
+                    let slot = unsafe { p.slot_mut(k) };
+                    assert_eq!(slot.ptr % (2 << 20), 0, "{memory} slot {k}");
+                    // SAFETY: the slot is live device memory of `capacity` bytes used only by
+                    // the producer's stream; the host reads `host` after synchronize.
+                    unsafe {
+                        memset_d8_async(slot.ptr, k as u8 + 1, slot.capacity as usize, slot.stream)
+                            .unwrap();
+                        memcpy_dtoh_async(
+                            host.as_ptr(),
+                            slot.ptr + slot.capacity - 16,
+                            16,
+                            slot.stream,
+                        )
+                        .unwrap();
+                    }
+                    p.signal_ready(k, 0).unwrap();
+                    p.stream().synchronize().unwrap();
+                    // SAFETY: the stream is idle.
+                    assert_eq!(unsafe { host.as_slice() }, &[k as u8 + 1; 16]);
+                }
+                drop(p);
             }
         }
-        if let Err(e) = self.stream.synchronize() {
-            tracing::error!("CUDA consumer teardown: stream synchronize failed: {e}");
+
+        #[test]
+        #[ignore = "needs a CUDA GPU"]
+        fn vmm_with_posix_fds_refuses_more_than_250_slots() {
+            let options = CudaOptions::default().with_memory(MemoryPath::Vmm);
+            let e = CudaProducer::create(&layout(MAX_VMM_FD_SLOTS + 1), options)
+                .err()
+                .unwrap();
+            assert!(e.to_string().contains("at most 250 slots"), "{e}");
+        }
+
+        #[test]
+        #[ignore = "needs a CUDA GPU"]
+        fn fabric_without_an_imex_channel_fails_at_setup_naming_it() {
+            if imex_channel_present() {
+                eprintln!("an IMEX channel exists here; nothing to check");
+                return;
+            }
+            for memory in [MemoryPath::Pool, MemoryPath::Vmm] {
+                let options = CudaOptions::default()
+                    .with_memory(memory)
+                    .with_handle(HandleKind::Fabric);
+                let e = CudaProducer::create(&layout(1), options).err().unwrap();
+                let text = e.to_string();
+                assert!(text.contains("/dev/nvidia-caps-imex-channels"), "{text}");
+                assert!(text.contains("multi-node NVLink"), "{text}");
+            }
         }
     }
 }

@@ -603,7 +603,8 @@ pub enum PoolHandleType {
 }
 
 impl PoolHandleType {
-    fn raw(self) -> sys::CUmemAllocationHandleType {
+    /// The driver's handle type.
+    pub(crate) fn raw(self) -> sys::CUmemAllocationHandleType {
         match self {
             PoolHandleType::PosixFd => {
                 sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
@@ -615,6 +616,13 @@ impl PoolHandleType {
 
 /// The opaque data that names one pool allocation to an importer (`CUmemPoolPtrExportData`).
 pub type PointerExport = [u8; 64];
+
+/// A fabric handle (`CUmemFabricHandle`): 64 opaque bytes that name a pool or a VMM
+/// allocation to an importer on any node of the NVLink fabric (through IMEX).
+pub type FabricHandle = [u8; 64];
+
+/// The legacy IPC handle of a `cuMemAlloc` allocation (`CUipcMemHandle`).
+pub type IpcMemHandle = [u8; 64];
 
 /// An exportable stream-ordered memory pool, created here or imported from another process.
 /// Destroyed on drop.
@@ -631,7 +639,7 @@ unsafe impl Send for MemPool {}
 // SAFETY: all methods take `&self` and only pass the handle to thread-safe driver calls.
 unsafe impl Sync for MemPool {}
 
-fn device_location(device: &Device) -> sys::CUmemLocation {
+pub(crate) fn device_location(device: &Device) -> sys::CUmemLocation {
     sys::CUmemLocation {
         type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
         id: device.raw,
@@ -702,6 +710,64 @@ impl MemPool {
             imported: true,
             ctx: Arc::clone(ctx),
         })
+    }
+
+    /// Imports a pool from a fabric handle made by [`MemPool::export_fabric`] in another
+    /// process (needs an IMEX channel on both sides).
+    pub fn import_fabric(ctx: &Arc<Context>, handle: &FabricHandle) -> Result<MemPool, CudaError> {
+        ctx.make_current()?;
+        let mut raw: sys::CUmemoryPool = ptr::null_mut();
+        let mut fabric = sys::CUmemFabricHandle { data: *handle };
+        // SAFETY: for fabric handles the driver reads a CUmemFabricHandle through the pointer,
+        // which points to a valid local; the out-pointer is a local.
+        check("cuMemPoolImportFromShareableHandle", unsafe {
+            sys::cuMemPoolImportFromShareableHandle(
+                &mut raw,
+                (&mut fabric as *mut sys::CUmemFabricHandle).cast::<c_void>(),
+                PoolHandleType::Fabric.raw(),
+                0,
+            )
+        })?;
+        Ok(MemPool {
+            raw,
+            handle_type: PoolHandleType::Fabric,
+            imported: true,
+            ctx: Arc::clone(ctx),
+        })
+    }
+
+    /// Exports the pool as a fabric handle, to send to another process as bytes. The pool must
+    /// have been created with [`PoolHandleType::Fabric`].
+    pub fn export_fabric(&self) -> Result<FabricHandle, CudaError> {
+        if self.handle_type != PoolHandleType::Fabric || self.imported {
+            return Err(CudaError::Unsupported {
+                what: "export_fabric on a pool that is imported or not created with Fabric".into(),
+                hint: "create the pool with MemPool::new_exportable(.., PoolHandleType::Fabric)"
+                    .into(),
+            });
+        }
+        let mut fabric = sys::CUmemFabricHandle { data: [0; 64] };
+        // SAFETY: the pool is live; for fabric handles the driver writes a CUmemFabricHandle
+        // through the pointer, which points to a valid local.
+        check("cuMemPoolExportToShareableHandle", unsafe {
+            sys::cuMemPoolExportToShareableHandle(
+                (&mut fabric as *mut sys::CUmemFabricHandle).cast::<c_void>(),
+                self.raw,
+                self.handle_type.raw(),
+                0,
+            )
+        })?;
+        Ok(fabric.data)
+    }
+
+    /// The handle type the pool was created (or imported) with.
+    pub fn handle_type(&self) -> PoolHandleType {
+        self.handle_type
+    }
+
+    /// The context the pool belongs to.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.ctx
     }
 
     /// The raw pool handle.
@@ -1078,6 +1144,76 @@ impl Drop for DeviceBuffer {
     }
 }
 
+impl DeviceBuffer {
+    /// The legacy IPC handle of this allocation (`cuIpcGetMemHandle`), which another process
+    /// opens with [`IpcMapping::open`]. The handle names the whole allocation, so allocate
+    /// exactly what may be shared.
+    pub fn ipc_handle(&self) -> Result<IpcMemHandle, CudaError> {
+        self.ctx.make_current()?;
+        let mut handle = sys::CUipcMemHandle { reserved: [0; 64] };
+        // SAFETY: `ptr` is our live cuMemAlloc allocation; the out-pointer is a valid local.
+        check("cuIpcGetMemHandle", unsafe {
+            sys::cuIpcGetMemHandle(&mut handle, self.ptr)
+        })?;
+        Ok(handle.reserved.map(|c| c.to_ne_bytes()[0]))
+    }
+}
+
+/// Another process's `cuMemAlloc` allocation, opened from its legacy IPC handle
+/// (`cuIpcOpenMemHandle_v2` with `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`). Closed on drop
+/// (`cuIpcCloseMemHandle`).
+///
+/// Drop it only after the work that uses it finished (synchronise the streams first), and
+/// before the exporter frees the allocation.
+#[derive(Debug)]
+pub struct IpcMapping {
+    ptr: CUdeviceptr,
+    ctx: Arc<Context>,
+}
+
+// SAFETY: the mapping is a driver-side record usable from any thread; we only keep the
+// address to close it.
+unsafe impl Send for IpcMapping {}
+// SAFETY: no method mutates through `&self`.
+unsafe impl Sync for IpcMapping {}
+
+impl IpcMapping {
+    /// Opens a handle made by [`DeviceBuffer::ipc_handle`] in another process. The driver
+    /// refuses handles of the calling process. Open each handle once per process.
+    pub fn open(ctx: &Arc<Context>, handle: &IpcMemHandle) -> Result<IpcMapping, CudaError> {
+        ctx.make_current()?;
+        let handle = sys::CUipcMemHandle {
+            reserved: handle.map(|b| c_char::from_ne_bytes([b])),
+        };
+        let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as c_uint;
+        let mut ptr: CUdeviceptr = 0;
+        // SAFETY: the context is current; the handle is passed by value; out-pointer is a local.
+        check("cuIpcOpenMemHandle_v2", unsafe {
+            sys::cuIpcOpenMemHandle_v2(&mut ptr, handle, flags)
+        })?;
+        Ok(IpcMapping {
+            ptr,
+            ctx: Arc::clone(ctx),
+        })
+    }
+
+    /// The device address of the allocation's first byte in this process.
+    pub fn ptr(&self) -> CUdeviceptr {
+        self.ptr
+    }
+}
+
+impl Drop for IpcMapping {
+    fn drop(&mut self) {
+        if let Err(e) = self.ctx.make_current() {
+            tracing::warn!("dropping IPC mapping: {e}");
+        }
+        // SAFETY: opened in `open`, closed once, here; the owner guarantees no work uses it.
+        let r = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+        log_drop_error("IPC mapping", "cuIpcCloseMemHandle", r);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1127,6 +1263,7 @@ mod tests {
         assert_send_sync::<MemPool>();
         assert_send_sync::<PinnedBuffer>();
         assert_send_sync::<DeviceBuffer>();
+        assert_send_sync::<IpcMapping>();
     }
 
     mod gpu {
@@ -1189,6 +1326,30 @@ mod tests {
             // SAFETY: the stream is idle, so nothing writes `host`.
             let bytes: [u8; 8] = unsafe { host.as_slice() }.try_into().unwrap();
             assert_eq!(u64::from_le_bytes(bytes), 5);
+        }
+
+        #[test]
+        #[ignore = "needs a CUDA GPU"]
+        fn legacy_ipc_handle_exports_but_does_not_open_in_its_own_process() {
+            let ctx = Context::new(0).unwrap();
+            let buf = DeviceBuffer::new(&ctx, 2 << 20).unwrap();
+            let handle = buf.ipc_handle().unwrap();
+            assert_ne!(handle, [0u8; 64]);
+            // The driver refuses to open a memory handle in the process that made it; the
+            // cross-process integration tests open it.
+            assert!(IpcMapping::open(&ctx, &handle).is_err());
+        }
+
+        #[test]
+        #[ignore = "needs a CUDA GPU"]
+        fn pool_export_fabric_needs_a_fabric_pool() {
+            let ctx = Context::new(0).unwrap();
+            let pool = MemPool::new_exportable(&ctx, 64 << 20, PoolHandleType::PosixFd).unwrap();
+            assert!(matches!(
+                pool.export_fabric(),
+                Err(CudaError::Unsupported { .. })
+            ));
+            assert_eq!(pool.handle_type(), PoolHandleType::PosixFd);
         }
 
         #[test]

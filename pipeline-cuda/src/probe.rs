@@ -10,6 +10,7 @@ use serde::Serialize;
 
 use crate::driver::{self, CudaError, Device};
 use crate::kernels;
+use crate::memory::{FABRIC_HINT, HandleKind, MemoryPath, imex_channel_present};
 
 /// Bit of `CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES` for POSIX file descriptors.
 pub const HANDLE_TYPE_POSIX_FD_BIT: u32 = 0x1;
@@ -56,8 +57,43 @@ pub struct Capabilities {
     /// `CU_DEVICE_ATTRIBUTE_MPS_ENABLED`: contexts on this device are shared through MPS.
     /// `None` when the driver does not report it.
     pub mps_enabled: Option<bool>,
+    /// An IMEX channel device node exists (`/dev/nvidia-caps-imex-channels/channel*`): fabric
+    /// handles need one. A host fact, repeated per device.
+    pub imex_channel: bool,
+    /// Which memory paths (with which handle kinds) gpipe can use on this device.
+    pub memory_paths: Vec<PathSupport>,
     /// Attributes the driver would not report, and why.
     pub notes: Vec<String>,
+}
+
+/// Whether one memory path with one handle kind is usable on a device.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PathSupport {
+    /// The memory path.
+    pub memory: MemoryPath,
+    /// The handle kind.
+    pub handle: HandleKind,
+    /// Usable (nothing is missing). Fabric handles can still fail at setup when the IMEX
+    /// daemon is not running.
+    pub available: bool,
+    /// What is missing, when not available.
+    pub missing: Vec<&'static str>,
+}
+
+impl PathSupport {
+    /// A short label: `pool`, `pool+fabric`, `vmm`, `vmm+fabric`, `legacy`.
+    pub fn label(&self) -> String {
+        path_label(self.memory, self.handle)
+    }
+}
+
+/// A short label for a path and handle kind: `pool`, `pool+fabric`, `vmm`, `vmm+fabric`,
+/// `legacy`.
+pub fn path_label(memory: MemoryPath, handle: HandleKind) -> String {
+    match handle {
+        HandleKind::PosixFd => memory.to_string(),
+        HandleKind::Fabric => format!("{memory}+fabric"),
+    }
 }
 
 /// The transport gpipe uses between producer and consumers.
@@ -126,7 +162,7 @@ impl Capabilities {
         let mps_enabled =
             attr(Attr::CU_DEVICE_ATTRIBUTE_MPS_ENABLED, "MPS enabled").map(|v| v != 0);
         let (major, minor) = device.compute_capability()?;
-        Ok(Capabilities {
+        let mut caps = Capabilities {
             ordinal: device.ordinal(),
             name: device.name()?,
             uuid: device.uuid_string()?,
@@ -144,17 +180,77 @@ impl Capabilities {
             stream_mem_ops_64bit,
             legacy_ipc,
             mps_enabled,
+            imex_channel: imex_channel_present(),
+            memory_paths: Vec::new(),
             notes,
-        })
+        };
+        caps.memory_paths = caps.path_support();
+        Ok(caps)
     }
 
-    /// The capabilities gpipe's CUDA path needs that this device lacks (empty: none).
-    pub fn missing(&self) -> Vec<&'static str> {
+    /// Every memory path with every handle kind it can use, and whether this device supports
+    /// it (what [`Capabilities::memory_paths`] holds).
+    pub fn path_support(&self) -> Vec<PathSupport> {
+        let mut all = Vec::new();
+        for memory in MemoryPath::ALL {
+            for handle in HandleKind::ALL {
+                if !memory.supports(handle) {
+                    continue;
+                }
+                let missing = self.missing_for(memory, handle);
+                all.push(PathSupport {
+                    memory,
+                    handle,
+                    available: missing.is_empty(),
+                    missing,
+                });
+            }
+        }
+        all
+    }
+
+    /// What `memory` with `handle` needs that this device (or host) lacks (empty: none).
+    pub fn missing_for(&self, memory: MemoryPath, handle: HandleKind) -> Vec<&'static str> {
         let mut missing = Vec::new();
-        if !self.memory_pools {
-            missing.push("memory pools");
-        } else if !self.pool_posix_fd {
-            missing.push("memory pools with POSIX fd handles");
+        let fabric = handle == HandleKind::Fabric;
+        match memory {
+            MemoryPath::Pool => {
+                if !self.memory_pools {
+                    missing.push("memory pools");
+                } else if !fabric && !self.pool_posix_fd {
+                    missing.push("memory pools with POSIX fd handles");
+                } else if fabric && !self.pool_fabric {
+                    missing.push("memory pools with fabric handles");
+                }
+            }
+            MemoryPath::Vmm => {
+                if !self.virtual_memory_management {
+                    missing.push(
+                        "virtual memory management \
+                         (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)",
+                    );
+                }
+                if !fabric && !self.posix_fd_handles {
+                    missing.push(
+                        "POSIX fd handles (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED)",
+                    );
+                }
+                if fabric && !self.fabric_handles {
+                    missing
+                        .push("fabric handles (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED)");
+                }
+            }
+            MemoryPath::Legacy => {
+                if fabric {
+                    missing.push("fabric handles for legacy IPC (none exist)");
+                }
+                if !self.legacy_ipc {
+                    missing.push("unified addressing for legacy IPC (CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING)");
+                }
+            }
+        }
+        if fabric && memory.supports(handle) && !self.imex_channel {
+            missing.push("an IMEX channel (/dev/nvidia-caps-imex-channels)");
         }
         if !self.stream_mem_ops_64bit {
             missing.push("64-bit stream memory operations (for finished timelines)");
@@ -163,6 +259,90 @@ impl Capabilities {
             missing.push("IPC events");
         }
         missing
+    }
+
+    /// `Ok` when `memory` with `handle` is usable here, else a [`CudaError::Unsupported`] that
+    /// names what is missing.
+    pub fn check_path(&self, memory: MemoryPath, handle: HandleKind) -> Result<(), CudaError> {
+        if !memory.supports(handle) {
+            return Err(CudaError::Unsupported {
+                what: format!("the {memory} memory path cannot share memory with {handle} handles"),
+                hint: "use POSIX fd handles with it, or the pool or vmm path for fabric handles"
+                    .into(),
+            });
+        }
+        let missing = self.missing_for(memory, handle);
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let hint = if handle == HandleKind::Fabric {
+            FABRIC_HINT.to_string()
+        } else {
+            let others: Vec<String> = self
+                .path_support()
+                .iter()
+                .filter(|p| p.available)
+                .map(PathSupport::label)
+                .collect();
+            if others.is_empty() {
+                "no memory path is usable on this device: use the host backend, or a Linux GPU \
+                 and driver with IPC events and 64-bit stream memory operations (WSL has \
+                 neither)"
+                    .to_string()
+            } else {
+                format!(
+                    "choose another memory path; usable here: {}",
+                    others.join(", ")
+                )
+            }
+        };
+        Err(CudaError::Unsupported {
+            what: format!(
+                "device {} ({}) cannot use the {} memory path with {handle} handles; missing: {}",
+                self.ordinal,
+                self.name,
+                memory,
+                missing.join(", ")
+            ),
+            hint,
+        })
+    }
+
+    /// The first usable memory path with `handle`, in the order pool, vmm, legacy (what
+    /// `--memory auto` picks), or an error naming what each lacks.
+    pub fn auto_memory_path(&self, handle: HandleKind) -> Result<MemoryPath, CudaError> {
+        let mut why = Vec::new();
+        for memory in MemoryPath::ALL {
+            if !memory.supports(handle) {
+                continue;
+            }
+            let missing = self.missing_for(memory, handle);
+            if missing.is_empty() {
+                return Ok(memory);
+            }
+            why.push(format!("{memory}: {}", missing.join(", ")));
+        }
+        Err(CudaError::Unsupported {
+            what: format!(
+                "device {} ({}) has no usable memory path with {handle} handles ({})",
+                self.ordinal,
+                self.name,
+                why.join("; ")
+            ),
+            hint: if handle == HandleKind::Fabric {
+                FABRIC_HINT.into()
+            } else {
+                "use the host backend, or a Linux GPU and driver with IPC events and 64-bit \
+                 stream memory operations"
+                    .into()
+            },
+        })
+    }
+
+    /// The capabilities gpipe's default CUDA path (pool, POSIX fds) needs that this device
+    /// lacks (empty: none). See [`Capabilities::missing_for`] for the other paths.
+    pub fn missing(&self) -> Vec<&'static str> {
+        self.missing_for(MemoryPath::Pool, HandleKind::PosixFd)
     }
 
     /// The path gpipe takes on this device, or an error naming what is missing.
@@ -253,6 +433,22 @@ impl ProbeReport {
         }
     }
 
+    /// The first usable memory path with `handle` on device `ordinal` (pool, then vmm, then
+    /// legacy), or an error naming what is missing.
+    pub fn auto_memory_path_for(
+        &self,
+        ordinal: usize,
+        handle: HandleKind,
+    ) -> Result<MemoryPath, CudaError> {
+        match self.devices.iter().find(|d| d.ordinal == ordinal) {
+            Some(device) => device.auto_memory_path(handle),
+            None => Err(CudaError::Unsupported {
+                what: format!("no CUDA device {ordinal} ({} visible)", self.devices.len()),
+                hint: "check `nvidia-smi` and CUDA_VISIBLE_DEVICES".into(),
+            }),
+        }
+    }
+
     /// Whether MPS looks active: a device reports it, or the control pipe exists (heuristic).
     pub fn mps_active(&self) -> bool {
         self.devices.iter().any(|d| d.mps_enabled == Some(true)) || self.mps_control_pipe.is_some()
@@ -311,7 +507,19 @@ impl fmt::Display for ProbeReport {
                 Some(v) => yes_no(v),
                 None => "unknown",
             };
-            let rows: [(&str, String); 10] = [
+            let available: Vec<String> = d
+                .memory_paths
+                .iter()
+                .filter(|p| p.available)
+                .map(PathSupport::label)
+                .collect();
+            let unavailable: Vec<String> = d
+                .memory_paths
+                .iter()
+                .filter(|p| !p.available)
+                .map(|p| format!("{} (missing: {})", p.label(), p.missing.join(", ")))
+                .collect();
+            let rows: [(&str, String); 13] = [
                 ("memory pools", yes_no(d.memory_pools).into()),
                 (
                     "pool handle types",
@@ -327,6 +535,23 @@ impl fmt::Display for ProbeReport {
                 ),
                 ("legacy IPC (UVA)", yes_no(d.legacy_ipc).into()),
                 ("MPS (device)", mps.into()),
+                ("IMEX channel", yes_no(d.imex_channel).into()),
+                (
+                    "memory paths",
+                    if available.is_empty() {
+                        String::from("none")
+                    } else {
+                        available.join(", ")
+                    },
+                ),
+                (
+                    "unavailable paths",
+                    if unavailable.is_empty() {
+                        String::from("none")
+                    } else {
+                        unavailable.join("; ")
+                    },
+                ),
                 (
                     "gpipe path",
                     match d.chosen_path() {
@@ -369,7 +594,17 @@ mod tests {
             stream_mem_ops_64bit: true,
             legacy_ipc: true,
             mps_enabled: Some(false),
+            imex_channel: false,
+            memory_paths: vec![],
             notes: vec![],
+        }
+        .with_paths()
+    }
+
+    impl Capabilities {
+        fn with_paths(mut self) -> Self {
+            self.memory_paths = self.path_support();
+            self
         }
     }
 
@@ -412,6 +647,118 @@ mod tests {
         d.memory_pools = false;
         assert_eq!(d.missing(), vec!["memory pools", "IPC events"]);
         assert!(report(vec![]).chosen_path().is_err());
+    }
+
+    #[test]
+    fn memory_paths_are_listed_per_device() {
+        let d = h100();
+        let labels: Vec<(String, bool)> = d
+            .memory_paths
+            .iter()
+            .map(|p| (p.label(), p.available))
+            .collect();
+        assert_eq!(
+            labels,
+            vec![
+                ("pool".into(), true),
+                ("pool+fabric".into(), false),
+                ("vmm".into(), true),
+                ("vmm+fabric".into(), false),
+                ("legacy".into(), true),
+            ]
+        );
+        let text = report(vec![d.clone()]).to_string();
+        assert!(
+            text.contains("memory paths            pool, vmm, legacy"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "pool+fabric (missing: an IMEX channel (/dev/nvidia-caps-imex-channels))"
+            ),
+            "{text}"
+        );
+        let with_imex = Capabilities {
+            imex_channel: true,
+            ..d
+        }
+        .with_paths();
+        assert!(with_imex.memory_paths.iter().all(|p| p.available));
+        let json = serde_json::to_value(&with_imex).unwrap();
+        assert_eq!(json["memory_paths"][3]["memory"], "vmm");
+        assert_eq!(json["memory_paths"][3]["handle"], "fabric");
+    }
+
+    #[test]
+    fn path_checks_name_the_missing_attribute() {
+        let mut d = h100();
+        d.virtual_memory_management = false;
+        d.posix_fd_handles = false;
+        let text = d
+            .check_path(MemoryPath::Vmm, HandleKind::PosixFd)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            text.contains("CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED"),
+            "{text}"
+        );
+        assert!(
+            text.contains("CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED"),
+            "{text}"
+        );
+        assert!(text.contains("usable here: pool, legacy"), "{text}");
+        d.check_path(MemoryPath::Legacy, HandleKind::PosixFd)
+            .unwrap();
+        d.check_path(MemoryPath::Pool, HandleKind::PosixFd).unwrap();
+
+        let text = d
+            .check_path(MemoryPath::Pool, HandleKind::Fabric)
+            .unwrap_err()
+            .to_string();
+        assert!(text.contains("IMEX channel"), "{text}");
+        assert!(text.contains("multi-node NVLink"), "{text}");
+        d.fabric_handles = false;
+        let text = d
+            .check_path(MemoryPath::Vmm, HandleKind::Fabric)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            text.contains("CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED"),
+            "{text}"
+        );
+        assert!(
+            d.check_path(MemoryPath::Legacy, HandleKind::Fabric)
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn auto_prefers_pool_then_vmm_then_legacy() {
+        let mut d = h100();
+        assert_eq!(
+            d.auto_memory_path(HandleKind::PosixFd).unwrap(),
+            MemoryPath::Pool
+        );
+        d.memory_pools = false;
+        assert_eq!(
+            d.auto_memory_path(HandleKind::PosixFd).unwrap(),
+            MemoryPath::Vmm
+        );
+        d.virtual_memory_management = false;
+        assert_eq!(
+            d.auto_memory_path(HandleKind::PosixFd).unwrap(),
+            MemoryPath::Legacy
+        );
+        d.legacy_ipc = false;
+        let text = d
+            .auto_memory_path(HandleKind::PosixFd)
+            .unwrap_err()
+            .to_string();
+        assert!(text.contains("pool: memory pools"), "{text}");
+        assert!(text.contains("legacy: unified addressing"), "{text}");
+        let r = report(vec![h100()]);
+        assert!(r.auto_memory_path_for(0, HandleKind::Fabric).is_err());
+        assert!(r.auto_memory_path_for(1, HandleKind::PosixFd).is_err());
     }
 
     #[test]

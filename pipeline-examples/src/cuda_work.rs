@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use pipeline_core::{Batch, Consumer, Slot, USER_HEADER_WORDS};
-use pipeline_cuda::backend::{CudaConsumer, CudaProducer};
+use pipeline_cuda::backend::{CudaConsumer, CudaProducer, SyncMode};
 use pipeline_cuda::driver::{self, Context, CudaError, DeviceBuffer, Event, PinnedBuffer, Stream};
 use pipeline_cuda::kernels::{self, Kernels, VERIFY_RESULT_BYTES, VerifyResult};
 
@@ -19,9 +19,21 @@ pub fn usable() -> Result<(), String> {
     if report.devices.is_empty() {
         return Err("the CUDA driver sees no device".into());
     }
-    report.chosen_path().map_err(|e| e.to_string())?;
+    report
+        .auto_memory_path_for(0, pipeline_cuda::backend::HandleKind::PosixFd)
+        .map_err(|e| e.to_string())?;
     kernels::ensure_nvrtc().map_err(|e| e.to_string())?;
     Ok(())
+}
+
+/// The sync mode `auto` picks: timeline semaphores where the device can run 64-bit stream
+/// memory operations (measured faster, and they survive a dead producer: see
+/// docs/benchmarks.md), else IPC events.
+pub fn auto_sync(report: &pipeline_cuda::probe::ProbeReport) -> SyncMode {
+    match report.devices.first() {
+        Some(d) if d.stream_mem_ops_64bit => SyncMode::Semaphore,
+        _ => SyncMode::Events,
+    }
 }
 
 /// Producer-side GPU fill: the pattern kernel on the producer's stream.

@@ -17,7 +17,9 @@ use pipeline_core::{
     Mode, PendingAttach, Producer, ProducerBackend, ProducerConfig,
 };
 
-use pipeline_cuda::backend::{CudaConsumer, CudaOptions, CudaProducer};
+use pipeline_cuda::backend::{
+    CudaConsumer, CudaOptions, CudaProducer, HandleKind, MemoryPath, SyncMode,
+};
 
 use crate::work::{Check, ConsumeOptions, Fill};
 
@@ -78,6 +80,47 @@ impl From<ModeArg> for Mode {
 }
 
 #[derive(clap::Args, Clone, Debug)]
+struct CudaArgs {
+    /// CUDA memory path: stream-ordered pool, VMM (cuMemCreate) or legacy cudaIpc handles;
+    /// auto takes the first the device supports in that order.
+    #[arg(long, default_value = "auto")]
+    memory: String,
+    /// How pool and VMM handles are shared: posix_fd (same host) or fabric (needs IMEX).
+    #[arg(long, default_value = "posix_fd")]
+    handle: String,
+    /// How `ready` is signalled: IPC events or timeline semaphores; auto picks by device.
+    #[arg(long, default_value = "auto")]
+    sync: String,
+}
+
+impl CudaArgs {
+    /// Resolves `auto`s against the device and builds the backend options.
+    fn options(&self) -> Result<CudaOptions, String> {
+        let handle: HandleKind = self.handle.parse()?;
+        let report = pipeline_cuda::probe::probe().map_err(|e| e.to_string())?;
+        let memory = match self.memory.as_str() {
+            "auto" => report
+                .auto_memory_path_for(0, handle)
+                .map_err(|e| e.to_string())?,
+            m => {
+                let m: MemoryPath = m.parse()?;
+                let caps = report.devices.first().ok_or("no CUDA device is visible")?;
+                caps.check_path(m, handle).map_err(|e| e.to_string())?;
+                m
+            }
+        };
+        let sync = match self.sync.as_str() {
+            "auto" => cuda_work::auto_sync(&report),
+            y => y.parse::<SyncMode>()?,
+        };
+        Ok(CudaOptions::default()
+            .with_memory(memory)
+            .with_handle(handle)
+            .with_sync(sync))
+    }
+}
+
+#[derive(clap::Args, Clone, Debug)]
 struct RingArgs {
     /// Delivery mode: every consumer gets every batch, or each batch goes to one consumer.
     #[arg(long, value_enum, default_value = "broadcast")]
@@ -102,6 +145,8 @@ enum Cmd {
         consumers: u32,
         #[command(flatten)]
         ring: RingArgs,
+        #[command(flatten)]
+        cuda: CudaArgs,
         /// Batches to publish.
         #[arg(long, default_value_t = 2000)]
         batches: u64,
@@ -131,6 +176,8 @@ enum Cmd {
         max_consumers: u32,
         #[command(flatten)]
         ring: RingArgs,
+        #[command(flatten)]
+        cuda: CudaArgs,
         /// Seed of the random schedule (replay a failing run with the same seed).
         #[arg(long, default_value_t = 1)]
         seed: u64,
@@ -157,6 +204,8 @@ enum Cmd {
         backend: BackendArg,
         #[command(flatten)]
         ring: RingArgs,
+        #[command(flatten)]
+        cuda: CudaArgs,
         /// Stop after this many batches (default: run until Ctrl-C).
         #[arg(long)]
         batches: Option<u64>,
@@ -260,6 +309,7 @@ fn run(cmd: Cmd) -> Result<ExitCode, String> {
             timeout,
             json,
             round_trip,
+            cuda,
         } => {
             let mut args = bench::BenchArgs {
                 consumers,
@@ -291,9 +341,10 @@ fn run(cmd: Cmd) -> Result<ExitCode, String> {
                              for higher throughput start it (nvidia-cuda-mps-control -d)"
                         );
                     }
+                    let options = cuda.options()?;
                     let mut report = bench::run::<CudaProducer, _>(
                         &args,
-                        CudaOptions::default(),
+                        options,
                         &mut cuda_work::CudaFill::default(),
                     )?;
                     let ceiling =
@@ -314,6 +365,10 @@ fn run(cmd: Cmd) -> Result<ExitCode, String> {
                     )
                     .map_err(|e| format!("measuring the lagged ceiling: {e}"))?;
                     report.extra = serde_json::json!({
+                        "memory": options.memory.to_string(),
+                        "handle": options.handle.to_string(),
+                        "sync": options.sync.to_string(),
+                        "attach_us": report.per_consumer.first().and_then(|c| c.attach.clone()),
                         "ceiling_batches_per_s": ceiling,
                         "lagged_ceiling_batches_per_s": lagged,
                         "pool_ceiling_batches_per_s": cuda_work::pool_ceiling(ring.batch_bytes, ring.slots, batches.min(4000))
@@ -350,6 +405,7 @@ fn run(cmd: Cmd) -> Result<ExitCode, String> {
             allow_uid,
             allow_gid,
             detach_after_ms,
+            cuda,
         } => {
             let config = ProducerConfig {
                 slots: ring.slots,
@@ -379,7 +435,7 @@ fn run(cmd: Cmd) -> Result<ExitCode, String> {
                 _ => produce::<CudaProducer, _>(
                     &socket,
                     config,
-                    CudaOptions::default(),
+                    cuda.options()?,
                     &mut cuda_work::CudaFill::default(),
                     batches,
                     rate,
@@ -410,13 +466,14 @@ fn run(cmd: Cmd) -> Result<ExitCode, String> {
                 pipeline_core::BackendKind::Host => {
                     let c: Consumer<HostConsumer> =
                         pending.finish(HostOptions).map_err(|e| e.to_string())?;
-                    consume(c, &mut work::HostCheck::default(), &opts)
+                    consume(c, &mut work::HostCheck::default(), &opts, None)
                 }
                 pipeline_core::BackendKind::Cuda => {
                     let c: Consumer<CudaConsumer> = pending
                         .finish(CudaOptions::default())
                         .map_err(|e| e.to_string())?;
-                    consume(c, &mut cuda_work::CudaCheck::default(), &opts)
+                    let attach = serde_json::to_value(c.backend().import_timings()).ok();
+                    consume(c, &mut cuda_work::CudaCheck::default(), &opts, attach)
                 }
             }
         }
@@ -428,6 +485,7 @@ fn run(cmd: Cmd) -> Result<ExitCode, String> {
             seed,
             tick_ms,
             json,
+            cuda,
         } => {
             let mut args = soak::SoakArgs {
                 tick_ms,
@@ -447,7 +505,7 @@ fn run(cmd: Cmd) -> Result<ExitCode, String> {
                     args.backend = "cuda";
                     soak::run::<CudaProducer, _>(
                         &args,
-                        CudaOptions::default(),
+                        cuda.options()?,
                         &mut cuda_work::CudaFill::default(),
                     )?
                 }
@@ -586,6 +644,7 @@ fn consume<B: ConsumerBackend, C: Check<B>>(
     mut consumer: Consumer<B>,
     check: &mut C,
     opts: &ConsumeCmd,
+    attach: Option<serde_json::Value>,
 ) -> Result<ExitCode, String> {
     if !opts.quiet {
         eprintln!(
@@ -625,6 +684,8 @@ fn consume<B: ConsumerBackend, C: Check<B>>(
         )
     };
     drop(consumer);
+    let mut report = report;
+    report.attach = attach;
     if let Some(p) = &opts.seq_log {
         bench::write_seq_log(p, &seqs).map_err(|e| format!("cannot write {}: {e}", p.display()))?;
     }

@@ -104,6 +104,9 @@ pub struct ConsumerReport {
     pub elapsed_s: f64,
     /// Seconds spent inside `recv` (waiting for the producer, or validating).
     pub recv_wait_s: f64,
+    /// The backend's attach cost, per step (CUDA: import timings in µs).
+    #[serde(default)]
+    pub attach: Option<serde_json::Value>,
     /// How the run ended, if not cleanly.
     pub error: Option<String>,
 }

@@ -9,6 +9,10 @@ use std::process::Command;
 use common::*;
 
 fn bench(mode: &str, consumers: u32) {
+    bench_with(mode, consumers, &[]);
+}
+
+fn bench_with(mode: &str, consumers: u32, extra: &[&str]) {
     let out = Command::new(GPIPE)
         .args([
             "bench",
@@ -24,6 +28,7 @@ fn bench(mode: &str, consumers: u32) {
             "8MiB",
             "--json",
         ])
+        .args(extra)
         .output()
         .unwrap();
     assert!(
@@ -141,4 +146,60 @@ fn cuda_100_consumer_kill_cycles_without_growth() {
         // The soak itself fails on fd or RSS growth; check the numbers are real.
         assert!(r["fds_after_warmup"].as_u64().unwrap() > 0);
     });
+}
+
+/// Every memory path with every sync mode passes the same conformance checks: both modes,
+/// every batch verified, and a consumer SIGKILLed mid-stream costs the others nothing.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_every_memory_path_and_sync_mode() {
+    for memory in ["pool", "vmm", "legacy"] {
+        for sync in ["events", "semaphore"] {
+            let extra: &'static [&'static str] = match (memory, sync) {
+                ("pool", "events") => &["--memory", "pool", "--sync", "events"],
+                ("pool", _) => &["--memory", "pool", "--sync", "semaphore"],
+                ("vmm", "events") => &["--memory", "vmm", "--sync", "events"],
+                ("vmm", _) => &["--memory", "vmm", "--sync", "semaphore"],
+                (_, "events") => &["--memory", "legacy", "--sync", "events"],
+                _ => &["--memory", "legacy", "--sync", "semaphore"],
+            };
+            watchdog(180, move |_| {
+                bench_with("broadcast", 2, extra);
+                bench_with("shared", 2, extra);
+            });
+            consumer_death_case_with("cuda", None, extra);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_fabric_without_imex_fails_clearly_or_works() {
+    let out = Command::new(GPIPE)
+        .args([
+            "bench",
+            "--backend",
+            "cuda",
+            "--handle",
+            "fabric",
+            "--memory",
+            "pool",
+            "--consumers",
+            "1",
+            "--batches",
+            "50",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("IMEX"),
+            "a fabric failure must name IMEX: {err}"
+        );
+    } else {
+        let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(r["mismatches"], 0);
+    }
 }

@@ -292,11 +292,23 @@ pub fn consumer_sigkill_case(backend: &'static str) {
 /// at a protocol step (`GPIPE_FAULT`) — in both modes; the producer and the others go on with
 /// nothing lost or duplicated.
 pub fn consumer_death_case(backend: &'static str, fault: Option<&'static str>) {
+    consumer_death_case_with(backend, fault, &[]);
+}
+
+/// As [`consumer_death_case`], with extra producer arguments (e.g. `--memory vmm`).
+pub fn consumer_death_case_with(
+    backend: &'static str,
+    fault: Option<&'static str>,
+    extra: &[&'static str],
+) {
     for mode in ["broadcast", "shared"] {
+        let extra = extra.to_vec();
         watchdog(60, move |procs| {
             let dir = tmpdir("ckill");
             let sock = dir.join("ring.sock");
-            let p = producer_on(&procs, &sock, backend, &["--mode", mode]);
+            let mut args = vec!["--mode", mode];
+            args.extend(extra);
+            let p = producer_on(&procs, &sock, backend, &args);
             let a = consumer(&procs, &sock, &dir.join("a.seq"));
             let fault_env = fault.map(|f| format!("{f}:300"));
             let env: Vec<(&str, &str)> = fault_env
