@@ -395,7 +395,18 @@ pub fn decode_body(kind: u16, body: &[u8]) -> Result<Message, ProtocolError> {
 /// Sends a message with its fds.
 pub fn send(sock: &UnixStream, msg: &Message, fds: &[BorrowedFd<'_>]) -> Result<(), Error> {
     debug_assert_eq!(msg.fd_count(), fds.len());
-    sys::send_with_fds(sock, &encode(msg), fds).map_err(Error::os("send handshake message"))
+    sys::send_with_fds(sock, &encode(msg), fds).map_err(|e| match e.kind() {
+        std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset => {
+            Error::Protocol(ProtocolError::Message(format!(
+                "the peer closed the connection mid-handshake (it exited or refused us) while we sent {}",
+                msg.name()
+            )))
+        }
+        _ => Error::Os {
+            what: "send handshake message",
+            source: e,
+        },
+    })
 }
 
 /// Sends a refusal, ignoring failures (the peer may already be gone).

@@ -53,7 +53,7 @@ use std::time::Instant;
 
 use memmap2::{MmapOptions, MmapRaw};
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 use pipeline_core::wire::Reader;
 use pipeline_core::{
     BackendError, BackendKind, ConsumerBackend, Export, ProducerBackend, RingLayout,
@@ -239,9 +239,12 @@ pub struct CudaProducer {
     export: Vec<u8>,
     slot_bytes: u64,
     timelines: Timelines,
-    /// Consumers whose timelines the producer waits on (bit c). Held while enqueueing waits,
-    /// so no wait on a departed consumer is enqueued after its words were released.
+    /// Consumers whose timelines the producer waits on (bit c). Locked only briefly, never
+    /// across a driver call, so a departure can always release a dead consumer's words.
     live: Mutex<u64>,
+    /// Held (shared) while waits are enqueued, and (exclusive) by an attach while it drains
+    /// the stream before reusing a consumer index's words.
+    gate: RwLock<()>,
 }
 
 impl CudaProducer {
@@ -328,6 +331,7 @@ impl ProducerBackend for CudaProducer {
             slot_bytes: layout.slot_bytes,
             timelines,
             live: Mutex::new(0),
+            gate: RwLock::new(()),
         })
     }
 
@@ -356,10 +360,13 @@ impl ProducerBackend for CudaProducer {
         if n != self.slot_count as usize {
             return Err(format!("CUDA consumer imported {n} slots of {}", self.slot_count).into());
         }
-        let mut live = self.live.lock();
         // A previous holder of this index may still have waits in our stream (released by
-        // its departure): let them pass before its words go back to zero.
+        // its departure): let them pass before its words go back to zero. The gate keeps new
+        // waits from being enqueued meanwhile. `detach` never takes the gate, so a consumer
+        // that dies while we wait here still gets its waits released, and the stream drains.
+        let _gate = self.gate.write();
         self.stream.synchronize().map_err(be)?;
+        let mut live = self.live.lock();
         for k in 0..self.slot_count {
             self.timelines.host(consumer, k).store(0, Ordering::Release);
         }
@@ -389,9 +396,13 @@ impl ProducerBackend for CudaProducer {
         if holders == 0 {
             return Ok(());
         }
-        let live = self.live.lock();
+        // A consumer that departs while we enqueue has had its words released: a wait on
+        // them passes. Its words are reused only after an attach drains the stream, which
+        // the gate holds off until we are done.
+        let _gate = self.gate.read();
+        let targets = holders & *self.live.lock();
         for c in 0..64u32 {
-            if holders & *live & (1u64 << c) == 0 {
+            if targets & (1u64 << c) == 0 {
                 continue;
             }
             // SAFETY: the word is in our registered timelines, mapped for our lifetime; the

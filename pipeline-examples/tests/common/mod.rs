@@ -405,7 +405,9 @@ pub fn producer_death_case(backend: &'static str, fault: &'static str) {
     watchdog(60, move |procs| {
         let dir = tmpdir("pfault");
         let sock = dir.join("ring.sock");
-        let spec = format!("{fault}:400");
+        // Late enough for every consumer to have attached (a CUDA attach takes a few hundred
+        // ms; the producer runs at 2000 batches/s).
+        let spec = format!("{fault}:4000");
         let p = {
             let args = [
                 "produce",
