@@ -663,6 +663,22 @@ impl<B: ProducerBackend> Producer<B> {
                 .then_some(())
             },
             || {
+                if shared_mode {
+                    let p = desc.pending.load(Ordering::Acquire);
+                    if let Some(v) = ring::repair_shared(p, sh.active.load(Ordering::Acquire)) {
+                        if desc
+                            .pending
+                            .compare_exchange(p, v, Ordering::AcqRel, Ordering::Relaxed)
+                            .is_ok()
+                        {
+                            tracing::warn!(
+                                slot = k,
+                                "slot {k}'s pending word held {p:#x}, which no correct consumer writes (scribbled?); put its batch back as unclaimed"
+                            );
+                            wait::notify(&h.data_wake.value, &h.data_sleepers.value, true);
+                        }
+                    }
+                }
                 if let LagPolicy::DetachAfter(limit) = sh.config.lag {
                     if started.elapsed() >= limit {
                         let p = desc.pending.load(Ordering::Acquire);

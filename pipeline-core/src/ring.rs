@@ -61,6 +61,20 @@ pub fn slot_free(pending: &AtomicU64, active: u64, shared: bool) -> bool {
     }
 }
 
+/// Producer, shared mode: what to put in a slot's pending word that holds a value no
+/// correct consumer writes (a scribble), so the slot cannot stay blocked for good. Valid
+/// values are 0, [`UNCLAIMED`] and one active consumer's bit; bits of absent consumers alone
+/// already count as free. Anything else — unclaimed plus other bits, or several bits with an
+/// active one — is put back as unclaimed (its batch may then be delivered again).
+pub fn repair_shared(p: u64, active: u64) -> Option<u64> {
+    let valid = if p & UNCLAIMED != 0 {
+        p == UNCLAIMED
+    } else {
+        p & active == 0 || p.count_ones() == 1
+    };
+    (!valid).then_some(UNCLAIMED)
+}
+
 /// Broadcast consumer: release; returns false if our bit was not set (we were detached).
 #[inline]
 pub fn release_broadcast(pending: &AtomicU64, me: u32) -> bool {
@@ -328,6 +342,21 @@ mod tests {
             let st = scan_start(head, hint, requeued, n);
             let w = live_window(head, n);
             prop_assert!(st >= w.start && st <= w.end);
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn a_shared_slot_is_never_blocked_by_garbage(p in any::<u64>(), active in 0u64..(1 << 62)) {
+            let word = AtomicU64::new(p);
+            if slot_free(&word, active, true) {
+                return Ok(());
+            }
+            match repair_shared(p, active) {
+                // Blocked legitimately: unclaimed, or held by exactly one active consumer.
+                None => prop_assert!(p == UNCLAIMED || ((p & active).count_ones() == 1 && p & !active == 0)),
+                Some(v) => prop_assert_eq!(v, UNCLAIMED),
+            }
         }
     }
 

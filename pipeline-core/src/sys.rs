@@ -264,8 +264,11 @@ pub fn chmod(path: &std::path::Path, mode: u32) -> io::Result<()> {
 /// True if a process with this pid exists (signal 0). Used for display only, never for
 /// liveness decisions (pids are reused; the socket is the liveness signal).
 pub fn pid_exists(pid: u32) -> bool {
-    match rustix::process::Pid::from_raw(pid as i32) {
-        Some(p) => rustix::process::test_kill_process(p).is_ok(),
+    // The pid may come from shared memory: only a positive i32 names one process (0 and
+    // negative values would address process groups or every process).
+    match i32::try_from(pid).ok().filter(|&p| p > 0) {
+        Some(p) => rustix::process::Pid::from_raw(p)
+            .is_some_and(|p| rustix::process::test_kill_process(p).is_ok()),
         None => false,
     }
 }

@@ -370,7 +370,9 @@ pub fn decode_body(kind: u16, body: &[u8]) -> Result<Message, ProtocolError> {
             let reason = r.blob(MAX_REASON)?;
             r.finish()?;
             Message::Reject {
-                reason: String::from_utf8_lossy(reason).into_owned(),
+                reason: String::from_utf8(reason.to_vec()).map_err(|_| {
+                    ProtocolError::Message("Reject: the reason is not UTF-8".into())
+                })?,
             }
         }
         6 => {
