@@ -88,7 +88,8 @@ struct CudaArgs {
     /// How pool and VMM handles are shared: posix_fd (same host) or fabric (needs IMEX).
     #[arg(long, default_value = "posix_fd")]
     handle: String,
-    /// How `ready` is signalled: IPC events or timeline semaphores; auto picks by device.
+    /// How `ready` is signalled: IPC events or timeline semaphores; auto takes events (measured
+    /// faster on an H100, docs/benchmarks.md).
     #[arg(long, default_value = "auto")]
     sync: String,
 }
