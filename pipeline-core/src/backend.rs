@@ -94,6 +94,10 @@ pub trait ProducerBackend: Send + Sync + Sized + 'static {
     /// The caller owns `slot` exclusively: no consumer holds it and no other `SlotMut` for it
     /// is alive (the ring guarantees this between `wait_finished` and publish).
     unsafe fn slot_mut(&self, slot: u32) -> Self::SlotMut<'_>;
+    /// Bytes of memory the backend holds for the ring now (for leak checks), if it can tell.
+    fn memory_in_use(&self) -> Option<u64> {
+        None
+    }
     /// Marks the producer's writes to batch `seq` in `slot` complete (the ring publishes only
     /// after this).
     fn signal_ready(&self, slot: u32, seq: u64) -> Result<(), BackendError>;

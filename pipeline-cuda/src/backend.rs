@@ -392,6 +392,10 @@ impl ProducerBackend for CudaProducer {
         }
     }
 
+    fn memory_in_use(&self) -> Option<u64> {
+        self.slots.device_bytes(self.slot_bytes)
+    }
+
     fn wait_finished(&self, slot: u32, prev_seq: u64, holders: u64) -> Result<(), BackendError> {
         if holders == 0 {
             return Ok(());

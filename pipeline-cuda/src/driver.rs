@@ -780,6 +780,20 @@ impl MemPool {
         self.imported
     }
 
+    /// Bytes of device memory the pool holds now (`CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`).
+    pub fn reserved_bytes(&self) -> Result<u64, CudaError> {
+        let mut v: u64 = 0;
+        // SAFETY: the pool is live; RESERVED_MEM_CURRENT writes one cuuint64_t to `v`.
+        check("cuMemPoolGetAttribute", unsafe {
+            sys::cuMemPoolGetAttribute(
+                self.raw,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+                (&mut v as *mut u64).cast::<c_void>(),
+            )
+        })?;
+        Ok(v)
+    }
+
     /// Exports the pool as a new file descriptor, to send to another process (SCM_RIGHTS).
     pub fn export_fd(&self) -> Result<OwnedFd, CudaError> {
         if self.handle_type != PoolHandleType::PosixFd || self.imported {

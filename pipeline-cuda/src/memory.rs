@@ -445,6 +445,19 @@ pub(crate) enum ProducerSlots {
     },
 }
 
+impl ProducerSlots {
+    /// Device memory the slots hold: the pool's reservation, or the fixed allocations.
+    pub(crate) fn device_bytes(&self, slot_bytes: u64) -> Option<u64> {
+        match self {
+            ProducerSlots::Pool { pool, .. } => pool.reserved_bytes().ok(),
+            ProducerSlots::Vmm {
+                alloc_bytes, maps, ..
+            } => Some(alloc_bytes * maps.len() as u64),
+            ProducerSlots::Legacy { bufs, .. } => Some(slot_bytes * bufs.len() as u64),
+        }
+    }
+}
+
 /// A handle the producer keeps to hand out: an fd it clones per consumer, or fabric bytes.
 pub(crate) enum ProducerShare {
     Fd(OwnedFd),

@@ -73,6 +73,11 @@ pub struct SoakReport {
     pub fds_end: u64,
     /// Peak open fds.
     pub fds_peak: u64,
+    /// Memory the backend holds for the ring at the start and at the end (CUDA: the pool's
+    /// reserved device memory), bytes.
+    pub backend_bytes_start: Option<u64>,
+    /// As above, at the end.
+    pub backend_bytes_end: Option<u64>,
     /// Problems, in words.
     pub problems: Vec<String>,
 }
@@ -206,6 +211,7 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
     let mut producer: Producer<B> =
         Producer::bind(&sock, config, options).map_err(|e| e.to_string())?;
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let backend_bytes_start = producer.backend().memory_in_use();
     let stop = Arc::new(AtomicBool::new(false));
     let tally = Arc::new(Mutex::new(Tally::default()));
     let live: Arc<Mutex<Vec<Live>>> = Arc::new(Mutex::new(Vec::new()));
@@ -309,6 +315,7 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
         },
     );
     let (rss_end, fds_end) = (rss_kib(), open_fds());
+    let backend_bytes_end = producer.backend().memory_in_use();
     stop.store(true, Ordering::Relaxed);
     let _ = chaos.join();
     let stats = producer.close();
@@ -349,8 +356,16 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
         fds_after_warmup: warm.1,
         fds_end,
         fds_peak,
+        backend_bytes_start,
+        backend_bytes_end,
         ..Default::default()
     };
+    if let (Some(a), Some(b)) = (backend_bytes_start, backend_bytes_end) {
+        if b > a {
+            t.problems
+                .push(format!("the backend's memory grew from {a} to {b} bytes"));
+        }
+    }
     let mut shared_seen = std::collections::HashSet::new();
     for (r, log, at_end) in &t.reports {
         rep.delivered += r.received;
@@ -454,6 +469,9 @@ impl std::fmt::Display for SoakReport {
             self.fds_end,
             self.fds_peak
         )?;
+        if let (Some(a), Some(b)) = (self.backend_bytes_start, self.backend_bytes_end) {
+            writeln!(f, "  backend memory {a} bytes at the start, {b} at the end")?;
+        }
         if self.problems.is_empty() {
             writeln!(f, "  OK: nothing lost, nothing duplicated, no growth")
         } else {

@@ -143,8 +143,13 @@ fn cuda_100_consumer_kill_cycles_without_growth() {
         assert_eq!(r["duplicated"], 0);
         assert_eq!(r["mismatches"], 0);
         assert_eq!(r["delivered"], r["verified"]);
-        // The soak itself fails on fd or RSS growth; check the numbers are real.
+        // The soak itself fails on fd, RSS or pool growth; check the numbers are real.
         assert!(r["fds_after_warmup"].as_u64().unwrap() > 0);
+        let (a, b) = (
+            r["backend_bytes_start"].as_u64().unwrap(),
+            r["backend_bytes_end"].as_u64().unwrap(),
+        );
+        assert!(a > 0 && b <= a, "pool memory {a} -> {b}");
     });
 }
 
