@@ -527,11 +527,21 @@ fn run(cmd: Cmd) -> Result<ExitCode, String> {
         }
         Cmd::Probe { json } => match pipeline_cuda::probe::probe() {
             Ok(report) => {
-                let path = report.chosen_path();
+                // What `--memory auto --sync auto` resolves to (the paths as measured in
+                // docs/benchmarks.md), or why CUDA cannot be used.
+                let path = report
+                    .auto_memory_path_for(0, HandleKind::PosixFd)
+                    .map(|m| format!("memory {m}, sync {}", cuda_work::auto_sync(&report)))
+                    .map_err(|e| e.to_string())
+                    .and_then(|p| {
+                        pipeline_cuda::kernels::ensure_nvrtc()
+                            .map(|_| p)
+                            .map_err(|e| format!("the benchmark kernels need NVRTC: {e}"))
+                    });
                 if json {
                     let mut v = serde_json::to_value(&report).map_err(|e| e.to_string())?;
                     v["chosen_path"] = match &path {
-                        Ok(p) => serde_json::Value::String(p.to_string()),
+                        Ok(p) => serde_json::Value::String(p.clone()),
                         Err(e) => serde_json::Value::String(format!("none: {e}")),
                     };
                     v["mps_active"] = serde_json::Value::Bool(report.mps_active());
@@ -542,7 +552,7 @@ fn run(cmd: Cmd) -> Result<ExitCode, String> {
                 } else {
                     print!("{report}");
                     match &path {
-                        Ok(p) => println!("\ngpipe will use: {p}"),
+                        Ok(p) => println!("\ngpipe will use (auto): {p}"),
                         Err(e) => println!("\ngpipe cannot use CUDA here: {e}"),
                     }
                 }
