@@ -482,10 +482,9 @@ impl ControlSegment {
 
     /// The header.
     pub fn header(&self) -> &SegmentHeader {
-        // SAFETY: the mapping is at least segment_bytes() >= size_of::<SegmentHeader>() long
-        // (checked at create/open), page-aligned (so aligned for the 128-byte lines), lives as
-        // long as `self`, and every byte of SegmentHeader is inside an atomic, so concurrent
-        // writes by other processes are not data races on non-atomic memory.
+        // SAFETY: the mapping (checked at create/open) is >= size_of::<SegmentHeader>(),
+        // page-aligned and lives as long as `self`; every byte of SegmentHeader is inside an
+        // atomic, so other processes' concurrent writes are no data race on plain memory.
         unsafe { &*(self.map.as_ptr() as *const SegmentHeader) }
     }
 

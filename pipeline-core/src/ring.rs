@@ -416,6 +416,7 @@ mod loom_model {
 
         /// Producer step: write batch `s` into the one slot and publish it.
         fn put(&self, s: u64, mask: u64) {
+            // SAFETY: loom checks that no read of the cell overlaps this write.
             self.data.with_mut(|d| unsafe { *d = s * 10 });
             self.seq.store(s, Ordering::Relaxed);
             publish(&self.pending, &self.head, s, mask);
@@ -445,6 +446,7 @@ mod loom_model {
                         // Read batch 0 if it is published; release it.
                         if ring.head.load(Ordering::Acquire) >= 1 {
                             assert_eq!(ring.seq.load(Ordering::Relaxed), 0);
+                            // SAFETY: loom checks that no write of the cell overlaps this read.
                             let v = ring.data.with(|d| unsafe { *d });
                             assert_eq!(v, 0, "consumer {me} read batch 0 after it was overwritten");
                             assert!(release_broadcast(&ring.pending, me));
@@ -481,6 +483,7 @@ mod loom_model {
                             {
                                 // Read seq after the claim: the claim may be of a newer batch.
                                 let seq = ring.seq.load(Ordering::Acquire);
+                                // SAFETY: loom checks that no write overlaps this read.
                                 let v = ring.data.with(|d| unsafe { *d });
                                 assert_eq!(v, seq * 10, "claimed batch {seq} but read other data");
                                 got.push(seq);

@@ -349,7 +349,8 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
     })
 }
 
-fn read_seq_log(path: &Path) -> Vec<u64> {
+/// Reads a sequence log written by [`write_seq_log`] (missing file: empty).
+pub fn read_seq_log(path: &Path) -> Vec<u64> {
     std::fs::read(path)
         .map(|b| {
             b.chunks_exact(8)

@@ -382,19 +382,7 @@ fn run(cmd: Cmd) -> Result<ExitCode, String> {
                     report
                 }
             };
-            if json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?
-                );
-            } else {
-                print!("{report}");
-            }
-            Ok(if report.problems.is_empty() {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::FAILURE
-            })
+            print_report(&report, json, report.problems.is_empty())
         }
         Cmd::Produce {
             socket,
@@ -511,19 +499,7 @@ fn run(cmd: Cmd) -> Result<ExitCode, String> {
                     )?
                 }
             };
-            if json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?
-                );
-            } else {
-                print!("{report}");
-            }
-            Ok(if report.problems.is_empty() {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::FAILURE
-            })
+            print_report(&report, json, report.problems.is_empty())
         }
         Cmd::Probe { json } => match pipeline_cuda::probe::probe() {
             Ok(report) => {
@@ -582,6 +558,25 @@ fn run(cmd: Cmd) -> Result<ExitCode, String> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// Prints a run's report (JSON or text); the exit code says whether it found problems.
+fn print_report<R: serde::Serialize + std::fmt::Display>(
+    report: &R,
+    json: bool,
+    ok: bool,
+) -> Result<ExitCode, String> {
+    if json {
+        let text = serde_json::to_string_pretty(report).map_err(|e| e.to_string())?;
+        println!("{text}");
+    } else {
+        print!("{report}");
+    }
+    Ok(if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 fn produce<B: ProducerBackend, F: Fill<B>>(

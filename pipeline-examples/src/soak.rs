@@ -2,7 +2,7 @@
 //! random; check every batch a surviving consumer received (verified, contiguous, nothing
 //! lost or duplicated) and watch the producer's memory and open fds for growth.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -127,16 +127,6 @@ struct Tally {
     problems: Vec<String>,
 }
 
-fn read_log(path: &Path) -> Vec<u64> {
-    std::fs::read(path)
-        .map(|b| {
-            b.chunks_exact(8)
-                .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 fn reap(live: &mut Vec<Live>, tally: &mut Tally, at_end: bool) {
     let mut i = 0;
     while i < live.len() {
@@ -177,7 +167,7 @@ fn reap(live: &mut Vec<Live>, tally: &mut Tally, at_end: bool) {
                             .push(format!("consumer pid {} ended with: {e}", r.pid));
                     }
                 }
-                let log = read_log(&l.log);
+                let log = crate::bench::read_seq_log(&l.log);
                 let _ = std::fs::remove_file(&l.log);
                 tally.reports.push((r, log, at_end));
             }
