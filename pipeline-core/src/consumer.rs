@@ -483,13 +483,19 @@ impl<B: ConsumerBackend> Consumer<B> {
                     .load(Ordering::Acquire)
                     .max(head);
                 if let Err(v) = ring::check_claimed(k, seq, now, n) {
-                    // Put it back untouched and report the corruption.
-                    let _ = desc.pending.compare_exchange(
-                        ring::bit(me),
-                        ring::UNCLAIMED,
-                        Ordering::AcqRel,
-                        Ordering::Relaxed,
-                    );
+                    // Put it back untouched (and count it, so scans find it) and report.
+                    if desc
+                        .pending
+                        .compare_exchange(
+                            ring::bit(me),
+                            ring::UNCLAIMED,
+                            Ordering::AcqRel,
+                            Ordering::Relaxed,
+                        )
+                        .is_ok()
+                    {
+                        claim.requeued.value.fetch_add(1, Ordering::AcqRel);
+                    }
                     return Err(violation(v));
                 }
                 if seq < hint {
@@ -578,6 +584,17 @@ impl<B: ConsumerBackend> Consumer<B> {
 
 impl<B: ConsumerBackend> Drop for Consumer<B> {
     fn drop(&mut self) {
+        // A producer that died unnoticed (we did not wait since): its signals may never come.
+        let closed = self
+            .seg
+            .header()
+            .constants
+            .producer_state
+            .load(Ordering::Acquire)
+            == producer_state::CLOSED;
+        if !closed && sys::peer_gone(&self.conn) {
+            self.backend.abandon();
+        }
         // Importers free first: drop the backend (unmapping/freeing imports) before saying
         // goodbye, so the producer frees its memory only after ours is gone.
         // SAFETY: the backend is never used again: this is the consumer's drop.

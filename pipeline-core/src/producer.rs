@@ -139,6 +139,10 @@ struct Shared<B> {
     config: ProducerConfig,
     members: Mutex<Members>,
     active: AtomicU64,
+    /// Per consumer index: the first sequence number its current holder receives (set under
+    /// the members lock at activation). A holder of an older batch in a slot was another
+    /// consumer that used the same index.
+    joined_at: Vec<AtomicU64>,
     closing: AtomicBool,
     stop_supervisor: AtomicBool,
     waker: sys::Waker,
@@ -169,8 +173,6 @@ impl<B: ProducerBackend> Shared<B> {
                 return;
             };
             pid = member.pid;
-            m.active &= !ring::bit(idx);
-            self.active.store(m.active, Ordering::Release);
             let state = match how {
                 Departure::Left => consumer_state::LEFT,
                 Departure::Died => consumer_state::DEAD,
@@ -190,8 +192,16 @@ impl<B: ProducerBackend> Shared<B> {
                     .value
                     .fetch_add(requeued, Ordering::AcqRel);
             }
+            // Only now leave the active set: the producer checks slots without this lock,
+            // and a lone claim bit of an inactive consumer reads as a free slot, which must
+            // not happen before the batch is requeued above.
+            m.active &= !ring::bit(idx);
+            self.active.store(m.active, Ordering::Release);
+            // Keep the index from being handed out until the backend has let go of it.
+            m.reserved |= ring::bit(idx);
         }
         self.backend.detach(idx, how == Departure::Died);
+        self.members.lock().reserved &= !ring::bit(idx);
         let counter = match how {
             Departure::Left => &self.counters.left,
             Departure::Died => &self.counters.died,
@@ -348,12 +358,19 @@ impl<B: ProducerBackend> Shared<B> {
             .store(consumer_state::ATTACHING, Ordering::Release);
         rec.pid.store(cred.pid, Ordering::Relaxed);
         let result = self.attach_reserved(conn, idx, &welcome);
+        if result.is_err() {
+            // Before the index can be reserved again: a late detach would release the words
+            // of the next consumer to take it.
+            rec.state.store(consumer_state::DETACHED, Ordering::Release);
+            self.backend.detach(idx, true);
+        }
         let mut m = self.members.lock();
         m.reserved &= !(1 << idx);
         match result {
             Ok(conn_arc) => {
                 // Activate under the lock so that no publish races the join point.
                 let start = m.head;
+                self.joined_at[idx as usize].store(start, Ordering::Release);
                 rec.join_seq.store(start, Ordering::Relaxed);
                 rec.cursor.store(start, Ordering::Relaxed);
                 rec.received.store(0, Ordering::Relaxed);
@@ -377,8 +394,6 @@ impl<B: ProducerBackend> Shared<B> {
             }
             Err(e) => {
                 drop(m);
-                rec.state.store(consumer_state::DETACHED, Ordering::Release);
-                self.backend.detach(idx, true);
                 Err(e)
             }
         }
@@ -526,6 +541,9 @@ impl<B: ProducerBackend> Producer<B> {
                 head: 0,
             }),
             active: AtomicU64::new(0),
+            joined_at: (0..layout.consumer_capacity)
+                .map(|_| AtomicU64::new(0))
+                .collect(),
             closing: AtomicBool::new(false),
             stop_supervisor: AtomicBool::new(false),
             waker: sys::Waker::new().map_err(Error::os("pipe"))?,
@@ -631,7 +649,7 @@ impl<B: ProducerBackend> Producer<B> {
         let k = ring::slot_of(s, n);
         if let Some(prev) = ring::previous_in_slot(s, n) {
             self.wait_slot_free(k, deadline)?;
-            let holders = self.holders_of(k);
+            let holders = self.holders_of(k, prev);
             self.shared
                 .backend
                 .wait_finished(k, prev, holders)
@@ -671,6 +689,7 @@ impl<B: ProducerBackend> Producer<B> {
                             .compare_exchange(p, v, Ordering::AcqRel, Ordering::Relaxed)
                             .is_ok()
                         {
+                            sh.seg.claim().requeued.value.fetch_add(1, Ordering::AcqRel);
                             tracing::warn!(
                                 slot = k,
                                 "slot {k}'s pending word held {p:#x}, which no correct consumer writes (scribbled?); put its batch back as unclaimed"
@@ -713,7 +732,7 @@ impl<B: ProducerBackend> Producer<B> {
         for s in self.head.saturating_sub(n as u64)..self.head {
             let k = ring::slot_of(s, n);
             self.wait_slot_free(k, deadline)?;
-            let holders = self.holders_of(k);
+            let holders = self.holders_of(k, s);
             self.shared
                 .backend
                 .wait_finished(k, s, holders)
@@ -722,11 +741,13 @@ impl<B: ProducerBackend> Producer<B> {
         Ok(())
     }
 
-    /// The consumers that got slot `k`'s current batch and are still attached.
-    fn holders_of(&self, k: u32) -> u64 {
-        let active = self.shared.active.load(Ordering::Acquire);
-        if self.shared.shared_mode() {
-            let c = self.shared.seg.slot(k).claimer.load(Ordering::Acquire);
+    /// The consumers that got batch `seq` (in slot `k`) and are still attached — not a
+    /// consumer that has since taken the same index and joined after `seq`.
+    fn holders_of(&self, k: u32, seq: u64) -> u64 {
+        let sh = &*self.shared;
+        let active = sh.active.load(Ordering::Acquire);
+        let mask = if sh.shared_mode() {
+            let c = sh.seg.slot(k).claimer.load(Ordering::Acquire);
             if c < 63 {
                 ring::bit(c as u32) & active
             } else {
@@ -734,7 +755,11 @@ impl<B: ProducerBackend> Producer<B> {
             }
         } else {
             self.holders[k as usize] & active
-        }
+        };
+        (0..sh.layout.consumer_capacity)
+            .filter(|&c| mask & ring::bit(c) != 0)
+            .filter(|&c| sh.joined_at[c as usize].load(Ordering::Acquire) <= seq)
+            .fold(0, |m, c| m | ring::bit(c))
     }
 
     /// Shuts the ring down cleanly: consumers get every batch already published, then end.

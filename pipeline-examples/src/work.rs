@@ -104,6 +104,9 @@ pub struct ConsumerReport {
     pub elapsed_s: f64,
     /// Seconds spent inside `recv` (waiting for the producer, or validating).
     pub recv_wait_s: f64,
+    /// It stopped because it reached `--max-batches` (not because the ring closed).
+    #[serde(default)]
+    pub reached_quota: bool,
     /// The backend's attach cost, per step (CUDA: import timings in µs).
     #[serde(default)]
     pub attach: Option<serde_json::Value>,
@@ -140,8 +143,11 @@ pub fn consume_loop<B: ConsumerBackend, C: Check<B>>(
     let broadcast = consumer.layout().mode == Mode::Broadcast;
     let mut last_print = Instant::now();
     loop {
-        if opts.stop.load(Ordering::Relaxed) || opts.max_batches.is_some_and(|m| rep.received >= m)
-        {
+        if opts.max_batches.is_some_and(|m| rep.received >= m) {
+            rep.reached_quota = true;
+            break;
+        }
+        if opts.stop.load(Ordering::Relaxed) {
             break;
         }
         let t_recv = Instant::now();
