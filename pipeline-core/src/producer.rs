@@ -388,7 +388,6 @@ impl<B: ProducerBackend> Shared<B> {
                 tracing::info!(consumer = idx, pid = cred.pid, start, "consumer attached");
                 // If this send fails the consumer is gone; the supervisor sees the hang-up.
                 let _ = wire::send(&conn_arc, &Message::Joined { start_seq: start }, &[]);
-                let _ = conn_arc.set_read_timeout(Some(Duration::from_millis(200)));
                 self.waker.wake();
                 Ok(())
             }
@@ -436,6 +435,8 @@ impl<B: ProducerBackend> Shared<B> {
     /// The supervisor: accepts connections and watches attached consumers' sockets.
     fn supervise(self: Arc<Self>, listener: UnixListener) {
         let tick = self.config.wait.tick;
+        // Bytes of a Goodbye frame received so far, per connection.
+        let mut partial: std::collections::HashMap<usize, Vec<u8>> = Default::default();
         while !self.stop_supervisor.load(Ordering::Acquire) {
             let snapshot: Vec<(u32, Arc<UnixStream>)> = {
                 let m = self.members.lock();
@@ -482,27 +483,48 @@ impl<B: ProducerBackend> Shared<B> {
                 let r = ready[i + 2];
                 // Read before acting on a hang-up: a clean exit sends Goodbye, then closes.
                 if r.readable {
-                    match wire::recv(conn) {
-                        Ok((Message::Goodbye, _)) => self.depart(*idx, Departure::Left, "left"),
-                        Ok((other, _)) => self.depart(
-                            *idx,
-                            Departure::Detached,
-                            &format!("sent an unexpected {} after attaching", other.name()),
-                        ),
-                        Err(Error::Protocol(ProtocolError::Message(m)))
-                            if m.contains("closed the connection") =>
-                        {
-                            self.depart(*idx, Departure::Died, "its socket closed")
-                        }
-                        Err(Error::Timeout(_)) => {}
-                        Err(e) => self.depart(*idx, Departure::Detached, &e.to_string()),
+                    let buf = partial.entry(Arc::as_ptr(conn) as usize).or_default();
+                    match read_goodbye(conn, buf) {
+                        Some(Ok(())) => self.depart(*idx, Departure::Left, "left"),
+                        Some(Err((how, why))) => self.depart(*idx, how, &why),
+                        None => {}
                     }
                 } else if r.hangup {
                     self.depart(*idx, Departure::Died, "its socket hung up");
                 }
             }
+            partial.retain(|k, _| snapshot.iter().any(|(_, c)| Arc::as_ptr(c) as usize == *k));
         }
     }
+}
+
+/// After attaching, a consumer may only say Goodbye: a 12-byte frame with an empty body.
+/// Reads what is there without blocking and keeps partial bytes in `buf`, so a peer that
+/// trickles bytes cannot hold up the supervisor. `None`: nothing complete yet.
+fn read_goodbye(conn: &UnixStream, buf: &mut Vec<u8>) -> Option<Result<(), (Departure, String)>> {
+    let mut chunk = [0u8; 12];
+    let want = 12 - buf.len();
+    match rustix::net::recv(conn, &mut chunk[..want], rustix::net::RecvFlags::DONTWAIT) {
+        Ok((0, _)) => return Some(Err((Departure::Died, "its socket closed".into()))),
+        Ok((n, _)) => buf.extend_from_slice(&chunk[..n.min(want)]),
+        Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => return None,
+        Err(e) => return Some(Err((Departure::Died, format!("its socket failed: {e}")))),
+    }
+    if buf.len() < 12 {
+        return None;
+    }
+    let mut prefix = [0u8; 12];
+    prefix.copy_from_slice(buf);
+    Some(match wire::decode_prefix(&prefix) {
+        Ok((6, 0)) => Ok(()),
+        Ok((kind, len)) => Err((
+            Departure::Detached,
+            format!(
+                "sent a message of kind {kind} ({len} bytes) after attaching; only Goodbye is allowed"
+            ),
+        )),
+        Err(e) => Err((Departure::Detached, e.to_string())),
+    })
 }
 
 /// The producing side of a ring. Not `Sync`: one thread acquires and publishes.
