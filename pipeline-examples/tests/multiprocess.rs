@@ -135,21 +135,7 @@ fn producer_sigkill_gives_consumers_a_clear_error_promptly() {
         p.wait().unwrap();
         let t = Instant::now();
         for (name, c) in [("a", a), ("b", b)] {
-            let e = finish(c, Duration::from_secs(3));
-            assert_eq!(
-                e.code,
-                Some(1),
-                "consumer {name} should fail: {} {}",
-                e.stdout,
-                e.stderr
-            );
-            let r = report(&e);
-            let err = r["error"].as_str().unwrap_or_default();
-            assert!(
-                err.contains("producer died"),
-                "consumer {name} error: {err:?}"
-            );
-            assert_eq!(r["mismatches"], 0);
+            assert_producer_died(finish(c, Duration::from_secs(3)), name);
         }
         assert!(
             t.elapsed() < Duration::from_secs(1),

@@ -100,6 +100,16 @@ pub fn producer(procs: &Procs, sock: &Path, extra: &[&str]) -> Child {
 }
 
 pub fn producer_on(procs: &Procs, sock: &Path, backend: &str, extra: &[&str]) -> Child {
+    producer_on_env(procs, sock, backend, extra, &[])
+}
+
+pub fn producer_on_env(
+    procs: &Procs,
+    sock: &Path,
+    backend: &str,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Child {
     let mut args = vec![
         "produce",
         "--socket",
@@ -112,7 +122,7 @@ pub fn producer_on(procs: &Procs, sock: &Path, backend: &str, extra: &[&str]) ->
         "4",
     ];
     args.extend_from_slice(extra);
-    let c = spawn(procs, &args);
+    let c = spawn_env(procs, &args, env);
     wait_until(Duration::from_secs(10), "producer socket", || {
         UnixStream::connect(sock).is_ok()
     });
@@ -408,26 +418,13 @@ pub fn producer_death_case(backend: &'static str, fault: &'static str) {
         // Late enough for every consumer to have attached (a CUDA attach takes a few hundred
         // ms; the producer runs at 2000 batches/s).
         let spec = format!("{fault}:4000");
-        let p = {
-            let args = [
-                "produce",
-                "--socket",
-                sock.to_str().unwrap(),
-                "--backend",
-                backend,
-                "--batch-bytes",
-                "64KiB",
-                "--slots",
-                "4",
-                "--rate",
-                "2000",
-            ];
-            let c = spawn_env(&procs, &args, &[("GPIPE_FAULT", &spec)]);
-            wait_until(Duration::from_secs(10), "producer socket", || {
-                std::os::unix::net::UnixStream::connect(&sock).is_ok()
-            });
-            c
-        };
+        let p = producer_on_env(
+            &procs,
+            &sock,
+            backend,
+            &["--rate", "2000"],
+            &[("GPIPE_FAULT", &spec)],
+        );
         let a = consumer(&procs, &sock, &dir.join("a.seq"));
         let b = consumer(&procs, &sock, &dir.join("b.seq"));
         let pe = finish(p, Duration::from_secs(20));
@@ -438,21 +435,7 @@ pub fn producer_death_case(backend: &'static str, fault: &'static str) {
         );
         let t = Instant::now();
         for (name, c, log) in [("a", a, "a.seq"), ("b", b, "b.seq")] {
-            let e = finish(c, Duration::from_secs(3));
-            assert_eq!(
-                e.code,
-                Some(1),
-                "consumer {name}: {} {}",
-                e.stdout,
-                e.stderr
-            );
-            let r = report(&e);
-            let err = r["error"].as_str().unwrap_or_default();
-            assert!(
-                err.contains("producer died"),
-                "consumer {name} error: {err:?}"
-            );
-            assert_eq!(r["mismatches"], 0);
+            assert_producer_died(finish(c, Duration::from_secs(3)), name);
             let s = seqs(&dir.join(log));
             if !s.is_empty() {
                 assert_contiguous(&s, name);
@@ -465,4 +448,23 @@ pub fn producer_death_case(backend: &'static str, fault: &'static str) {
         );
         let _ = std::fs::remove_dir_all(&dir);
     });
+}
+
+/// A consumer whose producer died exits with status 1, a report naming the death, and no
+/// batch that failed verification.
+pub fn assert_producer_died(e: Exit, name: &str) {
+    assert_eq!(
+        e.code,
+        Some(1),
+        "consumer {name} should fail: {} {}",
+        e.stdout,
+        e.stderr
+    );
+    let r = report(&e);
+    let err = r["error"].as_str().unwrap_or_default();
+    assert!(
+        err.contains("producer died"),
+        "consumer {name} error: {err:?}"
+    );
+    assert_eq!(r["mismatches"], 0);
 }
