@@ -2,7 +2,7 @@
 //! random; check every batch a surviving consumer received (verified, contiguous, nothing
 //! lost or duplicated) and watch the producer's memory and open fds for growth.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -67,6 +67,12 @@ pub struct SoakReport {
     pub rss_kib_end: u64,
     /// Peak resident memory, KiB.
     pub rss_kib_peak: u64,
+    /// Resident memory at each tenth of the run (the first at 10 %), KiB: tells a warm-up
+    /// curve that levels off from steady growth.
+    pub rss_kib_series: Vec<u64>,
+    /// Growth of resident memory over the second half of the run, KiB per 1000 consumers
+    /// started in that half (0 when too few started to tell).
+    pub rss_kib_per_1000_consumers_late: f64,
     /// Open fds after warm-up.
     pub fds_after_warmup: u64,
     /// Open fds at the end (before close).
@@ -97,6 +103,22 @@ fn rss_kib() -> u64 {
         .unwrap_or(0)
 }
 
+/// Resident-memory growth from the middle of the run to its end, per 1000 consumers started
+/// in between. `series` holds (RSS KiB, consumers started so far) at each tenth of the run.
+fn late_growth(series: &[(u64, u64)]) -> f64 {
+    let (Some(mid), Some(end)) = (
+        series.get(series.len().saturating_sub(1) / 2),
+        series.last(),
+    ) else {
+        return 0.0;
+    };
+    let consumers = end.1.saturating_sub(mid.1);
+    if series.len() < 4 || consumers < 20 {
+        return 0.0;
+    }
+    (end.0 as f64 - mid.0 as f64) * 1000.0 / consumers as f64
+}
+
 fn open_fds() -> u64 {
     std::fs::read_dir("/proc/self/fd")
         .map(|d| d.count() as u64)
@@ -120,18 +142,27 @@ impl Rng {
 
 struct Live {
     child: Child,
-    log: PathBuf,
+    /// Its number: its report goes to `c{n}.out`, its sequence log to `c{n}.seq`.
+    n: u64,
+}
+
+/// Where consumer `n` writes its report and its sequence log.
+fn outputs(dir: &Path, n: u64) -> (PathBuf, PathBuf) {
+    (dir.join(format!("c{n}.out")), dir.join(format!("c{n}.seq")))
 }
 
 #[derive(Default)]
 struct Tally {
     started: u64,
     killed: u64,
-    reports: Vec<(ConsumerReport, Vec<u64>, bool)>,
+    /// Consumers that ended without SIGKILL: (number, ended after the close). Their reports
+    /// and logs stay on disk until the run's last memory sample is taken, so the producer's
+    /// RSS measures the producer and not this bookkeeping (a log holds every batch seen).
+    ended: Vec<(u64, bool)>,
     problems: Vec<String>,
 }
 
-fn reap(live: &mut Vec<Live>, tally: &mut Tally, at_end: bool) {
+fn reap(dir: &Path, live: &mut Vec<Live>, tally: &mut Tally, at_end: bool) {
     let mut i = 0;
     while i < live.len() {
         let done = match live[i].child.try_wait() {
@@ -150,36 +181,39 @@ fn reap(live: &mut Vec<Live>, tally: &mut Tally, at_end: bool) {
             status.and_then(|s| s.signal()) == Some(libc::SIGKILL)
         };
         if killed {
+            let (out, seq) = outputs(dir, l.n);
+            let _ = (std::fs::remove_file(out), std::fs::remove_file(seq));
             continue;
         }
-        let mut out = String::new();
-        if let Some(mut so) = l.child.stdout.take() {
-            let _ = std::io::Read::read_to_string(&mut so, &mut out);
-        }
-        match out
-            .lines()
-            .rev()
-            .find_map(|x| serde_json::from_str::<ConsumerReport>(x).ok())
-        {
-            Some(r) => {
-                if let Some(e) = &r.error {
-                    // One still attaching when the ring closed is refused: not a failure.
-                    let late = at_end && r.received == 0 && e.contains("shut down");
-                    if !late {
-                        tally
-                            .problems
-                            .push(format!("consumer pid {} ended with: {e}", r.pid));
-                    }
-                }
-                let log = crate::bench::read_seq_log(&l.log);
-                let _ = std::fs::remove_file(&l.log);
-                tally.reports.push((r, log, at_end));
-            }
-            None => tally
-                .problems
-                .push(format!("a consumer exited ({status:?}) without a report")),
+        tally.ended.push((l.n, at_end));
+    }
+}
+
+/// Reads the report and the sequence log of a consumer that ended without SIGKILL.
+fn read_ended(
+    dir: &Path,
+    n: u64,
+    at_end: bool,
+    problems: &mut Vec<String>,
+) -> Option<(ConsumerReport, Vec<u64>)> {
+    let (out, seq) = outputs(dir, n);
+    let text = std::fs::read_to_string(&out).unwrap_or_default();
+    let Some(r) = text
+        .lines()
+        .rev()
+        .find_map(|x| serde_json::from_str::<ConsumerReport>(x).ok())
+    else {
+        problems.push(format!("consumer {n} exited without a report"));
+        return None;
+    };
+    if let Some(e) = &r.error {
+        // One still attaching when the ring closed is refused: not a failure.
+        let late = at_end && r.received == 0 && e.contains("shut down");
+        if !late {
+            problems.push(format!("consumer pid {} ended with: {e}", r.pid));
         }
     }
+    Some((r, crate::bench::read_seq_log(&seq)))
 }
 
 /// Runs the soak with backend `B`.
@@ -241,7 +275,7 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
                 std::thread::sleep(Duration::from_millis(tick / 2 + rng.below(tick)));
                 let mut lv = live.lock().unwrap_or_else(|e| e.into_inner());
                 let mut t = tally.lock().unwrap_or_else(|e| e.into_inner());
-                reap(&mut lv, &mut t, false);
+                reap(&dir, &mut lv, &mut t, false);
                 let roll = if done.load(Ordering::Relaxed) {
                     100
                 } else {
@@ -249,7 +283,7 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
                 };
                 if (lv.len() as u32) < max && (roll < 45 || lv.is_empty()) {
                     n += 1;
-                    let log = dir.join(format!("c{n}.seq"));
+                    let (out, log) = outputs(&dir, n);
                     let quota = 100 + rng.below(40_000);
                     let spawned = Command::new(&exe)
                         .args(["consume", "--socket"])
@@ -259,13 +293,16 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
                         .arg("--seq-log")
                         .arg(&log)
                         .stdin(Stdio::null())
-                        .stdout(Stdio::piped())
+                        .stdout(match std::fs::File::create(&out) {
+                            Ok(f) => Stdio::from(f),
+                            Err(_) => Stdio::null(),
+                        })
                         .stderr(Stdio::null())
                         .spawn();
                     match spawned {
                         Ok(child) => {
                             t.started += 1;
-                            lv.push(Live { child, log });
+                            lv.push(Live { child, n });
                         }
                         Err(e) => t.problems.push(format!("cannot start a consumer: {e}")),
                     }
@@ -283,6 +320,12 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
     let mut warm = (0u64, 0u64);
     let (mut rss_peak, mut fds_peak) = (0u64, 0u64);
     let mut last_sample = Instant::now();
+    let mut series: Vec<(u64, u64)> = Vec::with_capacity(10);
+    let tenth = args.duration / 10;
+    let started_now = {
+        let tally = tally.clone();
+        move || tally.lock().unwrap_or_else(|e| e.into_inner()).started
+    };
     let mut last_print = Instant::now();
     let mut timing = work::ProduceTiming::default();
     let published = work::produce_loop(
@@ -301,6 +344,9 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
                 if warm == (0, 0) && start.elapsed() >= warmup {
                     warm = (r, f);
                 }
+                while series.len() < 9 && start.elapsed() >= tenth * (series.len() as u32 + 1) {
+                    series.push((r, started_now()));
+                }
             }
             if last_print.elapsed() >= Duration::from_secs(10) {
                 last_print = Instant::now();
@@ -312,6 +358,7 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
         },
     );
     let (rss_end, fds_end) = (rss_kib(), open_fds());
+    series.push((rss_end, started_now()));
     let backend_bytes_end = producer.backend().memory_in_use();
     stop.store(true, Ordering::Relaxed);
     let _ = chaos.join();
@@ -323,7 +370,7 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
     loop {
         let mut lv = live.lock().unwrap_or_else(|e| e.into_inner());
         let mut t = tally.lock().unwrap_or_else(|e| e.into_inner());
-        reap(&mut lv, &mut t, true);
+        reap(&dir, &mut lv, &mut t, true);
         if lv.is_empty() {
             break;
         }
@@ -338,8 +385,14 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
         drop((lv, t));
         std::thread::sleep(Duration::from_millis(20));
     }
-    let _ = std::fs::remove_dir_all(&dir);
     let mut t = std::mem::take(&mut *tally.lock().unwrap_or_else(|e| e.into_inner()));
+    let mut reports = Vec::with_capacity(t.ended.len());
+    for &(n, at_end) in &t.ended {
+        if let Some((r, log)) = read_ended(&dir, n, at_end, &mut t.problems) {
+            reports.push((r, log, at_end));
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
     let mut rep = SoakReport {
         backend: args.backend.to_string(),
         mode: args.mode.to_string(),
@@ -347,10 +400,12 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
         published,
         consumers_started: t.started,
         consumers_killed: t.killed,
-        consumers_left: t.reports.len() as u64,
+        consumers_left: reports.len() as u64,
         rss_kib_after_warmup: warm.0,
         rss_kib_end: rss_end,
         rss_kib_peak: rss_peak,
+        rss_kib_series: series.iter().map(|s| s.0).collect(),
+        rss_kib_per_1000_consumers_late: late_growth(&series),
         fds_after_warmup: warm.1,
         fds_end,
         fds_peak,
@@ -365,7 +420,7 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
         }
     }
     let mut shared_seen = std::collections::HashSet::new();
-    for (r, log, at_end) in &t.reports {
+    for (r, log, at_end) in &reports {
         rep.delivered += r.received;
         rep.mismatches += r.mismatches;
         if r.verified {
@@ -442,6 +497,18 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
             rep.rss_kib_after_warmup, rep.rss_kib_end
         ));
     }
+    // Steady growth shows in the second half, after any warm-up has settled.
+    let mid = series.len().saturating_sub(1) / 2;
+    if let (Some(m), Some(e)) = (series.get(mid), series.last()) {
+        if series.len() >= 4 && e.0 > m.0 + 1024 + m.0 / 50 {
+            t.problems.push(format!(
+                "producer RSS grew from {} KiB at mid-run to {} KiB at the end while {} consumers started",
+                m.0,
+                e.0,
+                e.1.saturating_sub(m.1)
+            ));
+        }
+    }
     if stats.died < t.killed.saturating_sub(stats.left + stats.detached) / 2 {
         // Informational cross-check only; kills of consumers still attaching are not deaths.
         tracing::info!(
@@ -481,6 +548,19 @@ impl std::fmt::Display for SoakReport {
             self.fds_idle_end,
             self.fds_peak
         )?;
+        if !self.rss_kib_series.is_empty() {
+            let mib: Vec<String> = self
+                .rss_kib_series
+                .iter()
+                .map(|k| format!("{:.1}", *k as f64 / 1024.0))
+                .collect();
+            writeln!(
+                f,
+                "  producer RSS at each tenth of the run, MiB: {}; second half: {:+.0} KiB per 1000 consumers",
+                mib.join(" "),
+                self.rss_kib_per_1000_consumers_late
+            )?;
+        }
         if let (Some(a), Some(b)) = (self.backend_bytes_start, self.backend_bytes_end) {
             writeln!(f, "  backend memory {a} bytes at the start, {b} at the end")?;
         }
@@ -492,5 +572,25 @@ impl std::fmt::Display for SoakReport {
             }
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::late_growth;
+
+    #[test]
+    fn late_growth_is_per_1000_consumers_over_the_second_half() {
+        // Flat after warm-up: nothing.
+        let flat: Vec<(u64, u64)> = (0..10)
+            .map(|i| (if i == 0 { 900 } else { 1000 }, i * 100))
+            .collect();
+        assert_eq!(late_growth(&flat), 0.0);
+        // 5 KiB per consumer from the middle (index 4) to the end (index 9).
+        let leak: Vec<(u64, u64)> = (0..10).map(|i| (1000 + 500 * i, 100 * i)).collect();
+        assert_eq!(late_growth(&leak), 5000.0);
+        // Too few consumers or samples to tell.
+        assert_eq!(late_growth(&[(1, 0), (9, 5), (20, 10), (40, 15)]), 0.0);
+        assert_eq!(late_growth(&[(1, 0), (900, 500)]), 0.0);
     }
 }

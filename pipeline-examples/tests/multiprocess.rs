@@ -471,6 +471,13 @@ fn short_soak_loses_nothing() {
             assert!(r["consumers_started"].as_u64().unwrap() > 3, "{mode}: {r}");
             assert!(r["delivered"].as_u64().unwrap() > 0, "{mode}: {r}");
             assert_eq!(r["delivered"], r["verified"], "{mode}");
+            // One RSS sample per tenth of the run, all real.
+            let series = r["rss_kib_series"].as_array().unwrap();
+            assert_eq!(series.len(), 10, "{mode}: {r}");
+            assert!(
+                series.iter().all(|k| k.as_u64().unwrap() > 0),
+                "{mode}: {r}"
+            );
         }
     });
 }
