@@ -149,6 +149,13 @@ struct Shared<B> {
     counters: Counters,
 }
 
+/// A connection whose handshake runs on its own thread.
+struct Attaching {
+    conn: UnixStream,
+    /// Set (under the members lock) once the consumer is active.
+    joined: AtomicBool,
+}
+
 /// How a consumer went away.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Departure {
@@ -243,12 +250,12 @@ impl<B: ProducerBackend> Shared<B> {
     }
 
     /// Runs the attach handshake with one connection (on its own thread).
-    fn handshake(self: &Arc<Self>, conn: UnixStream) {
+    fn handshake(self: &Arc<Self>, conn: &UnixStream, joined: &AtomicBool) {
         let t = Some(self.config.handshake_timeout);
         if conn.set_read_timeout(t).is_err() || conn.set_write_timeout(t).is_err() {
             return;
         }
-        let cred = match sys::peer_cred(&conn) {
+        let cred = match sys::peer_cred(conn) {
             Ok(c) => c,
             Err(e) => {
                 tracing::warn!("attach: cannot read peer credentials: {e}");
@@ -263,7 +270,7 @@ impl<B: ProducerBackend> Shared<B> {
                 "attach refused: uid not allowed"
             );
             wire::send_reject(
-                &conn,
+                conn,
                 &format!(
                     "uid {} is not allowed to attach (the producer runs as uid {}; allow it with --allow-uid)",
                     cred.uid,
@@ -272,17 +279,25 @@ impl<B: ProducerBackend> Shared<B> {
             );
             return;
         }
-        if let Err(e) = self.handshake_inner(&conn, cred) {
+        if let Err(e) = self.handshake_inner(conn, cred, joined) {
+            // Closing cuts the reading side of handshakes in progress: say why.
+            let e = if self.closing.load(Ordering::Acquire) {
+                Error::Closed
+            } else {
+                e
+            };
             self.counters.refused.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(pid = cred.pid, "attach failed: {e}");
-            wire::send_reject(&conn, &e.to_string());
+            wire::send_reject(conn, &e.to_string());
         }
     }
 
+    /// `joined` is set, under the members lock, when the consumer becomes active.
     fn handshake_inner(
         self: &Arc<Self>,
         conn: &UnixStream,
         cred: sys::PeerCred,
+        joined: &AtomicBool,
     ) -> Result<(), Error> {
         let (hello, fds) = wire::recv(conn)?;
         let Message::Hello {
@@ -333,9 +348,14 @@ impl<B: ProducerBackend> Shared<B> {
                 &[self.seg.fd()],
             );
         }
-        // Reserve an index.
+        // Reserve an index. `close` waits for reserved indices, and no index is reserved
+        // once it has begun (checked under the same lock): every attach either finishes in
+        // time to be drained or is refused.
         let idx = {
             let mut m = self.members.lock();
+            if self.closing.load(Ordering::Acquire) {
+                return Err(Error::Closed);
+            }
             let taken = m.reserved
                 | m.conns
                     .iter()
@@ -357,17 +377,17 @@ impl<B: ProducerBackend> Shared<B> {
         rec.state
             .store(consumer_state::ATTACHING, Ordering::Release);
         rec.pid.store(cred.pid, Ordering::Relaxed);
-        let result = self.attach_reserved(conn, idx, &welcome);
-        if result.is_err() {
-            // Before the index can be reserved again: a late detach would release the words
-            // of the next consumer to take it.
-            rec.state.store(consumer_state::DETACHED, Ordering::Release);
-            self.backend.detach(idx, true);
-        }
-        let mut m = self.members.lock();
-        m.reserved &= !(1 << idx);
-        match result {
-            Ok(conn_arc) => {
+        let result = self
+            .attach_reserved(conn, idx, &welcome)
+            .and_then(|conn_arc| {
+                let mut m = self.members.lock();
+                // Closing began while this attach ran: refuse it rather than join a closed
+                // ring (the supervisor may already have cut its socket). Checked under the lock
+                // the supervisor takes to cut sockets, so one of the two sees the other.
+                if self.closing.load(Ordering::Acquire) {
+                    return Err(Error::Closed);
+                }
+                joined.store(true, Ordering::Release);
                 // Activate under the lock so that no publish races the join point.
                 let start = m.head;
                 self.joined_at[idx as usize].store(start, Ordering::Release);
@@ -383,7 +403,11 @@ impl<B: ProducerBackend> Shared<B> {
                     conn: conn_arc.clone(),
                     pid: cred.pid,
                 });
-                drop(m);
+                m.reserved &= !(1 << idx);
+                Ok((conn_arc, start))
+            });
+        match result {
+            Ok((conn_arc, start)) => {
                 self.counters.attached.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(consumer = idx, pid = cred.pid, start, "consumer attached");
                 // If this send fails the consumer is gone; the supervisor sees the hang-up.
@@ -392,7 +416,11 @@ impl<B: ProducerBackend> Shared<B> {
                 Ok(())
             }
             Err(e) => {
-                drop(m);
+                // Before the index can be reserved again: a late detach would release the
+                // words of the next consumer to take it.
+                rec.state.store(consumer_state::DETACHED, Ordering::Release);
+                self.backend.detach(idx, true);
+                self.members.lock().reserved &= !(1 << idx);
                 Err(e)
             }
         }
@@ -437,6 +465,9 @@ impl<B: ProducerBackend> Shared<B> {
         let tick = self.config.wait.tick;
         // Bytes of a Goodbye frame received so far, per connection.
         let mut partial: std::collections::HashMap<usize, Vec<u8>> = Default::default();
+        // Handshakes in progress, with their connections: on the way out they are cut short
+        // and joined, so that none outlives `close` (holding fds, or the backend).
+        let mut attaching: Vec<(JoinHandle<()>, Arc<Attaching>)> = Vec::new();
         while !self.stop_supervisor.load(Ordering::Acquire) {
             let snapshot: Vec<(u32, Arc<UnixStream>)> = {
                 let m = self.members.lock();
@@ -464,11 +495,17 @@ impl<B: ProducerBackend> Shared<B> {
                     match listener.accept() {
                         Ok((conn, _)) => {
                             let me = self.clone();
+                            let conn = Arc::new(Attaching {
+                                conn,
+                                joined: AtomicBool::new(false),
+                            });
+                            let theirs = conn.clone();
                             let spawned = std::thread::Builder::new()
                                 .name("gpipe-attach".into())
-                                .spawn(move || me.handshake(conn));
-                            if let Err(e) = spawned {
-                                tracing::error!("cannot spawn handshake thread: {e}");
+                                .spawn(move || me.handshake(&theirs.conn, &theirs.joined));
+                            match spawned {
+                                Ok(h) => attaching.push((h, conn)),
+                                Err(e) => tracing::error!("cannot spawn handshake thread: {e}"),
                             }
                         }
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
@@ -494,6 +531,23 @@ impl<B: ProducerBackend> Shared<B> {
                 }
             }
             partial.retain(|k, _| snapshot.iter().any(|(_, c)| Arc::as_ptr(c) as usize == *k));
+            attaching.retain(|(h, _)| !h.is_finished());
+            if self.closing.load(Ordering::Acquire) {
+                // No attach may complete now: end the reads of those in progress rather than
+                // let a slow peer hold `close` up to the handshake timeout (the reject that
+                // follows still reaches the peer). Under the lock under which an attach
+                // checks `closing` and activates.
+                let _m = self.members.lock();
+                for (_, a) in &attaching {
+                    if !a.joined.load(Ordering::Acquire) {
+                        let _ = a.conn.shutdown(std::net::Shutdown::Read);
+                    }
+                }
+            }
+        }
+        // None outlives `close` (holding fds, or the backend).
+        for (h, _) in attaching {
+            let _ = h.join();
         }
     }
 }
@@ -806,7 +860,12 @@ impl<B: ProducerBackend> Producer<B> {
         wait::notify(&h.data_wake.value, &h.data_sleepers.value, true);
         let deadline = Instant::now() + sh.config.drain_timeout;
         loop {
-            let attached = sh.members.lock().conns.iter().any(|c| c.is_some());
+            let attached = {
+                let m = sh.members.lock();
+                // Reserved: an attach in progress, or a departure whose backend detach is
+                // still running. Either ends soon.
+                m.reserved != 0 || m.conns.iter().any(|c| c.is_some())
+            };
             if !attached || Instant::now() >= deadline {
                 if attached {
                     tracing::warn!(

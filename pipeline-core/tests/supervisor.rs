@@ -73,3 +73,56 @@ fn a_trickling_peer_does_not_hold_up_the_supervisor() {
     assert_eq!(producer.stats().detached, 1);
     assert_eq!(producer.stats().died, 1);
 }
+
+fn reject_reason(s: &UnixStream) -> String {
+    match wire::recv(s) {
+        Ok((Message::Reject { reason }, _)) => reason,
+        other => panic!("expected a Reject, got {other:?}"),
+    }
+}
+
+/// `close` does not wait out the handshake timeout for peers that stall mid-handshake, and
+/// tells them why they were refused; no handshake thread outlives it.
+#[test]
+fn close_cuts_stalled_handshakes_short() {
+    let sock = std::env::temp_dir().join(format!("gpipe-stall-{}.sock", std::process::id()));
+    let config = ProducerConfig {
+        slots: 2,
+        batch_bytes: 4096,
+        handshake_timeout: Duration::from_secs(20),
+        ..Default::default()
+    };
+    let producer: Producer<HostProducer> = Producer::bind(&sock, config, HostOptions).unwrap();
+    // One peer connects and says nothing.
+    let silent = UnixStream::connect(&sock).unwrap();
+    silent
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    // Another holds an index: Hello, Welcome, then no Ready.
+    let stalled = UnixStream::connect(&sock).unwrap();
+    stalled
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let hello = Message::Hello {
+        version: 1,
+        role: Role::Consumer,
+        backend: 0,
+    };
+    wire::send(&stalled, &hello, &[]).unwrap();
+    let (welcome, _fds) = wire::recv(&stalled).unwrap();
+    assert!(matches!(welcome, Message::Welcome { .. }));
+    std::thread::sleep(Duration::from_millis(50));
+    let t = Instant::now();
+    let stats = producer.close();
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "close waited {:?} for stalled handshakes",
+        t.elapsed()
+    );
+    assert_eq!(stats.refused, 2, "{stats:?}");
+    assert_eq!(stats.attached, 0, "{stats:?}");
+    for (name, peer) in [("silent", &silent), ("stalled", &stalled)] {
+        let reason = reject_reason(peer);
+        assert!(reason.contains("shut down"), "{name}: {reason}");
+    }
+}
