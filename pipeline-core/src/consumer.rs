@@ -225,15 +225,23 @@ impl PendingAttach {
             }
         };
         let reply_fds: Vec<_> = reply.fds.iter().map(std::os::fd::AsFd::as_fd).collect();
-        wire::send(
+        let sent = wire::send(
             &conn,
             &Message::Ready {
                 fd_count: reply_fds.len() as u32,
                 blob: reply.blob.clone(),
             },
             &reply_fds,
-        )?;
-        let start = match wire::recv(&conn)? {
+        );
+        // As with Hello: a producer that refuses us while we import (it is closing, say)
+        // may have stopped reading; its Reject is still readable and says why.
+        let received = wire::recv(&conn);
+        let received = match (sent, received) {
+            (Err(e), Err(_)) => return Err(e),
+            (Err(e), Ok((msg, _))) if !matches!(msg, Message::Reject { .. }) => return Err(e),
+            (_, r) => r?,
+        };
+        let start = match received {
             (Message::Joined { start_seq }, _) => start_seq,
             (Message::Reject { reason }, _) => return Err(ProtocolError::Refused(reason).into()),
             (other, _) => {

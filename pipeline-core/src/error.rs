@@ -24,6 +24,9 @@ pub enum ProtocolError {
     Segment(String),
     /// The peer refused us and said why.
     Refused(String),
+    /// The peer closed the connection during the handshake (it exited, was killed, or gave
+    /// up); nothing it sent was wrong.
+    Hangup(String),
 }
 
 impl fmt::Display for ProtocolError {
@@ -37,6 +40,7 @@ impl fmt::Display for ProtocolError {
             ProtocolError::Message(m) => write!(f, "malformed handshake message: {m}"),
             ProtocolError::Segment(m) => write!(f, "control segment corrupted: {m}"),
             ProtocolError::Refused(m) => write!(f, "the producer refused the attach: {m}"),
+            ProtocolError::Hangup(m) => write!(f, "{m}"),
         }
     }
 }

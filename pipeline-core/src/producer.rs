@@ -281,13 +281,23 @@ impl<B: ProducerBackend> Shared<B> {
         }
         if let Err(e) = self.handshake_inner(conn, cred, joined) {
             // Closing cuts the reading side of handshakes in progress: say why.
-            let e = if self.closing.load(Ordering::Acquire) {
-                Error::Closed
-            } else {
-                e
+            let e = match e {
+                Error::Protocol(ProtocolError::Hangup(_))
+                    if self.closing.load(Ordering::Acquire) =>
+                {
+                    Error::Closed
+                }
+                e => e,
             };
             self.counters.refused.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(pid = cred.pid, "attach failed: {e}");
+            match e {
+                // Routine: a consumer killed or stopped while attaching, or one arriving
+                // as the ring closes.
+                Error::Closed | Error::Protocol(ProtocolError::Hangup(_)) => {
+                    tracing::info!(pid = cred.pid, "attach abandoned: {e}")
+                }
+                _ => tracing::warn!(pid = cred.pid, "attach failed: {e}"),
+            }
             wire::send_reject(conn, &e.to_string());
         }
     }
@@ -545,7 +555,16 @@ impl<B: ProducerBackend> Shared<B> {
                 }
             }
         }
-        // None outlives `close` (holding fds, or the backend).
+        // None outlives `close` (holding fds, or the backend). `closing` is set before we
+        // are stopped, but the loop may have read it unset last time round: cut again.
+        {
+            let _m = self.members.lock();
+            for (_, a) in &attaching {
+                if !a.joined.load(Ordering::Acquire) {
+                    let _ = a.conn.shutdown(std::net::Shutdown::Read);
+                }
+            }
+        }
         for (h, _) in attaching {
             let _ = h.join();
         }
@@ -869,9 +888,24 @@ impl<B: ProducerBackend> Producer<B> {
             if !attached || Instant::now() >= deadline {
                 if attached {
                     tracing::warn!(
-                        "closing with consumers still attached after {:?}",
+                        "closing with consumers still attached after {:?}; detaching them",
                         sh.config.drain_timeout
                     );
+                    // Detach them here, as the supervisor would: on the CUDA backend this
+                    // releases their waits, which an attach in progress may be draining.
+                    let idxs: Vec<u32> = {
+                        let m = sh.members.lock();
+                        (0..m.conns.len() as u32)
+                            .filter(|&i| m.conns[i as usize].is_some())
+                            .collect()
+                    };
+                    for i in idxs {
+                        sh.depart(
+                            i,
+                            Departure::Detached,
+                            "did not drain before the close timed out",
+                        );
+                    }
                 }
                 break;
             }

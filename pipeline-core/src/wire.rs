@@ -399,7 +399,7 @@ pub fn send(sock: &UnixStream, msg: &Message, fds: &[BorrowedFd<'_>]) -> Result<
     debug_assert_eq!(msg.fd_count(), fds.len());
     sys::send_with_fds(sock, &encode(msg), fds).map_err(|e| match e.kind() {
         std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset => {
-            Error::Protocol(ProtocolError::Message(format!(
+            Error::Protocol(ProtocolError::Hangup(format!(
                 "the peer closed the connection mid-handshake (it exited or refused us) while we sent {}",
                 msg.name()
             )))
@@ -423,7 +423,7 @@ pub fn send_reject(sock: &UnixStream, reason: &str) {
 pub fn recv(sock: &UnixStream) -> Result<(Message, Vec<OwnedFd>), Error> {
     let mut prefix = [0u8; 12];
     let fds = sys::recv_with_fds(sock, &mut prefix).map_err(|e| match e.kind() {
-        std::io::ErrorKind::UnexpectedEof => Error::Protocol(ProtocolError::Message(
+        std::io::ErrorKind::UnexpectedEof => Error::Protocol(ProtocolError::Hangup(
             "the peer closed the connection mid-handshake".into(),
         )),
         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
