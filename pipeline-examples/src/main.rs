@@ -441,26 +441,44 @@ fn run(cmd: Cmd) -> Result<ExitCode, String> {
             work_us,
             bench_child,
         } => {
+            let json = json || bench_child;
+            // A refused or failed attach still ends with a report when one is asked for,
+            // so that a harness (bench, soak) learns why rather than seeing silence.
+            let failed = |e: String| {
+                if json {
+                    let r = work::ConsumerReport {
+                        pid: std::process::id(),
+                        error: Some(e.clone()),
+                        attach_failed: true,
+                        ..Default::default()
+                    };
+                    if let Ok(line) = serde_json::to_string(&r) {
+                        println!("{line}");
+                    }
+                }
+                e
+            };
             let pending = PendingAttach::connect(&socket, ConsumerConfig::default())
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| failed(e.to_string()))?;
             let opts = ConsumeCmd {
                 verify,
                 max_batches,
                 seq_log,
-                json: json || bench_child,
+                json,
                 quiet: bench_child,
                 work_us,
             };
             match pending.backend() {
                 pipeline_core::BackendKind::Host => {
-                    let c: Consumer<HostConsumer> =
-                        pending.finish(HostOptions).map_err(|e| e.to_string())?;
+                    let c: Consumer<HostConsumer> = pending
+                        .finish(HostOptions)
+                        .map_err(|e| failed(e.to_string()))?;
                     consume(c, &mut work::HostCheck::default(), &opts, None)
                 }
                 pipeline_core::BackendKind::Cuda => {
                     let c: Consumer<CudaConsumer> = pending
                         .finish(CudaOptions::default())
-                        .map_err(|e| e.to_string())?;
+                        .map_err(|e| failed(e.to_string()))?;
                     let attach = serde_json::to_value(c.backend().import_timings()).ok();
                     consume(c, &mut cuda_work::CudaCheck::default(), &opts, attach)
                 }

@@ -207,8 +207,9 @@ fn read_ended(
         return None;
     };
     if let Some(e) = &r.error {
-        // One still attaching when the ring closed is refused: not a failure.
-        let late = at_end && r.received == 0 && e.contains("shut down");
+        // One still attaching when the ring closed is refused (or finds the socket gone):
+        // it never joined, so it has nothing to lose. Not a failure.
+        let late = at_end && r.received == 0 && (r.attach_failed || e.contains("shut down"));
         if !late {
             problems.push(format!("consumer pid {} ended with: {e}", r.pid));
         }
@@ -276,12 +277,10 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
                 let mut lv = live.lock().unwrap_or_else(|e| e.into_inner());
                 let mut t = tally.lock().unwrap_or_else(|e| e.into_inner());
                 reap(&dir, &mut lv, &mut t, false);
-                let roll = if done.load(Ordering::Relaxed) {
-                    100
-                } else {
-                    rng.below(100)
-                };
-                if (lv.len() as u32) < max && (roll < 45 || lv.is_empty()) {
+                // Once the run is over, neither start (it would race the close) nor kill.
+                let ending = done.load(Ordering::Relaxed);
+                let roll = if ending { 100 } else { rng.below(100) };
+                if !ending && (lv.len() as u32) < max && (roll < 45 || lv.is_empty()) {
                     n += 1;
                     let (out, log) = outputs(&dir, n);
                     let quota = 100 + rng.below(40_000);

@@ -112,6 +112,9 @@ pub struct ConsumerReport {
     pub attach: Option<serde_json::Value>,
     /// How the run ended, if not cleanly.
     pub error: Option<String>,
+    /// It never joined the ring: the attach itself failed (see `error`).
+    #[serde(default)]
+    pub attach_failed: bool,
 }
 
 /// Options of the consume loop.

@@ -481,3 +481,29 @@ fn short_soak_loses_nothing() {
         }
     });
 }
+
+/// A consumer whose attach fails still ends with a JSON report that says why, so a harness
+/// (bench, soak) can tell a refused attach from a crash.
+#[test]
+fn failed_attach_still_reports_why() {
+    watchdog(30, |_| {
+        let dir = std::env::temp_dir().join(format!("gpipe-noattach-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let sock = dir.join("nobody-here.sock");
+        let out = Command::new(GPIPE)
+            .args(["consume", "--json", "--socket"])
+            .arg(&sock)
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let line = String::from_utf8_lossy(&out.stdout);
+        let r: serde_json::Value = serde_json::from_str(line.trim()).unwrap();
+        assert_eq!(r["attach_failed"], true, "{r}");
+        assert_eq!(r["received"], 0, "{r}");
+        let why = r["error"].as_str().unwrap();
+        assert!(why.contains("nobody-here.sock"), "{why}");
+        // The same reason goes to stderr for a person.
+        assert!(String::from_utf8_lossy(&out.stderr).contains("nobody-here.sock"));
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}
