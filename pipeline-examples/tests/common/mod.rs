@@ -320,20 +320,25 @@ pub fn consumer_death_case_with(
             args.extend(extra);
             let p = producer_on(&procs, &sock, backend, &args);
             let a = consumer(&procs, &sock, &dir.join("a.seq"));
+            let c = consumer(&procs, &sock, &dir.join("c.seq"));
+            wait_until(Duration::from_secs(10), "two consumers", || {
+                active_consumers(&sock) >= 2
+            });
+            // The victim attaches last: a consumer attaching after its death could take its
+            // index and overwrite the dead record checked below.
             let fault_env = fault.map(|f| format!("{f}:300"));
             let env: Vec<(&str, &str)> = fault_env
                 .as_deref()
                 .map(|f| vec![("GPIPE_FAULT", f)])
                 .unwrap_or_default();
             let mut victim = consumer_env(&procs, &sock, &dir.join("v.seq"), &env);
-            let c = consumer(&procs, &sock, &dir.join("c.seq"));
-            wait_until(Duration::from_secs(10), "three consumers", || {
-                active_consumers(&sock) >= 2
-            });
             wait_until(Duration::from_secs(10), "batches flowing", || {
                 head(&sock) > 200
             });
             if fault.is_none() {
+                wait_until(Duration::from_secs(10), "the victim to attach", || {
+                    active_consumers(&sock) >= 3
+                });
                 victim.kill().unwrap();
             }
             let status = victim.wait().unwrap();
@@ -347,18 +352,29 @@ pub fn consumer_death_case_with(
             }
             let killed_at = Instant::now();
             let mut victim_released = 0;
-            wait_until(
-                Duration::from_secs(1),
-                "the dead consumer's claims to be taken back",
-                || {
-                    inspect(&sock)["consumers"]
-                        .as_array()
-                        .unwrap()
-                        .iter()
-                        .find(|c| c["state"] == "dead")
-                        .map(|c| victim_released = c["released"].as_u64().unwrap())
-                        .is_some()
-                },
+            let mut last = serde_json::Value::Null;
+            let mut tries = 0;
+            let found = loop {
+                tries += 1;
+                last = inspect(&sock);
+                if let Some(c) = last["consumers"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|c| c["state"] == "dead")
+                {
+                    victim_released = c["released"].as_u64().unwrap();
+                    break true;
+                }
+                if killed_at.elapsed() > Duration::from_secs(1) {
+                    break false;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            };
+            assert!(
+                found,
+                "no dead consumer {:?} after the kill ({tries} looks): {last}",
+                killed_at.elapsed()
             );
             assert!(killed_at.elapsed() < Duration::from_secs(1));
             let h = head(&sock);
@@ -377,8 +393,20 @@ pub fn consumer_death_case_with(
                 finish(a, Duration::from_secs(10)),
                 finish(c, Duration::from_secs(10)),
             );
-            assert_eq!(ea.code, Some(0), "{mode} consumer a: {}", ea.stderr);
-            assert_eq!(ec.code, Some(0), "{mode} consumer c: {}", ec.stderr);
+            assert_eq!(
+                ea.code,
+                Some(0),
+                "{mode} consumer a: {}\n{}",
+                ea.stderr,
+                ea.stdout
+            );
+            assert_eq!(
+                ec.code,
+                Some(0),
+                "{mode} consumer c: {}\n{}",
+                ec.stderr,
+                ec.stdout
+            );
             let (sa, sc) = (seqs(&dir.join("a.seq")), seqs(&dir.join("c.seq")));
             assert_eq!(report(&ea)["mismatches"], 0);
             assert_eq!(report(&ec)["mismatches"], 0);
