@@ -352,11 +352,10 @@ pub fn consumer_death_case_with(
             }
             let killed_at = Instant::now();
             let mut victim_released = 0;
-            let mut last = serde_json::Value::Null;
             let mut tries = 0;
-            let found = loop {
+            let (found, last) = loop {
                 tries += 1;
-                last = inspect(&sock);
+                let last = inspect(&sock);
                 if let Some(c) = last["consumers"]
                     .as_array()
                     .unwrap()
@@ -364,10 +363,10 @@ pub fn consumer_death_case_with(
                     .find(|c| c["state"] == "dead")
                 {
                     victim_released = c["released"].as_u64().unwrap();
-                    break true;
+                    break (true, last);
                 }
                 if killed_at.elapsed() > Duration::from_secs(1) {
-                    break false;
+                    break (false, last);
                 }
                 std::thread::sleep(Duration::from_millis(10));
             };
