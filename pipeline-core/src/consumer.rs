@@ -525,6 +525,17 @@ impl<B: ConsumerBackend> Consumer<B> {
                     .claim_hint
                     .value
                     .fetch_max(window.end, Ordering::AcqRel);
+            } else {
+                // A whole-window scan found nothing: the count is stale (a requeued batch
+                // taken at or above the hint is not counted down, e.g. when its claimer died
+                // before moving the hint). Reset it unless a requeue came meanwhile, or every
+                // later scan would cover the whole window.
+                let _ = claim.requeued.value.compare_exchange(
+                    requeued,
+                    0,
+                    Ordering::AcqRel,
+                    Ordering::Relaxed,
+                );
             }
             // Nothing claimable: wait for a new batch or a requeue.
             let seg = &self.seg;
