@@ -470,6 +470,19 @@ impl<B: ProducerBackend> Shared<B> {
         Ok(Arc::new(conn.try_clone().map_err(Error::os("dup socket"))?))
     }
 
+    /// Closing: no attach may complete now. Ends the reads of handshakes in progress rather
+    /// than let a slow peer hold `close` up to the handshake timeout (the Reject that follows
+    /// still reaches the peer). Under the lock under which an attach checks `closing` and
+    /// activates, so a consumer that has joined is never cut.
+    fn cut_handshakes(&self, attaching: &[(JoinHandle<()>, Arc<Attaching>)]) {
+        let _m = self.members.lock();
+        for (_, a) in attaching {
+            if !a.joined.load(Ordering::Acquire) {
+                let _ = a.conn.shutdown(std::net::Shutdown::Read);
+            }
+        }
+    }
+
     /// The supervisor: accepts connections and watches attached consumers' sockets.
     fn supervise(self: Arc<Self>, listener: UnixListener) {
         let tick = self.config.wait.tick;
@@ -543,28 +556,12 @@ impl<B: ProducerBackend> Shared<B> {
             partial.retain(|k, _| snapshot.iter().any(|(_, c)| Arc::as_ptr(c) as usize == *k));
             attaching.retain(|(h, _)| !h.is_finished());
             if self.closing.load(Ordering::Acquire) {
-                // No attach may complete now: end the reads of those in progress rather than
-                // let a slow peer hold `close` up to the handshake timeout (the reject that
-                // follows still reaches the peer). Under the lock under which an attach
-                // checks `closing` and activates.
-                let _m = self.members.lock();
-                for (_, a) in &attaching {
-                    if !a.joined.load(Ordering::Acquire) {
-                        let _ = a.conn.shutdown(std::net::Shutdown::Read);
-                    }
-                }
+                self.cut_handshakes(&attaching);
             }
         }
         // None outlives `close` (holding fds, or the backend). `closing` is set before we
         // are stopped, but the loop may have read it unset last time round: cut again.
-        {
-            let _m = self.members.lock();
-            for (_, a) in &attaching {
-                if !a.joined.load(Ordering::Acquire) {
-                    let _ = a.conn.shutdown(std::net::Shutdown::Read);
-                }
-            }
-        }
+        self.cut_handshakes(&attaching);
         for (h, _) in attaching {
             let _ = h.join();
         }
