@@ -208,15 +208,8 @@ fn garbage_and_wrong_version_handshakes_are_refused_without_harm() {
         // Truncated mid-frame, then closed.
         let _ = poke(&sock, &frame(1, &hello)[..7]);
         // The consumer never noticed; the ring goes on.
-        let h = head(&sock);
-        wait_until(Duration::from_secs(5), "progress", || head(&sock) > h + 50);
         assert_eq!(active_consumers(&sock), 1);
-        signal(p.id(), libc::SIGINT);
-        assert_eq!(finish(p, Duration::from_secs(15)).code, Some(0));
-        let ea = finish(a, Duration::from_secs(10));
-        assert_eq!(ea.code, Some(0), "{}", ea.stderr);
-        assert_contiguous(&seqs(&dir.join("a.seq")), "consumer");
-        let _ = std::fs::remove_dir_all(&dir);
+        progress_then_clean_close(p, a, &sock, &dir);
     });
 }
 
@@ -338,14 +331,7 @@ fn socket_closed_mid_handshake_frees_the_consumer_slot() {
         wait_until(Duration::from_secs(10), "the consumer to attach", || {
             active_consumers(&sock) == 1
         });
-        let h = head(&sock);
-        wait_until(Duration::from_secs(5), "progress", || head(&sock) > h + 50);
-        signal(p.id(), libc::SIGINT);
-        assert_eq!(finish(p, Duration::from_secs(15)).code, Some(0));
-        let ea = finish(a, Duration::from_secs(10));
-        assert_eq!(ea.code, Some(0), "{}", ea.stderr);
-        assert_contiguous(&seqs(&dir.join("a.seq")), "consumer");
-        let _ = std::fs::remove_dir_all(&dir);
+        progress_then_clean_close(p, a, &sock, &dir);
     });
 }
 

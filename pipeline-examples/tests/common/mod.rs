@@ -189,6 +189,19 @@ pub struct Exit {
     pub stderr: String,
 }
 
+/// The ring goes on, then Ctrl-C closes it: producer `p` and consumer `a` (logging to
+/// `dir/a.seq`) both end cleanly, and the consumer's batches are contiguous.
+pub fn progress_then_clean_close(p: Child, a: Child, sock: &Path, dir: &Path) {
+    let h = head(sock);
+    wait_until(Duration::from_secs(5), "progress", || head(sock) > h + 50);
+    signal(p.id(), libc::SIGINT);
+    assert_eq!(finish(p, Duration::from_secs(15)).code, Some(0));
+    let ea = finish(a, Duration::from_secs(10));
+    assert_eq!(ea.code, Some(0), "{}", ea.stderr);
+    assert_contiguous(&seqs(&dir.join("a.seq")), "consumer");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 pub fn finish(mut c: Child, timeout: Duration) -> Exit {
     let end = Instant::now() + timeout;
     let status = loop {
