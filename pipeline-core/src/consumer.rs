@@ -241,8 +241,14 @@ impl PendingAttach {
             (Err(e), Ok((msg, _))) if !matches!(msg, Message::Reject { .. }) => return Err(e),
             (_, r) => r?,
         };
-        let start = match received {
-            (Message::Joined { start_seq }, _) => start_seq,
+        let (start, claim_token) = match received {
+            (
+                Message::Joined {
+                    start_seq,
+                    claim_token,
+                },
+                _,
+            ) => (start_seq, claim_token),
             (Message::Reject { reason }, _) => return Err(ProtocolError::Refused(reason).into()),
             (other, _) => {
                 return Err(ProtocolError::Message(format!(
@@ -259,6 +265,13 @@ impl PendingAttach {
             ))
             .into());
         }
+        if ring::token_index(claim_token) != index {
+            return Err(ProtocolError::Message(format!(
+                "Joined carries a claim token for consumer {}, but we are consumer {index}",
+                ring::token_index(claim_token)
+            ))
+            .into());
+        }
         let _ = conn.set_nonblocking(true);
         let head = seg.header().head.value.load(Ordering::Acquire);
         Ok(Consumer {
@@ -266,6 +279,7 @@ impl PendingAttach {
             backend: ManuallyDrop::new(be),
             conn,
             index,
+            claim_token,
             layout,
             cursor: start,
             last_head: head.min(start),
@@ -283,6 +297,8 @@ pub struct Consumer<B: ConsumerBackend> {
     backend: ManuallyDrop<B>,
     conn: UnixStream,
     index: u32,
+    /// Shared mode: stored in a slot's `claimer` after each claim.
+    claim_token: u64,
     layout: RingLayout,
     cursor: u64,
     last_head: u64,
@@ -481,7 +497,7 @@ impl<B: ConsumerBackend> Consumer<B> {
                 if !ring::try_claim(&desc.pending, me) {
                     continue;
                 }
-                desc.claimer.store(me as u64, Ordering::Relaxed);
+                desc.claimer.store(self.claim_token, Ordering::Relaxed);
                 let seq = desc.seq.load(Ordering::Acquire);
                 let now = self
                     .seg

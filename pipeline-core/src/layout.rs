@@ -22,7 +22,7 @@ use crate::sys;
 /// `"GPIPESEG"` little-endian: written last by the producer, it marks the segment initialised.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"GPIPESEG");
 /// Version of the control-segment layout and the handshake.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 /// Largest ring gpipe accepts.
 pub const MAX_SLOTS: u32 = 4096;
 /// Most consumers one ring can have (one bit each in a 64-bit word, bit 63 reserved).
@@ -258,7 +258,8 @@ pub struct SlotDesc {
     /// Consumers' line. Broadcast: bit c set while consumer c still holds the batch.
     /// Shared: [`UNCLAIMED`], or bit c while consumer c holds it, or 0 when free.
     pub pending: AtomicU64,
-    /// Shared mode: index of the consumer that claimed the batch (for the backend's waits).
+    /// Shared mode: claim token ([`crate::ring::claim_token`]) of the consumer that claimed the
+    /// batch, for the backend's waits; `u64::MAX` when published.
     pub claimer: AtomicU64,
     _pad1: [AtomicU64; 14],
 }

@@ -143,6 +143,13 @@ struct Shared<B> {
     /// the members lock at activation). A holder of an older batch in a slot was another
     /// consumer that used the same index.
     joined_at: Vec<AtomicU64>,
+    /// Per consumer index (shared mode): the claim token of its current holder, unique to
+    /// that attach ([`ring::claim_token`]). A slot's `claimer` names a holder only if it
+    /// equals this: the index's holder may have claimed a batch published before it joined,
+    /// while an older token is a previous holder of the index.
+    claim_tokens: Vec<AtomicU64>,
+    /// Attaches activated so far: the serial in each claim token.
+    attaches: AtomicU64,
     closing: AtomicBool,
     stop_supervisor: AtomicBool,
     waker: sys::Waker,
@@ -401,6 +408,9 @@ impl<B: ProducerBackend> Shared<B> {
                 // Activate under the lock so that no publish races the join point.
                 let start = m.head;
                 self.joined_at[idx as usize].store(start, Ordering::Release);
+                let serial = self.attaches.fetch_add(1, Ordering::Relaxed) + 1;
+                let token = ring::claim_token(idx, serial);
+                self.claim_tokens[idx as usize].store(token, Ordering::Release);
                 rec.join_seq.store(start, Ordering::Relaxed);
                 rec.cursor.store(start, Ordering::Relaxed);
                 rec.received.store(0, Ordering::Relaxed);
@@ -414,14 +424,21 @@ impl<B: ProducerBackend> Shared<B> {
                     pid: cred.pid,
                 });
                 m.reserved &= !(1 << idx);
-                Ok((conn_arc, start))
+                Ok((conn_arc, start, token))
             });
         match result {
-            Ok((conn_arc, start)) => {
+            Ok((conn_arc, start, token)) => {
                 self.counters.attached.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(consumer = idx, pid = cred.pid, start, "consumer attached");
                 // If this send fails the consumer is gone; the supervisor sees the hang-up.
-                let _ = wire::send(&conn_arc, &Message::Joined { start_seq: start }, &[]);
+                let _ = wire::send(
+                    &conn_arc,
+                    &Message::Joined {
+                        start_seq: start,
+                        claim_token: token,
+                    },
+                    &[],
+                );
                 self.waker.wake();
                 Ok(())
             }
@@ -636,6 +653,10 @@ impl<B: ProducerBackend> Producer<B> {
             joined_at: (0..layout.consumer_capacity)
                 .map(|_| AtomicU64::new(0))
                 .collect(),
+            claim_tokens: (0..layout.consumer_capacity)
+                .map(|_| AtomicU64::new(u64::MAX))
+                .collect(),
+            attaches: AtomicU64::new(0),
             closing: AtomicBool::new(false),
             stop_supervisor: AtomicBool::new(false),
             waker: sys::Waker::new().map_err(Error::os("pipe"))?,
@@ -834,20 +855,23 @@ impl<B: ProducerBackend> Producer<B> {
     }
 
     /// The consumers that got batch `seq` (in slot `k`) and are still attached — not a
-    /// consumer that has since taken the same index and joined after `seq`.
+    /// consumer that has since taken the same index (broadcast: it joined after `seq`;
+    /// shared: the slot's claim token is an older attach's).
     fn holders_of(&self, k: u32, seq: u64) -> u64 {
         let sh = &*self.shared;
         let active = sh.active.load(Ordering::Acquire);
-        let mask = if sh.shared_mode() {
-            let c = sh.seg.slot(k).claimer.load(Ordering::Acquire);
-            if c < 63 {
-                ring::bit(c as u32) & active
-            } else {
-                0
-            }
-        } else {
-            self.holders[k as usize] & active
-        };
+        if sh.shared_mode() {
+            // The claimer's token, if it is the current holder of its index. Not filtered by
+            // join point: a consumer may claim a batch published before it joined, and its
+            // GPU work on it must finish before the slot is written again.
+            let t = sh.seg.slot(k).claimer.load(Ordering::Acquire);
+            let c = ring::token_index(t);
+            return match sh.claim_tokens.get(c as usize) {
+                Some(current) if current.load(Ordering::Acquire) == t => ring::bit(c) & active,
+                _ => 0,
+            };
+        }
+        let mask = self.holders[k as usize] & active;
         (0..sh.layout.consumer_capacity)
             .filter(|&c| mask & ring::bit(c) != 0)
             .filter(|&c| sh.joined_at[c as usize].load(Ordering::Acquire) <= seq)

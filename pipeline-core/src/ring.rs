@@ -34,6 +34,22 @@ pub fn bit(c: u32) -> u64 {
     1u64 << c
 }
 
+/// Shared mode: the word a consumer stores in a slot's `claimer` after claiming it: its index
+/// in the low 6 bits and, above them, a number the producer gave this attach only (sent in
+/// Joined). An index alone is not enough: a consumer may claim a batch published before it
+/// joined, and an index may be reused by a later consumer that never had the batch.
+#[inline]
+pub fn claim_token(index: u32, attach_serial: u64) -> u64 {
+    debug_assert!(index < 63);
+    (attach_serial << 6) | index as u64
+}
+
+/// The consumer index a claim token names (63 for the producer's "nobody" value).
+#[inline]
+pub fn token_index(token: u64) -> u32 {
+    (token & 63) as u32
+}
+
 /// Sequence numbers a consumer may find published given the head it read: the last `n`.
 #[inline]
 pub fn live_window(head: u64, n: u32) -> std::ops::Range<u64> {

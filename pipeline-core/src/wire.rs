@@ -77,6 +77,9 @@ pub enum Message {
     Joined {
         /// First sequence number.
         start_seq: u64,
+        /// Shared mode: what to store in a slot's `claimer` after a claim (see
+        /// [`crate::ring::claim_token`]).
+        claim_token: u64,
     },
     /// Either way: refused, with a reason.
     Reject {
@@ -170,7 +173,13 @@ pub fn encode(msg: &Message) -> Vec<u8> {
             put32(w, blob.len() as u32);
             w.extend_from_slice(blob);
         }
-        Message::Joined { start_seq } => put64(w, *start_seq),
+        Message::Joined {
+            start_seq,
+            claim_token,
+        } => {
+            put64(w, *start_seq);
+            put64(w, *claim_token);
+        }
         Message::Reject { reason } => {
             let r = truncate_utf8(reason, MAX_REASON);
             put32(w, r.len() as u32);
@@ -361,6 +370,7 @@ pub fn decode_body(kind: u16, body: &[u8]) -> Result<Message, ProtocolError> {
             let mut r = Reader::new(body, "Joined");
             let m = Message::Joined {
                 start_seq: r.u64()?,
+                claim_token: r.u64()?,
             };
             r.finish()?;
             m
@@ -490,7 +500,10 @@ mod tests {
                 fd_count: 0,
                 blob: vec![9; 64],
             },
-            Message::Joined { start_seq: 77 },
+            Message::Joined {
+                start_seq: 77,
+                claim_token: (5 << 6) | 3,
+            },
             Message::Reject {
                 reason: "nope".into(),
             },

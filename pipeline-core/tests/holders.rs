@@ -114,3 +114,61 @@ fn a_reused_consumer_index_is_not_a_holder_of_batches_before_it_joined() {
         drop(producer);
     }
 }
+
+#[test]
+fn a_shared_consumer_is_a_holder_of_batches_published_before_it_joined() {
+    // Shared mode hands out whatever is published and unclaimed, including batches from
+    // before a consumer joined. Its GPU work on such a batch must still finish before the
+    // producer refills the slot (on CUDA, skipping this wait let the refill overwrite data the
+    // consumer's kernels had yet to read: found on an H100, 2026-11-21).
+    let sock =
+        std::env::temp_dir().join(format!("gpipe-holders-early-{}.sock", std::process::id()));
+    let calls = Calls::default();
+    let config = ProducerConfig {
+        slots: 2,
+        batch_bytes: 4096,
+        mode: Mode::Shared,
+        max_consumers: 2,
+        ..Default::default()
+    };
+    let mut producer: Producer<Recording> = Producer::bind(&sock, config, calls.clone()).unwrap();
+    // Batches 0 and 1 are published with nobody attached.
+    for _ in 0..2 {
+        producer.acquire().unwrap().publish(8).unwrap();
+    }
+    let (got_tx, got_rx) = std::sync::mpsc::channel();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let s2 = sock.clone();
+    let c = std::thread::spawn(move || {
+        let mut c: Consumer<HostConsumer> = Consumer::attach(&s2, HostOptions).unwrap();
+        let mut seqs = Vec::new();
+        for _ in 0..2 {
+            let b = c.recv().unwrap().unwrap();
+            seqs.push(b.seq());
+            b.release().unwrap();
+        }
+        got_tx.send((c.index(), seqs)).unwrap();
+        // Stay attached until the producer has chosen whom to wait for.
+        let _ = done_rx.recv_timeout(Duration::from_secs(10));
+    });
+    let (index, mut seqs) = got_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    seqs.sort_unstable();
+    assert_eq!(
+        seqs,
+        [0, 1],
+        "it joined at 2 and may claim both earlier batches"
+    );
+    // Refill both slots: each refill must wait for the consumer.
+    for _ in 0..2 {
+        producer.acquire().unwrap().publish(8).unwrap();
+    }
+    let calls = calls.lock().unwrap().clone();
+    assert_eq!(
+        calls,
+        [(0, 0, 1 << index), (1, 1, 1 << index)],
+        "the producer must wait for the consumer that had each batch"
+    );
+    done_tx.send(()).unwrap();
+    c.join().unwrap();
+    drop(producer);
+}

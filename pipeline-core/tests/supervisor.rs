@@ -12,7 +12,7 @@ fn raw_attach(sock: &std::path::Path) -> UnixStream {
     let s = UnixStream::connect(sock).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let hello = Message::Hello {
-        version: 1,
+        version: pipeline_core::layout::PROTOCOL_VERSION,
         role: Role::Consumer,
         backend: 0,
     };
@@ -104,7 +104,7 @@ fn close_cuts_stalled_handshakes_short() {
         .set_read_timeout(Some(Duration::from_secs(5)))
         .unwrap();
     let hello = Message::Hello {
-        version: 1,
+        version: pipeline_core::layout::PROTOCOL_VERSION,
         role: Role::Consumer,
         backend: 0,
     };

@@ -310,7 +310,8 @@ fn socket_closed_mid_handshake_frees_the_consumer_slot() {
         let p = producer(&procs, &sock, &["--rate", "500", "--max-consumers", "1"]);
         // Hello, read the Welcome (its fds are dropped by a plain read), then hang up.
         let mut hello = Vec::new();
-        for v in [1u32, 1, 0] {
+        // Version, role (consumer), backend (any).
+        for v in [pipeline_core::layout::PROTOCOL_VERSION, 1, 0] {
             hello.extend_from_slice(&v.to_le_bytes());
         }
         {
