@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 
 use crate::backend::ProducerBackend;
 use crate::error::{Error, ProtocolError};
@@ -150,6 +150,11 @@ struct Shared<B> {
     claim_tokens: Vec<AtomicU64>,
     /// Attaches activated so far: the serial in each claim token.
     attaches: AtomicU64,
+    /// Held (shared) by the producer from choosing a slot's holders until the backend has
+    /// enqueued its waits on them, and taken (exclusive, briefly) after an index is reserved,
+    /// before the backend reuses the index's signals: holders chosen while the index's
+    /// previous consumer was still active are never waited for on its successor's signals.
+    holders_gate: RwLock<()>,
     closing: AtomicBool,
     stop_supervisor: AtomicBool,
     waker: sys::Waker,
@@ -390,6 +395,10 @@ impl<B: ProducerBackend> Shared<B> {
             m.reserved |= 1 << idx;
             idx
         };
+        // The index's previous consumer is gone; wait out any holders chosen while it was
+        // still active, so that none of them is waited for on the signals we reuse for the
+        // new one.
+        drop(self.holders_gate.write());
         let rec = self.seg.consumer(idx);
         rec.state
             .store(consumer_state::ATTACHING, Ordering::Release);
@@ -657,6 +666,7 @@ impl<B: ProducerBackend> Producer<B> {
                 .map(|_| AtomicU64::new(u64::MAX))
                 .collect(),
             attaches: AtomicU64::new(0),
+            holders_gate: RwLock::new(()),
             closing: AtomicBool::new(false),
             stop_supervisor: AtomicBool::new(false),
             waker: sys::Waker::new().map_err(Error::os("pipe"))?,
@@ -762,6 +772,7 @@ impl<B: ProducerBackend> Producer<B> {
         let k = ring::slot_of(s, n);
         if let Some(prev) = ring::previous_in_slot(s, n) {
             self.wait_slot_free(k, deadline)?;
+            let _gate = self.shared.holders_gate.read();
             let holders = self.holders_of(k, prev);
             self.shared
                 .backend
@@ -845,6 +856,7 @@ impl<B: ProducerBackend> Producer<B> {
         for s in self.head.saturating_sub(n as u64)..self.head {
             let k = ring::slot_of(s, n);
             self.wait_slot_free(k, deadline)?;
+            let _gate = self.shared.holders_gate.read();
             let holders = self.holders_of(k, s);
             self.shared
                 .backend
