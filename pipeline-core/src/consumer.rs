@@ -384,12 +384,16 @@ impl<B: ConsumerBackend> Consumer<B> {
             *h = w.load(Ordering::Relaxed);
         }
         if let Err(v) = ring::check_len(seq, slot, len, self.layout.slot_bytes) {
-            // Give the slot back so the producer is not stalled by our refusal.
+            // Give the slot back so the producer is not stalled by our refusal. We did no
+            // work on it: say so first, or the producer's next write of the slot would wait
+            // for a `finished` signal that never comes.
+            let _ = self.backend.signal_finished(slot, seq);
             self.release_slot(slot);
             return Err(violation(v));
         }
         crate::fault::point("consumer.before_wait");
         if let Err(e) = self.backend.wait_ready(slot, seq) {
+            let _ = self.backend.signal_finished(slot, seq);
             self.release_slot(slot);
             return Err(Error::Backend(e));
         }

@@ -1,5 +1,7 @@
 //! The words a producer reads that consumers write: a slot's `pending` handover word (and,
-//! through it, what a scribbling consumer can make the producer believe).
+//! through it, what a scribbling consumer can make the producer believe). The other such word,
+//! the shared-mode `claimer`, is used only when it equals a token the producer issued itself
+//! (`Producer::holders_of`), so no value of it reaches an index.
 //!
 //! Input: a mode byte, an initial active mask, then a script of one-byte operations (with
 //! 8-byte operands where needed) run on one slot's `pending` word, an `AtomicU64`:
