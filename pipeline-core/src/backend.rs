@@ -133,6 +133,13 @@ pub trait ConsumerBackend: Send + Sized + 'static {
     /// Marks the consumer's use of batch `seq` in `slot` complete (the ring releases only
     /// after this).
     fn signal_finished(&mut self, slot: u32, seq: u64) -> Result<(), BackendError>;
+    /// Waits until the consumer's work so far is complete, not just ordered. Used before
+    /// releasing a batch the producer will not wait for (a shared-mode claim whose token
+    /// could not be recorded); backends whose work is done when `signal_finished` returns
+    /// need nothing.
+    fn complete_now(&mut self) -> Result<(), BackendError> {
+        Ok(())
+    }
     /// The producer died: work waiting for its signals may never run. The backend must not
     /// wait for it at teardown (and may release such waits itself).
     fn abandon(&mut self) {}

@@ -280,6 +280,7 @@ impl PendingAttach {
             conn,
             index,
             claim_token,
+            claim_unrecorded: false,
             layout,
             cursor: start,
             last_head: head.min(start),
@@ -299,6 +300,9 @@ pub struct Consumer<B: ConsumerBackend> {
     index: u32,
     /// Shared mode: stored in a slot's `claimer` after each claim.
     claim_token: u64,
+    /// Shared mode: the batch held now was claimed but its token not recorded, so the
+    /// producer will not wait for our work on it.
+    claim_unrecorded: bool,
     layout: RingLayout,
     cursor: u64,
     last_head: u64,
@@ -388,12 +392,14 @@ impl<B: ConsumerBackend> Consumer<B> {
             // work on it: say so first, or the producer's next write of the slot would wait
             // for a `finished` signal that never comes.
             let _ = self.backend.signal_finished(slot, seq);
+            self.claim_unrecorded = false;
             self.release_slot(slot);
             return Err(violation(v));
         }
         crate::fault::point("consumer.before_wait");
         if let Err(e) = self.backend.wait_ready(slot, seq) {
             let _ = self.backend.signal_finished(slot, seq);
+            self.claim_unrecorded = false;
             self.release_slot(slot);
             return Err(Error::Backend(e));
         }
@@ -501,7 +507,6 @@ impl<B: ConsumerBackend> Consumer<B> {
                 if !ring::try_claim(&desc.pending, me) {
                     continue;
                 }
-                desc.claimer.store(self.claim_token, Ordering::Relaxed);
                 let seq = desc.seq.load(Ordering::Acquire);
                 let now = self
                     .seg
@@ -526,6 +531,10 @@ impl<B: ConsumerBackend> Consumer<B> {
                     }
                     return Err(violation(v));
                 }
+                // Tell the producer whose work to wait for before it refills the slot. If a
+                // late writer got there first, it will not wait for ours: we complete our
+                // work on this batch before releasing it instead.
+                self.claim_unrecorded = !ring::record_claim(&desc.claimer, seq, self.claim_token);
                 if seq < hint {
                     let _ = claim.requeued.value.fetch_update(
                         Ordering::AcqRel,
@@ -603,7 +612,10 @@ impl<B: ConsumerBackend> Consumer<B> {
     }
 
     fn release_batch(&mut self, seq: u64, slot: u32) -> Result<(), Error> {
-        let finished = self.backend.signal_finished(slot, seq);
+        let mut finished = self.backend.signal_finished(slot, seq);
+        if std::mem::take(&mut self.claim_unrecorded) {
+            finished = finished.and_then(|()| self.backend.complete_now());
+        }
         crate::fault::point("consumer.before_release");
         let ok = self.release_slot(slot);
         crate::fault::point("consumer.after_release");

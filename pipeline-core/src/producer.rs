@@ -1020,7 +1020,8 @@ impl<'p, B: ProducerBackend> Slot<'p, B> {
         for (w, v) in desc.header.iter().zip(header) {
             w.store(*v, Ordering::Relaxed);
         }
-        desc.claimer.store(u64::MAX, Ordering::Relaxed);
+        desc.claimer
+            .store(ring::claim_marker(self.seq), Ordering::Relaxed);
         desc.seq.store(self.seq, Ordering::Relaxed);
         crate::fault::point("producer.before_publish");
         let h = sh.seg.header();

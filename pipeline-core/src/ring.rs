@@ -41,13 +41,38 @@ pub fn bit(c: u32) -> u64 {
 #[inline]
 pub fn claim_token(index: u32, attach_serial: u64) -> u64 {
     debug_assert!(index < 63);
-    (attach_serial << 6) | index as u64
+    ((attach_serial & ((1 << 56) - 1)) << 6) | index as u64
 }
 
 /// The consumer index a claim token names (63 for the producer's "nobody" value).
 #[inline]
 pub fn token_index(token: u64) -> u32 {
     (token & 63) as u32
+}
+
+/// Shared mode: what the producer stores in a slot's `claimer` when it publishes batch `seq`.
+/// Never a claim token (bit 63 is set; tokens stay below 2^62).
+#[inline]
+pub fn claim_marker(seq: u64) -> u64 {
+    UNCLAIMED | seq
+}
+
+/// Shared consumer, after claiming batch `seq` and checking it: records `token` in the slot's
+/// `claimer`, only over the batch's own marker. Returns false if another value was there: a
+/// consumer detached between its claim and this step wrote late, or we are that consumer.
+/// Either way the producer will not wait for our work on this batch, so the caller must
+/// complete it before releasing ([`crate::ConsumerBackend::complete_now`]). Because a write
+/// succeeds only over the marker, a late writer can never overwrite a recorded token.
+#[inline]
+pub fn record_claim(claimer: &AtomicU64, seq: u64, token: u64) -> bool {
+    claimer
+        .compare_exchange(
+            claim_marker(seq),
+            token,
+            Ordering::AcqRel,
+            Ordering::Relaxed,
+        )
+        .is_ok()
 }
 
 /// Sequence numbers a consumer may find published given the head it read: the last `n`.
@@ -376,6 +401,28 @@ mod tests {
                 Some(v) => prop_assert_eq!(v, UNCLAIMED),
             }
         }
+    }
+
+    #[test]
+    fn a_late_claim_record_never_overwrites_a_recorded_one() {
+        let claimer = AtomicU64::new(claim_marker(7));
+        let (a, b) = (claim_token(0, 1), claim_token(1, 2));
+        // B claimed batch 7 after A's claim was taken back; A writes late: refused.
+        assert!(record_claim(&claimer, 7, b));
+        assert!(!record_claim(&claimer, 7, a));
+        assert_eq!(claimer.load(Ordering::Relaxed), b);
+        // A's late write lands first: B's is refused, and B must complete before releasing.
+        let claimer = AtomicU64::new(claim_marker(7));
+        assert!(record_claim(&claimer, 7, a));
+        assert!(!record_claim(&claimer, 7, b));
+        // A late write for an older batch of the slot never lands on a newer one's marker.
+        let claimer = AtomicU64::new(claim_marker(7 + 4));
+        assert!(!record_claim(&claimer, 7, a));
+        // Markers and tokens never collide.
+        assert_ne!(
+            claim_marker(0) & UNCLAIMED,
+            claim_token(62, u64::MAX) & UNCLAIMED
+        );
     }
 
     #[test]

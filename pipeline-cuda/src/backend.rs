@@ -638,6 +638,10 @@ impl ConsumerBackend for CudaConsumer {
         }
     }
 
+    fn complete_now(&mut self) -> Result<(), BackendError> {
+        self.stream.synchronize().map_err(be)
+    }
+
     fn abandon(&mut self) {
         self.abandoned = true;
         if let ReadySignal::Semaphore(words) = &self.ready {
