@@ -580,4 +580,37 @@ mod loom_model {
             }
         });
     }
+
+    /// Consumer A claimed batch 0 and is about to record its token when the producer takes
+    /// the batch back (A was detached); consumer B may claim it meanwhile. A recorded token is
+    /// never overwritten, and a claimer whose record fails knows it (so it completes its work
+    /// itself): at most one record lands, and the word ends as the token of the one that did.
+    #[test]
+    fn loom_late_claim_record_never_overwrites() {
+        loom::model(|| {
+            let (ta, tb) = (claim_token(0, 1), claim_token(1, 2));
+            let pending = Arc::new(AtomicU64::new(bit(0)));
+            let claimer = Arc::new(AtomicU64::new(claim_marker(0)));
+            let a = {
+                let claimer = claimer.clone();
+                thread::spawn(move || record_claim(&claimer, 0, ta))
+            };
+            let b = {
+                let (pending, claimer) = (pending.clone(), claimer.clone());
+                thread::spawn(move || try_claim(&pending, 1).then(|| record_claim(&claimer, 0, tb)))
+            };
+            assert!(reclaim(&pending, 0, true));
+            let ra = a.join().unwrap();
+            let rb = b.join().unwrap();
+            let word = claimer.load(Ordering::Acquire);
+            match rb {
+                Some(true) => {
+                    assert!(!ra, "both records landed");
+                    assert_eq!(word, tb, "B's recorded token was overwritten");
+                }
+                Some(false) => assert!(ra && word == ta, "B's record failed but A's did not land"),
+                None => assert_eq!(word, if ra { ta } else { claim_marker(0) }),
+            }
+        });
+    }
 }
