@@ -101,6 +101,17 @@ pub trait ProducerBackend: Send + Sync + Sized + 'static {
     /// Marks the producer's writes to batch `seq` in `slot` complete (the ring publishes only
     /// after this).
     fn signal_ready(&self, slot: u32, seq: u64) -> Result<(), BackendError>;
+    /// The consumer whose work the producer's oldest unfinished wait (from `wait_finished`)
+    /// has expected for longer than `limit`, if any. The ring detaches it under the lag
+    /// policy `DetachAfter`, as it does a consumer that holds a slot too long: a wait the
+    /// producer cannot see from the slot's `pending` word (an asynchronous backend's) must
+    /// not stall the ring for good. Only the oldest is named: later waits may be late only
+    /// because they queue behind it. Backends whose waits are over when `wait_finished`
+    /// returns have none.
+    fn overdue(&self, limit: std::time::Duration) -> Option<u32> {
+        let _ = limit;
+        None
+    }
 }
 
 /// The consumer's half of a backend.

@@ -28,7 +28,9 @@ pub enum LagPolicy {
     /// Wait for it (back-pressure): the ring runs at the pace of the slowest consumer.
     #[default]
     Block,
-    /// Detach a consumer that holds a slot the producer needs for longer than this.
+    /// Detach a consumer that holds a slot the producer needs for longer than this, or whose
+    /// work on a released batch the backend has waited on for longer than this (CUDA: its
+    /// `finished` signal, which a consumer may never give, e.g. when a peer forged its claim).
     DetachAfter(Duration),
 }
 
@@ -577,6 +579,19 @@ impl<B: ProducerBackend> Shared<B> {
                     }
                 } else if r.hangup {
                     self.depart(*idx, Departure::Died, "its socket hung up");
+                }
+            }
+            if let LagPolicy::DetachAfter(limit) = self.config.lag {
+                if let Some(c) = self.backend.overdue(limit) {
+                    if self.active.load(Ordering::Acquire) & ring::bit(c) != 0 {
+                        self.depart(
+                            c,
+                            Departure::Detached,
+                            &format!(
+                                "the producer waited over {limit:?} for its work on a batch to finish (lag policy detach-after)"
+                            ),
+                        );
+                    }
                 }
             }
             partial.retain(|k, _| snapshot.iter().any(|(_, c)| Arc::as_ptr(c) as usize == *k));

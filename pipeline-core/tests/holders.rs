@@ -271,3 +271,94 @@ fn a_claim_whose_token_cannot_be_recorded_is_completed_before_release() {
     c.join().unwrap();
     drop(producer);
 }
+
+/// The host backend, reporting whatever consumer the test says is overdue.
+struct Stalling {
+    inner: HostProducer,
+    overdue: Arc<Mutex<Option<u32>>>,
+}
+
+impl ProducerBackend for Stalling {
+    type Options = Arc<Mutex<Option<u32>>>;
+    type SlotMut<'a> = &'a mut [u8];
+    const KIND: BackendKind = BackendKind::Host;
+
+    fn create(layout: &RingLayout, overdue: Self::Options) -> Result<Self, BackendError> {
+        Ok(Self {
+            inner: HostProducer::create(layout, HostOptions)?,
+            overdue,
+        })
+    }
+    fn export(&self, c: u32) -> Result<Export, BackendError> {
+        self.inner.export(c)
+    }
+    fn attach(&self, c: u32, reply: &[u8], fds: Vec<OwnedFd>) -> Result<(), BackendError> {
+        self.inner.attach(c, reply, fds)
+    }
+    fn detach(&self, c: u32, died: bool) {
+        // As the CUDA backend: a departed consumer's waits pass.
+        let mut o = self.overdue.lock().unwrap();
+        if *o == Some(c) {
+            *o = None;
+        }
+        self.inner.detach(c, died)
+    }
+    fn wait_finished(&self, slot: u32, prev: u64, holders: u64) -> Result<(), BackendError> {
+        self.inner.wait_finished(slot, prev, holders)
+    }
+    unsafe fn slot_mut(&self, slot: u32) -> &mut [u8] {
+        // SAFETY: forwarded under the same contract the ring upholds for us.
+        unsafe { self.inner.slot_mut(slot) }
+    }
+    fn signal_ready(&self, slot: u32, seq: u64) -> Result<(), BackendError> {
+        self.inner.signal_ready(slot, seq)
+    }
+    fn overdue(&self, _limit: Duration) -> Option<u32> {
+        *self.overdue.lock().unwrap()
+    }
+}
+
+#[test]
+fn a_consumer_whose_work_the_backend_waits_on_too_long_is_detached_under_detach_after() {
+    for lag in [
+        pipeline_core::LagPolicy::Block,
+        pipeline_core::LagPolicy::DetachAfter(Duration::from_millis(100)),
+    ] {
+        let sock = std::env::temp_dir().join(format!(
+            "gpipe-holders-overdue-{}-{}.sock",
+            std::process::id(),
+            lag == pipeline_core::LagPolicy::Block
+        ));
+        let overdue = Arc::new(Mutex::new(None));
+        let config = ProducerConfig {
+            slots: 2,
+            batch_bytes: 4096,
+            mode: Mode::Shared,
+            max_consumers: 2,
+            lag,
+            ..Default::default()
+        };
+        let producer: Producer<Stalling> = Producer::bind(&sock, config, overdue.clone()).unwrap();
+        let c: Consumer<HostConsumer> = Consumer::attach(&sock, HostOptions).unwrap();
+        producer
+            .wait_for_consumers(1, Duration::from_secs(10))
+            .unwrap();
+        // The backend now reports that the consumer's work on a batch is long overdue.
+        *overdue.lock().unwrap() = Some(c.index());
+        if lag == pipeline_core::LagPolicy::Block {
+            // Blocking is the user's choice: the supervisor does not even ask. Give it many
+            // of its ticks to (wrongly) act.
+            std::thread::sleep(Duration::from_millis(300));
+            assert_eq!(producer.stats().detached, 0, "detached under Block");
+            assert_eq!(producer.consumers(), 1);
+        } else {
+            wait_until("the overdue consumer to be detached", || {
+                producer.stats().detached == 1
+            });
+            assert_eq!(producer.consumers(), 0);
+            assert!(overdue.lock().unwrap().is_none(), "the backend was told");
+        }
+        drop(c);
+        drop(producer);
+    }
+}

@@ -46,6 +46,7 @@
 //! # Ok(()) }
 //! ```
 
+use std::collections::VecDeque;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -245,6 +246,27 @@ pub struct CudaProducer {
     /// Held (shared) while waits are enqueued, and (exclusive) by an attach while it drains
     /// the stream before reusing a consumer index's words.
     gate: RwLock<()>,
+    /// The waits on `finished` words our stream has been given, oldest first, until seen to
+    /// pass: what [`ProducerBackend::overdue`] reports on. The stream runs them in order, so
+    /// the oldest unpassed one is the one holding it up.
+    expected: Mutex<VecDeque<Expected>>,
+}
+
+/// A wait on consumer `consumer`'s `finished` word of `slot` for `target`, enqueued at `since`.
+struct Expected {
+    consumer: u32,
+    slot: u32,
+    target: u64,
+    since: Instant,
+}
+
+/// Most waits [`CudaProducer::expected`] remembers; past this (a stream stalled for long while
+/// the producer keeps enqueuing), newer ones are not recorded: the oldest is what matters.
+const MAX_EXPECTED: usize = 1 << 16;
+
+/// Whether a timeline word has reached `target` in the driver's wrapping comparison.
+fn reached(word: u64, target: u64) -> bool {
+    (word.wrapping_sub(target) as i64) >= 0
 }
 
 impl CudaProducer {
@@ -263,6 +285,31 @@ impl CudaProducer {
     /// How the slots' handles are shared.
     pub fn handle_kind(&self) -> HandleKind {
         self.handle
+    }
+}
+
+impl CudaProducer {
+    /// Drops the oldest waits that have passed (a departed consumer's words read as
+    /// released). The new oldest has held the stream up at most since now, if not since it
+    /// was enqueued: its lateness counts from the later of the two.
+    fn forget_passed(&self, expected: &mut VecDeque<Expected>) {
+        let mut popped = false;
+        while let Some(e) = expected.front() {
+            let word = self
+                .timelines
+                .host(e.consumer, e.slot)
+                .load(Ordering::Acquire);
+            if !reached(word, e.target) {
+                break;
+            }
+            expected.pop_front();
+            popped = true;
+        }
+        if popped {
+            if let Some(e) = expected.front_mut() {
+                e.since = e.since.max(Instant::now());
+            }
+        }
     }
 }
 
@@ -332,6 +379,7 @@ impl ProducerBackend for CudaProducer {
             timelines,
             live: Mutex::new(0),
             gate: RwLock::new(()),
+            expected: Mutex::new(VecDeque::new()),
         })
     }
 
@@ -366,6 +414,8 @@ impl ProducerBackend for CudaProducer {
         // that dies while we wait here still gets its waits released, and the stream drains.
         let _gate = self.gate.write();
         self.stream.synchronize().map_err(be)?;
+        // Every wait enqueued so far has passed (none is enqueued while we hold the gate).
+        self.expected.lock().clear();
         let mut live = self.live.lock();
         for k in 0..self.slot_count {
             self.timelines.host(consumer, k).store(0, Ordering::Release);
@@ -420,8 +470,25 @@ impl ProducerBackend for CudaProducer {
                 )
             }
             .map_err(be)?;
+            let mut expected = self.expected.lock();
+            self.forget_passed(&mut expected);
+            if expected.len() < MAX_EXPECTED {
+                expected.push_back(Expected {
+                    consumer: c,
+                    slot,
+                    target: prev_seq + 1,
+                    since: Instant::now(),
+                });
+            }
         }
         Ok(())
+    }
+
+    fn overdue(&self, limit: std::time::Duration) -> Option<u32> {
+        let mut expected = self.expected.lock();
+        self.forget_passed(&mut expected);
+        let e = expected.front()?;
+        (e.since.elapsed() > limit).then_some(e.consumer)
     }
 
     unsafe fn slot_mut(&self, slot: u32) -> CudaSlotMut<'_> {

@@ -222,7 +222,8 @@ enum Cmd {
         /// Also allow peers whose group is this gid (repeatable).
         #[arg(long)]
         allow_gid: Vec<u32>,
-        /// Detach a consumer that holds a needed slot longer than this many ms (default: wait).
+        /// Detach a consumer that holds a needed slot, or whose GPU work on a batch the
+        /// producer waits for, longer than this many ms (default: wait).
         #[arg(long)]
         detach_after_ms: Option<u64>,
     },

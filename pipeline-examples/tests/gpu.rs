@@ -5,6 +5,7 @@
 mod common;
 
 use std::process::Command;
+use std::time::{Duration, Instant};
 
 use common::*;
 
@@ -207,4 +208,95 @@ fn cuda_fabric_without_imex_fails_clearly_or_works() {
         let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(r["mismatches"], 0);
     }
+}
+
+/// A hostile consumer names another consumer in a slot's `claimer` (shared mode), so the
+/// producer's stream waits for work that consumer never had on that slot. Under
+/// `--detach-after-ms` the named consumer is detached with a clear error and the ring goes on;
+/// under the default (block) the ring would stall until that consumer left.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_forged_claim_token_is_bounded_by_the_lag_policy() {
+    use pipeline_core::{Consumer, ring};
+    use pipeline_cuda::backend::{CudaConsumer, CudaOptions};
+    use std::sync::atomic::Ordering;
+    watchdog(90, |procs| {
+        let dir = tmpdir("forge");
+        let sock = dir.join("ring.sock");
+        let p = producer_on(
+            &procs,
+            &sock,
+            "cuda",
+            &[
+                "--mode",
+                "shared",
+                "--rate",
+                "2000",
+                "--detach-after-ms",
+                "1000",
+            ],
+        );
+        let a = consumer(&procs, &sock, &dir.join("a.seq"));
+        wait_until(Duration::from_secs(10), "consumer a", || {
+            active_consumers(&sock) == 1
+        });
+        wait_until(Duration::from_secs(10), "batches", || head(&sock) > 50);
+        let hostile: Consumer<CudaConsumer> =
+            Consumer::attach(&sock, CudaOptions::default()).unwrap();
+        let me = hostile.index();
+        let seg = hostile.segment();
+        let n = seg.layout().slot_count;
+        // Consumer a's claim token, as a hostile peer sees it in the segment.
+        let mut token = None;
+        let until = Instant::now() + Duration::from_secs(10);
+        while token.is_none() && Instant::now() < until {
+            token = (0..n)
+                .map(|k| seg.slot(k).claimer.load(Ordering::Acquire))
+                .find(|&t| t != 0 && t & ring::UNCLAIMED == 0 && ring::token_index(t) != me);
+        }
+        let token = token.expect("consumer a's claim token in the segment");
+        // Claim a batch by hand, name a as its claimer, release it.
+        let mut forged = false;
+        while !forged && Instant::now() < until {
+            for k in 0..n {
+                let desc = seg.slot(k);
+                if ring::try_claim(&desc.pending, me) {
+                    desc.claimer.store(token, Ordering::Release);
+                    assert!(ring::release_shared(&desc.pending, me));
+                    forged = true;
+                    break;
+                }
+            }
+        }
+        assert!(forged, "claimed no batch to forge");
+        let forged_at = Instant::now();
+        // The named consumer is detached once the producer has waited a second for it.
+        let ea = finish(a, Duration::from_secs(20));
+        assert_ne!(ea.code, Some(0), "consumer a should have been detached");
+        let err = report(&ea)["error"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        assert!(
+            err.contains("detach") || err.contains("taken back"),
+            "consumer a's error: {err}\n{}",
+            ea.stderr
+        );
+        assert!(forged_at.elapsed() >= Duration::from_millis(900));
+        // The ring goes on.
+        let h = head(&sock);
+        wait_until(Duration::from_secs(10), "the producer to go on", || {
+            head(&sock) > h + 100
+        });
+        drop(hostile);
+        signal(p.id(), libc::SIGINT);
+        let pe = finish(p, Duration::from_secs(15));
+        assert_eq!(pe.code, Some(0), "producer: {}", pe.stderr);
+        assert!(
+            pe.stderr.contains("waited over"),
+            "the producer should say why it detached a: {}",
+            pe.stderr
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    });
 }
