@@ -283,7 +283,8 @@ fn cuda_forged_claim_token_is_bounded_by_the_lag_policy() {
             ea.stderr
         );
         assert!(forged_at.elapsed() >= Duration::from_millis(900));
-        // The ring goes on.
+        // The ring goes on: a new consumer receives (shared mode needs one to claim).
+        let b = consumer(&procs, &sock, &dir.join("b.seq"));
         let h = head(&sock);
         wait_until(Duration::from_secs(10), "the producer to go on", || {
             head(&sock) > h + 100
@@ -292,6 +293,10 @@ fn cuda_forged_claim_token_is_bounded_by_the_lag_policy() {
         signal(p.id(), libc::SIGINT);
         let pe = finish(p, Duration::from_secs(15));
         assert_eq!(pe.code, Some(0), "producer: {}", pe.stderr);
+        let eb = finish(b, Duration::from_secs(10));
+        assert_eq!(eb.code, Some(0), "consumer b: {}\n{}", eb.stderr, eb.stdout);
+        assert!(report(&eb)["received"].as_u64().unwrap() > 0);
+        assert_eq!(report(&eb)["mismatches"], 0);
         assert!(
             pe.stderr.contains("waited over"),
             "the producer should say why it detached a: {}",
