@@ -186,10 +186,19 @@ impl<B: ProducerBackend> Shared<B> {
     /// Removes consumer `idx`: clears or requeues its claims, tells the backend, wakes
     /// everyone who might be waiting on it.
     fn depart(&self, idx: u32, how: Departure, why: &str) {
+        self.depart_if(idx, None, how, why);
+    }
+
+    /// As [`Shared::depart`], but only if the consumer at `idx` is still the attach whose
+    /// claim token is `token` (when given): not a consumer that took the index since.
+    fn depart_if(&self, idx: u32, token: Option<u64>, how: Departure, why: &str) {
         let mut requeued = 0u64;
         let pid;
         {
             let mut m = self.members.lock();
+            if token.is_some_and(|t| self.claim_tokens[idx as usize].load(Ordering::Acquire) != t) {
+                return;
+            }
             let Some(member) = m.conns[idx as usize].take() else {
                 return;
             };
@@ -582,16 +591,25 @@ impl<B: ProducerBackend> Shared<B> {
                 }
             }
             if let LagPolicy::DetachAfter(limit) = self.config.lag {
-                if let Some(c) = self.backend.overdue(limit) {
-                    if self.active.load(Ordering::Acquire) & ring::bit(c) != 0 {
-                        self.depart(
-                            c,
-                            Departure::Detached,
-                            &format!(
-                                "the producer waited over {limit:?} for its work on a batch to finish (lag policy detach-after)"
-                            ),
-                        );
-                    }
+                // Asked under the members lock, under which a new consumer at an index
+                // activates only after its backend attach forgot the old one's waits: the
+                // index named is the attach whose token we note, and only it is detached.
+                let named = {
+                    let m = self.members.lock();
+                    self.backend
+                        .overdue(limit)
+                        .filter(|&c| m.active & ring::bit(c) != 0)
+                        .map(|c| (c, self.claim_tokens[c as usize].load(Ordering::Acquire)))
+                };
+                if let Some((c, token)) = named {
+                    self.depart_if(
+                        c,
+                        Some(token),
+                        Departure::Detached,
+                        &format!(
+                            "the producer waited over {limit:?} for its work on a batch to finish (lag policy detach-after)"
+                        ),
+                    );
                 }
             }
             partial.retain(|k, _| snapshot.iter().any(|(_, c)| Arc::as_ptr(c) as usize == *k));

@@ -246,28 +246,35 @@ pub struct CudaProducer {
     /// Held (shared) while waits are enqueued, and (exclusive) by an attach while it drains
     /// the stream before reusing a consumer index's words.
     gate: RwLock<()>,
-    /// The waits on `finished` words our stream has been given, oldest first, until seen to
-    /// pass: what [`ProducerBackend::overdue`] reports on. The stream runs them in order, so
-    /// the oldest unpassed one is the one holding it up.
-    expected: Mutex<VecDeque<Expected>>,
+    /// Watching our waits on consumers' `finished` words (from the first
+    /// [`ProducerBackend::overdue`] call on: only a ring with the lag policy `DetachAfter`
+    /// asks, and only it pays for the bookkeeping).
+    watch: Watch,
 }
 
-/// A wait on consumer `consumer`'s `finished` word of `slot` for `target`, enqueued at `since`.
-struct Expected {
-    consumer: u32,
-    slot: u32,
-    target: u64,
-    since: Instant,
+/// What [`ProducerBackend::overdue`] needs: each wait on a `finished` word is followed on the
+/// stream by a write of its number to `progress`, a host-mapped word of ours, so the host sees
+/// how far the stream has got. Waits not yet passed are kept oldest first; the oldest is the
+/// one holding the stream up once the stream has passed the one before it.
+struct Watch {
+    on: std::sync::atomic::AtomicBool,
+    progress: Timelines,
+    state: Mutex<WatchState>,
 }
 
-/// Most waits [`CudaProducer::expected`] remembers; past this (a stream stalled for long while
-/// the producer keeps enqueuing), newer ones are not recorded: the oldest is what matters.
-const MAX_EXPECTED: usize = 1 << 16;
-
-/// Whether a timeline word has reached `target` in the driver's wrapping comparison.
-fn reached(word: u64, target: u64) -> bool {
-    (word.wrapping_sub(target) as i64) >= 0
+struct WatchState {
+    /// Number of the last wait enqueued.
+    enqueued: u64,
+    /// Waits not yet seen passed: (number, consumer), oldest first.
+    pending: VecDeque<(u64, u32)>,
+    /// When the host first saw the stream reach the oldest pending wait.
+    front_reached: Option<Instant>,
 }
+
+/// Most waits the watch remembers; past this (a stream stalled for long while the producer
+/// keeps enqueuing) the newest are not recorded, so the record stays a prefix of the stream's
+/// order and its oldest entry is still the one holding the stream up.
+const MAX_WATCHED: usize = 1 << 16;
 
 impl CudaProducer {
     /// The CUDA context.
@@ -288,26 +295,31 @@ impl CudaProducer {
     }
 }
 
-impl CudaProducer {
-    /// Drops the oldest waits that have passed (a departed consumer's words read as
-    /// released). The new oldest has held the stream up at most since now, if not since it
-    /// was enqueued: its lateness counts from the later of the two.
-    fn forget_passed(&self, expected: &mut VecDeque<Expected>) {
-        let mut popped = false;
-        while let Some(e) = expected.front() {
-            let word = self
-                .timelines
-                .host(e.consumer, e.slot)
-                .load(Ordering::Acquire);
-            if !reached(word, e.target) {
-                break;
-            }
-            expected.pop_front();
-            popped = true;
+impl Watch {
+    fn new(ctx: &Arc<Context>) -> Result<Self, BackendError> {
+        Ok(Self {
+            on: std::sync::atomic::AtomicBool::new(false),
+            progress: Timelines::create(ctx, 1, 1, "gpipe-progress")?,
+            state: Mutex::new(WatchState {
+                enqueued: 0,
+                pending: VecDeque::new(),
+                front_reached: None,
+            }),
+        })
+    }
+
+    /// Drops the waits the stream has passed; notes when it reached the oldest left.
+    fn update(&self, st: &mut WatchState) {
+        let passed = self.progress.host(0, 0).load(Ordering::Acquire);
+        while st.pending.front().is_some_and(|&(n, _)| n <= passed) {
+            st.pending.pop_front();
+            st.front_reached = None;
         }
-        if popped {
-            if let Some(e) = expected.front_mut() {
-                e.since = e.since.max(Instant::now());
+        if let Some(&(n, _)) = st.pending.front() {
+            // Reached once the wait before it passed (the work between two waits is ours:
+            // a fill and a `ready` record).
+            if n <= passed + 1 && st.front_reached.is_none() {
+                st.front_reached = Some(Instant::now());
             }
         }
     }
@@ -366,6 +378,7 @@ impl ProducerBackend for CudaProducer {
             layout.slot_count,
             "gpipe-finished",
         )?;
+        let watch = Watch::new(&ctx)?;
         Ok(Self {
             ctx,
             stream,
@@ -379,7 +392,7 @@ impl ProducerBackend for CudaProducer {
             timelines,
             live: Mutex::new(0),
             gate: RwLock::new(()),
-            expected: Mutex::new(VecDeque::new()),
+            watch,
         })
     }
 
@@ -415,7 +428,11 @@ impl ProducerBackend for CudaProducer {
         let _gate = self.gate.write();
         self.stream.synchronize().map_err(be)?;
         // Every wait enqueued so far has passed (none is enqueued while we hold the gate).
-        self.expected.lock().clear();
+        {
+            let mut st = self.watch.state.lock();
+            st.pending.clear();
+            st.front_reached = None;
+        }
         let mut live = self.live.lock();
         for k in 0..self.slot_count {
             self.timelines.host(consumer, k).store(0, Ordering::Release);
@@ -470,25 +487,38 @@ impl ProducerBackend for CudaProducer {
                 )
             }
             .map_err(be)?;
-            let mut expected = self.expected.lock();
-            self.forget_passed(&mut expected);
-            if expected.len() < MAX_EXPECTED {
-                expected.push_back(Expected {
-                    consumer: c,
-                    slot,
-                    target: prev_seq + 1,
-                    since: Instant::now(),
-                });
+            if self.watch.on.load(Ordering::Acquire) {
+                // Never hold the watch's lock across a driver call: with the stream stalled
+                // the call may block, and the supervisor must still be able to look.
+                let n = {
+                    let mut st = self.watch.state.lock();
+                    st.enqueued += 1;
+                    st.enqueued
+                };
+                // SAFETY: the word is in our registered progress timeline, mapped for our
+                // lifetime; the stream is ours.
+                unsafe {
+                    driver::stream_write_value64(&self.stream, self.watch.progress.device(0, 0), n)
+                }
+                .map_err(be)?;
+                let mut st = self.watch.state.lock();
+                self.watch.update(&mut st);
+                if st.pending.len() < MAX_WATCHED {
+                    st.pending.push_back((n, c));
+                }
             }
         }
         Ok(())
     }
 
     fn overdue(&self, limit: std::time::Duration) -> Option<u32> {
-        let mut expected = self.expected.lock();
-        self.forget_passed(&mut expected);
-        let e = expected.front()?;
-        (e.since.elapsed() > limit).then_some(e.consumer)
+        self.watch.on.store(true, Ordering::Release);
+        let mut st = self.watch.state.lock();
+        self.watch.update(&mut st);
+        let &(_, c) = st.pending.front()?;
+        st.front_reached
+            .is_some_and(|t| t.elapsed() > limit)
+            .then_some(c)
     }
 
     unsafe fn slot_mut(&self, slot: u32) -> CudaSlotMut<'_> {
