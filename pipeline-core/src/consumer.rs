@@ -365,6 +365,9 @@ impl<B: ConsumerBackend> Consumer<B> {
         if self.ended {
             return Ok(None);
         }
+        // A consumer that never has to wait (batches always ready) would otherwise not look
+        // at its record until then, and go on receiving after the producer detached it.
+        self.check_active()?;
         let got = match self.layout.mode {
             Mode::Broadcast => self.next_broadcast(deadline),
             Mode::Shared => self.next_shared(deadline),
@@ -424,17 +427,44 @@ impl<B: ConsumerBackend> Consumer<B> {
     }
 
     /// Liveness check after a wake-up with nothing to do. `Ok(true)`: the ring is closed.
+    /// Our record must still say active: the producer marks it when it detaches us.
+    fn check_active(&self) -> Result<(), Error> {
+        match self.seg.consumer(self.index).state.load(Ordering::Acquire) {
+            consumer_state::ACTIVE => Ok(()),
+            s => Err(Error::Detached(format!(
+                "our record says {}",
+                consumer_state::name(s)
+            ))),
+        }
+    }
+
+    /// Shared mode: puts a batch we claimed back, unclaimed and counted, so that a scan finds
+    /// it and it is not lost to the others.
+    fn unclaim(&self, k: u32) {
+        let desc = self.seg.slot(k);
+        if desc
+            .pending
+            .compare_exchange(
+                ring::bit(self.index),
+                ring::UNCLAIMED,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            )
+            .is_ok()
+        {
+            let h = self.seg.header();
+            self.seg
+                .claim()
+                .requeued
+                .value
+                .fetch_add(1, Ordering::AcqRel);
+            wait::notify(&h.data_wake.value, &h.data_sleepers.value, true);
+        }
+    }
+
     fn check_peer(&self, deadline: Option<Instant>) -> Result<bool, Error> {
         let h = self.seg.header();
-        match self.seg.consumer(self.index).state.load(Ordering::Acquire) {
-            consumer_state::ACTIVE => {}
-            s => {
-                return Err(Error::Detached(format!(
-                    "our record says {}",
-                    consumer_state::name(s)
-                )));
-            }
-        }
+        self.check_active()?;
         if h.constants.producer_state.load(Ordering::Acquire) == producer_state::CLOSED {
             return Ok(true);
         }
@@ -507,6 +537,12 @@ impl<B: ConsumerBackend> Consumer<B> {
                 if !ring::try_claim(&desc.pending, me) {
                     continue;
                 }
+                // Detached meanwhile (the producer marks our record before it takes our
+                // claims back): this claim is not ours to keep.
+                if let Err(e) = self.check_active() {
+                    self.unclaim(k);
+                    return Err(e);
+                }
                 let seq = desc.seq.load(Ordering::Acquire);
                 let now = self
                     .seg
@@ -517,18 +553,7 @@ impl<B: ConsumerBackend> Consumer<B> {
                     .max(head);
                 if let Err(v) = ring::check_claimed(k, seq, now, n) {
                     // Put it back untouched (and count it, so scans find it) and report.
-                    if desc
-                        .pending
-                        .compare_exchange(
-                            ring::bit(me),
-                            ring::UNCLAIMED,
-                            Ordering::AcqRel,
-                            Ordering::Relaxed,
-                        )
-                        .is_ok()
-                    {
-                        claim.requeued.value.fetch_add(1, Ordering::AcqRel);
-                    }
+                    self.unclaim(k);
                     return Err(violation(v));
                 }
                 // Tell the producer whose work to wait for before it refills the slot. If a

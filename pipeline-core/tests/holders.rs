@@ -338,8 +338,9 @@ fn a_consumer_whose_work_the_backend_waits_on_too_long_is_detached_under_detach_
             lag,
             ..Default::default()
         };
-        let producer: Producer<Stalling> = Producer::bind(&sock, config, overdue.clone()).unwrap();
-        let c: Consumer<HostConsumer> = Consumer::attach(&sock, HostOptions).unwrap();
+        let mut producer: Producer<Stalling> =
+            Producer::bind(&sock, config, overdue.clone()).unwrap();
+        let mut c: Consumer<HostConsumer> = Consumer::attach(&sock, HostOptions).unwrap();
         producer
             .wait_for_consumers(1, Duration::from_secs(10))
             .unwrap();
@@ -357,6 +358,19 @@ fn a_consumer_whose_work_the_backend_waits_on_too_long_is_detached_under_detach_
             });
             assert_eq!(producer.consumers(), 0);
             assert!(overdue.lock().unwrap().is_none(), "the backend was told");
+            // With a batch ready it never waits, yet it learns at once, and takes nothing.
+            let seq = producer.acquire().unwrap().publish(8).unwrap();
+            match c.recv() {
+                Err(pipeline_core::Error::Detached(_)) => {}
+                Err(e) => panic!("expected Detached, got {e}"),
+                Ok(b) => panic!("a detached consumer received {:?}", b.map(|b| b.seq())),
+            }
+            let k = ring::slot_of(seq, 2);
+            assert_eq!(
+                c.segment().slot(k).pending.load(Ordering::SeqCst),
+                ring::UNCLAIMED,
+                "the batch stays for the others"
+            );
         }
         drop(c);
         drop(producer);

@@ -320,6 +320,11 @@ impl Watch {
             // a fill and a `ready` record).
             if n <= passed + 1 && st.front_reached.is_none() {
                 st.front_reached = Some(Instant::now());
+                tracing::debug!(
+                    wait = n,
+                    passed,
+                    "the stream reached the oldest watched wait"
+                );
             }
         }
     }
@@ -515,7 +520,8 @@ impl ProducerBackend for CudaProducer {
         self.watch.on.store(true, Ordering::Release);
         let mut st = self.watch.state.lock();
         self.watch.update(&mut st);
-        let &(_, c) = st.pending.front()?;
+        let &(n, c) = st.pending.front()?;
+        tracing::trace!(wait = n, consumer = c, pending = st.pending.len(), reached = ?st.front_reached, "watch");
         st.front_reached
             .is_some_and(|t| t.elapsed() > limit)
             .then_some(c)

@@ -221,6 +221,7 @@ fn cuda_forged_claim_token_is_bounded_by_the_lag_policy() {
     use pipeline_cuda::backend::{CudaConsumer, CudaOptions};
     use std::sync::atomic::Ordering;
     watchdog(90, |procs| {
+        let rate = std::env::var("GPIPE_TEST_FORGE_RATE").unwrap_or_else(|_| "200".into());
         let dir = tmpdir("forge");
         let sock = dir.join("ring.sock");
         let p = producer_on(
@@ -234,9 +235,11 @@ fn cuda_forged_claim_token_is_bounded_by_the_lag_policy() {
                 "--mode",
                 "shared",
                 "--rate",
-                "200",
+                &rate,
                 "--detach-after-ms",
                 "1000",
+                "--log",
+                "info",
             ],
         );
         let a = consumer(&procs, &sock, &dir.join("a.seq"));
@@ -274,7 +277,25 @@ fn cuda_forged_claim_token_is_bounded_by_the_lag_policy() {
         assert!(forged, "claimed no batch to forge");
         let forged_at = Instant::now();
         // The named consumer is detached once the producer has waited a second for it.
-        let ea = finish(a, Duration::from_secs(20));
+        let mut a = a;
+        let wait_end = Instant::now() + Duration::from_secs(10);
+        while a.try_wait().unwrap().is_none() && Instant::now() < wait_end {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if a.try_wait().unwrap().is_none() {
+            let snap = inspect(&sock);
+            let _ = a.kill();
+            let ea = finish(a, Duration::from_secs(5));
+            signal(p.id(), libc::SIGINT);
+            let pe = finish(p, Duration::from_secs(15));
+            panic!(
+                "consumer a was not detached within 10 s of the forge\ninspect: {snap}\nproducer: {}\nconsumer a: {}\n{}",
+                &pe.stderr[pe.stderr.len().saturating_sub(6000)..],
+                ea.stderr,
+                ea.stdout
+            );
+        }
+        let ea = finish(a, Duration::from_secs(5));
         assert_ne!(ea.code, Some(0), "consumer a should have been detached");
         let err = report(&ea)["error"]
             .as_str()
