@@ -320,7 +320,7 @@ impl Watch {
             // a fill and a `ready` record).
             if n <= passed + 1 && st.front_reached.is_none() {
                 st.front_reached = Some(Instant::now());
-                tracing::debug!(
+                tracing::trace!(
                     wait = n,
                     passed,
                     "the stream reached the oldest watched wait"
