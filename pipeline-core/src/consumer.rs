@@ -538,7 +538,10 @@ impl<B: ConsumerBackend> Consumer<B> {
                     continue;
                 }
                 // Detached meanwhile (the producer marks our record before it takes our
-                // claims back): this claim is not ours to keep.
+                // claims back): this claim is not ours to keep. The fence pairs with the
+                // producer's between marking the record and taking claims back: either it
+                // took this claim back, or we see the mark here.
+                std::sync::atomic::fence(Ordering::SeqCst);
                 if let Err(e) = self.check_active() {
                     self.unclaim(k);
                     return Err(e);

@@ -209,6 +209,9 @@ impl<B: ProducerBackend> Shared<B> {
                 Departure::Detached => consumer_state::DETACHED,
             };
             self.seg.consumer(idx).state.store(state, Ordering::Release);
+            // Pairs with the fence a shared consumer makes between a claim and reading its
+            // record: either our reclaim below sees its claim, or it sees this state.
+            std::sync::atomic::fence(Ordering::SeqCst);
             let shared = self.shared_mode();
             for k in 0..self.layout.slot_count {
                 if ring::reclaim(&self.seg.slot(k).pending, idx, shared) {
