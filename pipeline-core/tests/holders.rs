@@ -116,14 +116,13 @@ fn a_reused_consumer_index_is_not_a_holder_of_batches_before_it_joined() {
     }
 }
 
-#[test]
-fn a_shared_consumer_is_a_holder_of_batches_published_before_it_joined() {
-    // Shared mode hands out whatever is published and unclaimed, including batches from
-    // before a consumer joined. Its GPU work on such a batch must still finish before the
-    // producer refills the slot (on CUDA, skipping this wait let the refill overwrite data the
-    // consumer's kernels had yet to read: found on an H100, 2026-11-21).
+/// A shared-mode ring of two slots on a recording backend, with batches 0 and 1 published
+/// before anyone attached.
+fn shared_ring_with_two_early_batches(
+    name: &str,
+) -> (Producer<Recording>, Calls, std::path::PathBuf) {
     let sock =
-        std::env::temp_dir().join(format!("gpipe-holders-early-{}.sock", std::process::id()));
+        std::env::temp_dir().join(format!("gpipe-holders-{name}-{}.sock", std::process::id()));
     let calls = Calls::default();
     let config = ProducerConfig {
         slots: 2,
@@ -133,10 +132,19 @@ fn a_shared_consumer_is_a_holder_of_batches_published_before_it_joined() {
         ..Default::default()
     };
     let mut producer: Producer<Recording> = Producer::bind(&sock, config, calls.clone()).unwrap();
-    // Batches 0 and 1 are published with nobody attached.
     for _ in 0..2 {
         producer.acquire().unwrap().publish(8).unwrap();
     }
+    (producer, calls, sock)
+}
+
+#[test]
+fn a_shared_consumer_is_a_holder_of_batches_published_before_it_joined() {
+    // Shared mode hands out whatever is published and unclaimed, including batches from
+    // before a consumer joined. Its GPU work on such a batch must still finish before the
+    // producer refills the slot (on CUDA, skipping this wait let the refill overwrite data the
+    // consumer's kernels had yet to read: found on an H100, 2026-11-21).
+    let (mut producer, calls, sock) = shared_ring_with_two_early_batches("early");
     let (got_tx, got_rx) = std::sync::mpsc::channel();
     let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
     let s2 = sock.clone();
@@ -216,19 +224,7 @@ fn a_claim_whose_token_cannot_be_recorded_is_completed_before_release() {
     // A consumer detached between its claim and recording its token may write late. Its write
     // lands only over the batch's marker, so if it came first, the next claimer's record fails;
     // the producer will not wait for that claimer, which must complete its work itself.
-    let sock = std::env::temp_dir().join(format!("gpipe-holders-late-{}.sock", std::process::id()));
-    let calls = Calls::default();
-    let config = ProducerConfig {
-        slots: 2,
-        batch_bytes: 4096,
-        mode: Mode::Shared,
-        max_consumers: 2,
-        ..Default::default()
-    };
-    let mut producer: Producer<Recording> = Producer::bind(&sock, config, calls.clone()).unwrap();
-    for _ in 0..2 {
-        producer.acquire().unwrap().publish(8).unwrap();
-    }
+    let (mut producer, calls, sock) = shared_ring_with_two_early_batches("late");
     let completions = Arc::new(AtomicUsize::new(0));
     let (got_tx, got_rx) = std::sync::mpsc::channel();
     let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
