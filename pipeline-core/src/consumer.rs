@@ -391,19 +391,12 @@ impl<B: ConsumerBackend> Consumer<B> {
             *h = w.load(Ordering::Relaxed);
         }
         if let Err(v) = ring::check_len(seq, slot, len, self.layout.slot_bytes) {
-            // Give the slot back so the producer is not stalled by our refusal. We did no
-            // work on it: say so first, or the producer's next write of the slot would wait
-            // for a `finished` signal that never comes.
-            let _ = self.backend.signal_finished(slot, seq);
-            self.claim_unrecorded = false;
-            self.release_slot(slot);
+            self.refuse(slot, seq);
             return Err(violation(v));
         }
         crate::fault::point("consumer.before_wait");
         if let Err(e) = self.backend.wait_ready(slot, seq) {
-            let _ = self.backend.signal_finished(slot, seq);
-            self.claim_unrecorded = false;
-            self.release_slot(slot);
+            self.refuse(slot, seq);
             return Err(Error::Backend(e));
         }
         crate::fault::point("consumer.after_wait");
@@ -427,6 +420,15 @@ impl<B: ConsumerBackend> Consumer<B> {
     }
 
     /// Liveness check after a wake-up with nothing to do. `Ok(true)`: the ring is closed.
+    /// Gives back a batch we will not use, so the producer is not stalled by our refusal. We
+    /// did no work on it: say so first, or the producer's next write of the slot would wait
+    /// for a `finished` signal that never comes.
+    fn refuse(&mut self, slot: u32, seq: u64) {
+        let _ = self.backend.signal_finished(slot, seq);
+        self.claim_unrecorded = false;
+        self.release_slot(slot);
+    }
+
     /// Our record must still say active: the producer marks it when it detaches us.
     fn check_active(&self) -> Result<(), Error> {
         match self.seg.consumer(self.index).state.load(Ordering::Acquire) {

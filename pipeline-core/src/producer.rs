@@ -150,8 +150,6 @@ struct Shared<B> {
     /// equals this: the index's holder may have claimed a batch published before it joined,
     /// while an older token is a previous holder of the index.
     claim_tokens: Vec<AtomicU64>,
-    /// Attaches activated so far: the serial in each claim token.
-    attaches: AtomicU64,
     /// Held (shared) by the producer from choosing a slot's holders until the backend has
     /// enqueued its waits on them, and taken (exclusive, briefly) after an index is reserved,
     /// before the backend reuses the index's signals: holders chosen while the index's
@@ -431,7 +429,8 @@ impl<B: ProducerBackend> Shared<B> {
                 // Activate under the lock so that no publish races the join point.
                 let start = m.head;
                 self.joined_at[idx as usize].store(start, Ordering::Release);
-                let serial = self.attaches.fetch_add(1, Ordering::Relaxed) + 1;
+                // Counted here, under the lock: the count is the serial in the claim token.
+                let serial = self.counters.attached.fetch_add(1, Ordering::Relaxed) + 1;
                 let token = ring::claim_token(idx, serial);
                 self.claim_tokens[idx as usize].store(token, Ordering::Release);
                 rec.join_seq.store(start, Ordering::Relaxed);
@@ -451,7 +450,6 @@ impl<B: ProducerBackend> Shared<B> {
             });
         match result {
             Ok((conn_arc, start, token)) => {
-                self.counters.attached.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(consumer = idx, pid = cred.pid, start, "consumer attached");
                 // If this send fails the consumer is gone; the supervisor sees the hang-up.
                 let _ = wire::send(
@@ -701,7 +699,6 @@ impl<B: ProducerBackend> Producer<B> {
             claim_tokens: (0..layout.consumer_capacity)
                 .map(|_| AtomicU64::new(u64::MAX))
                 .collect(),
-            attaches: AtomicU64::new(0),
             holders_gate: RwLock::new(()),
             closing: AtomicBool::new(false),
             stop_supervisor: AtomicBool::new(false),

@@ -13,22 +13,27 @@ use pipeline_core::{
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 type Calls = Arc<Mutex<Vec<(u32, u64, u64)>>>;
+/// The consumer the test says the backend has waited on too long.
+type Overdue = Arc<Mutex<Option<u32>>>;
 
-/// The host backend, recording every `wait_finished(slot, prev_seq, holders)`.
+/// The host backend, recording every `wait_finished(slot, prev_seq, holders)` and reporting
+/// whatever consumer the test says is overdue.
 struct Recording {
     inner: HostProducer,
     calls: Calls,
+    overdue: Overdue,
 }
 
 impl ProducerBackend for Recording {
-    type Options = Calls;
+    type Options = (Calls, Overdue);
     type SlotMut<'a> = &'a mut [u8];
     const KIND: BackendKind = BackendKind::Host;
 
-    fn create(layout: &RingLayout, calls: Calls) -> Result<Self, BackendError> {
+    fn create(layout: &RingLayout, (calls, overdue): Self::Options) -> Result<Self, BackendError> {
         Ok(Self {
             inner: HostProducer::create(layout, HostOptions)?,
             calls,
+            overdue,
         })
     }
     fn export(&self, c: u32) -> Result<Export, BackendError> {
@@ -38,11 +43,19 @@ impl ProducerBackend for Recording {
         self.inner.attach(c, reply, fds)
     }
     fn detach(&self, c: u32, died: bool) {
+        // As the CUDA backend: a departed consumer's waits pass.
+        let mut o = self.overdue.lock().unwrap();
+        if *o == Some(c) {
+            *o = None;
+        }
         self.inner.detach(c, died)
     }
     fn wait_finished(&self, slot: u32, prev: u64, holders: u64) -> Result<(), BackendError> {
         self.calls.lock().unwrap().push((slot, prev, holders));
         Ok(())
+    }
+    fn overdue(&self, _limit: Duration) -> Option<u32> {
+        *self.overdue.lock().unwrap()
     }
     unsafe fn slot_mut(&self, slot: u32) -> &mut [u8] {
         // SAFETY: forwarded under the same contract the ring upholds for us.
@@ -75,7 +88,7 @@ fn a_reused_consumer_index_is_not_a_holder_of_batches_before_it_joined() {
             ..Default::default()
         };
         let mut producer: Producer<Recording> =
-            Producer::bind(&sock, config, calls.clone()).unwrap();
+            Producer::bind(&sock, config, (calls.clone(), Overdue::default())).unwrap();
         // Consumer A (index 0) takes batches 0 and 1, then leaves.
         let s2 = sock.clone();
         let a = std::thread::spawn(move || {
@@ -131,7 +144,8 @@ fn shared_ring_with_two_early_batches(
         max_consumers: 2,
         ..Default::default()
     };
-    let mut producer: Producer<Recording> = Producer::bind(&sock, config, calls.clone()).unwrap();
+    let mut producer: Producer<Recording> =
+        Producer::bind(&sock, config, (calls.clone(), Overdue::default())).unwrap();
     for _ in 0..2 {
         producer.acquire().unwrap().publish(8).unwrap();
     }
@@ -268,52 +282,6 @@ fn a_claim_whose_token_cannot_be_recorded_is_completed_before_release() {
     drop(producer);
 }
 
-/// The host backend, reporting whatever consumer the test says is overdue.
-struct Stalling {
-    inner: HostProducer,
-    overdue: Arc<Mutex<Option<u32>>>,
-}
-
-impl ProducerBackend for Stalling {
-    type Options = Arc<Mutex<Option<u32>>>;
-    type SlotMut<'a> = &'a mut [u8];
-    const KIND: BackendKind = BackendKind::Host;
-
-    fn create(layout: &RingLayout, overdue: Self::Options) -> Result<Self, BackendError> {
-        Ok(Self {
-            inner: HostProducer::create(layout, HostOptions)?,
-            overdue,
-        })
-    }
-    fn export(&self, c: u32) -> Result<Export, BackendError> {
-        self.inner.export(c)
-    }
-    fn attach(&self, c: u32, reply: &[u8], fds: Vec<OwnedFd>) -> Result<(), BackendError> {
-        self.inner.attach(c, reply, fds)
-    }
-    fn detach(&self, c: u32, died: bool) {
-        // As the CUDA backend: a departed consumer's waits pass.
-        let mut o = self.overdue.lock().unwrap();
-        if *o == Some(c) {
-            *o = None;
-        }
-        self.inner.detach(c, died)
-    }
-    fn wait_finished(&self, slot: u32, prev: u64, holders: u64) -> Result<(), BackendError> {
-        self.inner.wait_finished(slot, prev, holders)
-    }
-    unsafe fn slot_mut(&self, slot: u32) -> &mut [u8] {
-        // SAFETY: forwarded under the same contract the ring upholds for us.
-        unsafe { self.inner.slot_mut(slot) }
-    }
-    fn signal_ready(&self, slot: u32, seq: u64) -> Result<(), BackendError> {
-        self.inner.signal_ready(slot, seq)
-    }
-    fn overdue(&self, _limit: Duration) -> Option<u32> {
-        *self.overdue.lock().unwrap()
-    }
-}
-
 #[test]
 fn a_consumer_whose_work_the_backend_waits_on_too_long_is_detached_under_detach_after() {
     for lag in [
@@ -334,8 +302,8 @@ fn a_consumer_whose_work_the_backend_waits_on_too_long_is_detached_under_detach_
             lag,
             ..Default::default()
         };
-        let mut producer: Producer<Stalling> =
-            Producer::bind(&sock, config, overdue.clone()).unwrap();
+        let mut producer: Producer<Recording> =
+            Producer::bind(&sock, config, (Calls::default(), overdue.clone())).unwrap();
         let mut c: Consumer<HostConsumer> = Consumer::attach(&sock, HostOptions).unwrap();
         producer
             .wait_for_consumers(1, Duration::from_secs(10))

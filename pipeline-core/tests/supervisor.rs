@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 use pipeline_core::wire::{self, Message, Role};
 use pipeline_core::{HostOptions, HostProducer, Producer, ProducerConfig};
 
-fn raw_attach(sock: &std::path::Path) -> UnixStream {
+/// Connects and says Hello as a consumer; returns once the Welcome (an index) came.
+fn hello_to_welcome(sock: &std::path::Path) -> UnixStream {
     let s = UnixStream::connect(sock).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let hello = Message::Hello {
@@ -19,6 +20,11 @@ fn raw_attach(sock: &std::path::Path) -> UnixStream {
     wire::send(&s, &hello, &[]).unwrap();
     let (welcome, _fds) = wire::recv(&s).unwrap();
     assert!(matches!(welcome, Message::Welcome { .. }));
+    s
+}
+
+fn raw_attach(sock: &std::path::Path) -> UnixStream {
+    let s = hello_to_welcome(sock);
     let ready = Message::Ready {
         fd_count: 0,
         blob: Vec::new(),
@@ -99,18 +105,7 @@ fn close_cuts_stalled_handshakes_short() {
         .set_read_timeout(Some(Duration::from_secs(5)))
         .unwrap();
     // Another holds an index: Hello, Welcome, then no Ready.
-    let stalled = UnixStream::connect(&sock).unwrap();
-    stalled
-        .set_read_timeout(Some(Duration::from_secs(5)))
-        .unwrap();
-    let hello = Message::Hello {
-        version: pipeline_core::layout::PROTOCOL_VERSION,
-        role: Role::Consumer,
-        backend: 0,
-    };
-    wire::send(&stalled, &hello, &[]).unwrap();
-    let (welcome, _fds) = wire::recv(&stalled).unwrap();
-    assert!(matches!(welcome, Message::Welcome { .. }));
+    let stalled = hello_to_welcome(&sock);
     std::thread::sleep(Duration::from_millis(50));
     let t = Instant::now();
     let stats = producer.close();

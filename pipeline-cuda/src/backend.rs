@@ -272,8 +272,8 @@ struct WatchState {
 }
 
 /// Most waits the watch remembers; past this (a stream stalled for long while the producer
-/// keeps enqueuing) the newest are not recorded, so the record stays a prefix of the stream's
-/// order and its oldest entry is still the one holding the stream up.
+/// keeps enqueuing) the newest are not recorded. Judging stays right: an entry counts as
+/// reached only once the stream has passed the wait numbered just before it, recorded or not.
 const MAX_WATCHED: usize = 1 << 16;
 
 impl CudaProducer {
