@@ -114,8 +114,9 @@ pub trait ProducerBackend: Send + Sync + Sized + 'static {
     }
 }
 
-/// The consumer's half of a backend.
-pub trait ConsumerBackend: Send + Sized + 'static {
+/// The consumer's half of a backend. Batches are released from any thread, so its hooks
+/// take `&self`.
+pub trait ConsumerBackend: Send + Sync + Sized + 'static {
     /// Backend-specific options.
     type Options;
     /// What the consumer reads a batch through.
@@ -134,7 +135,7 @@ pub trait ConsumerBackend: Send + Sized + 'static {
         fds: Vec<OwnedFd>,
     ) -> Result<(Self, Export), BackendError>;
     /// Orders the consumer's use of batch `seq` in `slot` after the producer's writes to it.
-    fn wait_ready(&mut self, slot: u32, seq: u64) -> Result<(), BackendError>;
+    fn wait_ready(&self, slot: u32, seq: u64) -> Result<(), BackendError>;
     /// The batch's memory for use in place.
     ///
     /// # Safety
@@ -143,17 +144,17 @@ pub trait ConsumerBackend: Send + Sized + 'static {
     unsafe fn batch_ref(&self, slot: u32, len: u64) -> Self::BatchRef<'_>;
     /// Marks the consumer's use of batch `seq` in `slot` complete (the ring releases only
     /// after this).
-    fn signal_finished(&mut self, slot: u32, seq: u64) -> Result<(), BackendError>;
+    fn signal_finished(&self, slot: u32, seq: u64) -> Result<(), BackendError>;
     /// Waits until the consumer's work so far is complete, not just ordered. Used before
     /// releasing a batch the producer will not wait for (a shared-mode claim whose token
     /// could not be recorded); backends whose work is done when `signal_finished` returns
     /// need nothing.
-    fn complete_now(&mut self) -> Result<(), BackendError> {
+    fn complete_now(&self) -> Result<(), BackendError> {
         Ok(())
     }
     /// The producer died: work waiting for its signals may never run. The backend must not
     /// wait for it at teardown (and may release such waits itself).
-    fn abandon(&mut self) {}
+    fn abandon(&self) {}
 }
 
 /// The host backend: slots in one sealed memfd, written with the CPU. Ready and finished need
@@ -284,7 +285,7 @@ impl ConsumerBackend for HostConsumer {
         ))
     }
 
-    fn wait_ready(&mut self, _: u32, _: u64) -> Result<(), BackendError> {
+    fn wait_ready(&self, _: u32, _: u64) -> Result<(), BackendError> {
         Ok(())
     }
 
@@ -303,7 +304,7 @@ impl ConsumerBackend for HostConsumer {
         }
     }
 
-    fn signal_finished(&mut self, _: u32, _: u64) -> Result<(), BackendError> {
+    fn signal_finished(&self, _: u32, _: u64) -> Result<(), BackendError> {
         Ok(())
     }
 }

@@ -4,6 +4,8 @@ use std::mem::ManuallyDrop;
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -15,8 +17,10 @@ use crate::layout::{
 };
 use crate::ring;
 use crate::sys;
+use crate::tensor::TensorInfo;
 use crate::wait::{self, WaitPolicy};
 use crate::wire::{self, Message, Role};
+use parking_lot::Mutex;
 
 /// Consumer settings.
 #[derive(Clone, Copy, Debug)]
@@ -275,39 +279,53 @@ impl PendingAttach {
         let _ = conn.set_nonblocking(true);
         let head = seg.header().head.value.load(Ordering::Acquire);
         Ok(Consumer {
-            seg,
-            backend: ManuallyDrop::new(be),
-            conn,
+            link: Arc::new(Link {
+                seg,
+                backend: ManuallyDrop::new(be),
+                conn,
+                index,
+                layout,
+                held: (0..layout.slot_count).map(|_| AtomicU64::new(0)).collect(),
+                deferred: Mutex::new(None),
+            }),
             index,
             claim_token,
-            claim_unrecorded: false,
             layout,
             cursor: start,
             last_head: head.min(start),
             config,
-            deferred: None,
             ended: false,
         })
     }
 }
 
-/// The consuming side of a ring. One thread receives; each [`Batch`] borrows the consumer,
-/// so the next batch comes only after the previous one is released.
-pub struct Consumer<B: ConsumerBackend> {
+/// What a consumer shares with the batches it handed out: a batch is released through it,
+/// from any thread, after the consumer itself may be gone. When the last of them goes, the
+/// backend's imports are freed and the producer is told goodbye.
+struct Link<B: ConsumerBackend> {
     seg: ControlSegment,
     backend: ManuallyDrop<B>,
     conn: UnixStream,
     index: u32,
+    layout: RingLayout,
+    /// Per slot: the sequence number + 1 of the batch we hold in it, 0 when none.
+    held: Box<[AtomicU64]>,
+    /// An error from releasing a dropped batch, reported by the next `recv`.
+    deferred: Mutex<Option<Error>>,
+}
+
+/// The consuming side of a ring. One thread receives; the [`Batch`]es it returns are owned
+/// values that may be held several at a time, sent to other threads and released in any
+/// order.
+pub struct Consumer<B: ConsumerBackend> {
+    link: Arc<Link<B>>,
+    index: u32,
     /// Shared mode: stored in a slot's `claimer` after each claim.
     claim_token: u64,
-    /// Shared mode: the batch held now was claimed but its token not recorded, so the
-    /// producer will not wait for our work on it.
-    claim_unrecorded: bool,
     layout: RingLayout,
     cursor: u64,
     last_head: u64,
     config: ConsumerConfig,
-    deferred: Option<Error>,
     ended: bool,
 }
 
@@ -338,28 +356,38 @@ impl<B: ConsumerBackend> Consumer<B> {
 
     /// The backend.
     pub fn backend(&self) -> &B {
-        &self.backend
+        &self.link.backend
     }
 
     /// The control segment (read-only use: inspection and tests).
     pub fn segment(&self) -> &ControlSegment {
-        &self.seg
+        &self.link.seg
+    }
+
+    /// Batches received and not yet released (by this consumer or by batches it handed out).
+    pub fn held(&self) -> usize {
+        self.link
+            .held
+            .iter()
+            .filter(|h| h.load(Ordering::Acquire) != 0)
+            .count()
     }
 
     /// Receives the next batch. `Ok(None)` means the producer closed the ring cleanly and
     /// everything published has been received. Errors: the producer died, we were detached,
     /// or the control segment holds values that cannot be right.
-    pub fn recv(&mut self) -> Result<Option<Batch<'_, B>>, Error> {
+    pub fn recv(&mut self) -> Result<Option<Batch<B>>, Error> {
         self.recv_until(None)
     }
 
     /// As [`Consumer::recv`], giving up with [`Error::Timeout`] after `timeout`.
-    pub fn recv_timeout(&mut self, timeout: Duration) -> Result<Option<Batch<'_, B>>, Error> {
+    pub fn recv_timeout(&mut self, timeout: Duration) -> Result<Option<Batch<B>>, Error> {
         self.recv_until(Some(Instant::now() + timeout))
     }
 
-    fn recv_until(&mut self, deadline: Option<Instant>) -> Result<Option<Batch<'_, B>>, Error> {
-        if let Some(e) = self.deferred.take() {
+    /// As [`Consumer::recv`], giving up with [`Error::Timeout`] at `deadline` (`None`: never).
+    pub fn recv_until(&mut self, deadline: Option<Instant>) -> Result<Option<Batch<B>>, Error> {
+        if let Some(e) = self.link.deferred.lock().take() {
             return Err(e);
         }
         if self.ended {
@@ -375,63 +403,82 @@ impl<B: ConsumerBackend> Consumer<B> {
         let got = match got {
             Ok(g) => g,
             Err(Error::ProducerDied) => {
-                self.backend.abandon();
+                self.link.backend.abandon();
                 return Err(Error::ProducerDied);
             }
             Err(e) => return Err(e),
         };
-        let Some((seq, slot)) = got else {
+        let Some((seq, slot, claim_unrecorded)) = got else {
             self.ended = true;
             return Ok(None);
         };
-        let desc = self.seg.slot(slot);
+        let link = &*self.link;
+        let desc = link.seg.slot(slot);
         let len = desc.len.load(Ordering::Relaxed);
         let mut header = [0u64; USER_HEADER_WORDS];
         for (h, w) in header.iter_mut().zip(&desc.header) {
             *h = w.load(Ordering::Relaxed);
         }
         if let Err(v) = ring::check_len(seq, slot, len, self.layout.slot_bytes) {
-            self.refuse(slot, seq);
+            link.refuse(slot, seq);
             return Err(violation(v));
         }
+        let mut tensors = Vec::new();
+        if let Err(m) = link.seg.tensor_table(slot).read(len, &mut tensors) {
+            link.refuse(slot, seq);
+            return Err(ProtocolError::Segment(format!("batch {seq}: {m}")).into());
+        }
         crate::fault::point("consumer.before_wait");
-        if let Err(e) = self.backend.wait_ready(slot, seq) {
-            self.refuse(slot, seq);
+        if let Err(e) = link.backend.wait_ready(slot, seq) {
+            link.refuse(slot, seq);
             return Err(Error::Backend(e));
         }
         crate::fault::point("consumer.after_wait");
-        let rec = self.seg.consumer(self.index);
+        let rec = link.seg.consumer(self.index);
         rec.received.fetch_add(1, Ordering::Relaxed);
+        link.held[slot as usize].store(seq + 1, Ordering::Release);
         Ok(Some(Batch {
-            consumer: self,
+            link: self.link.clone(),
             seq,
             slot,
             len,
             header,
+            tensors,
+            claim_unrecorded,
             done: false,
         }))
     }
 
+    /// Before a wait for the producer's next batch: if we hold the batch in the slot the
+    /// producer must refill first, the wait could never end.
+    fn check_not_self_blocked(&self, head: u64) -> Result<(), Error> {
+        let k = ring::slot_of(head, self.layout.slot_count);
+        match self.link.held[k as usize].load(Ordering::Acquire) {
+            0 => Ok(()),
+            s => Err(Error::Deadlock {
+                seq: s - 1,
+                slot: k,
+                held: self.held(),
+            }),
+        }
+    }
+
     fn load_head(&mut self) -> Result<u64, Error> {
-        let head = self.seg.header().head.value.load(Ordering::Acquire);
+        let head = self.link.seg.header().head.value.load(Ordering::Acquire);
         ring::check_head(self.last_head, head).map_err(violation)?;
         self.last_head = head;
         Ok(head)
     }
 
-    /// Liveness check after a wake-up with nothing to do. `Ok(true)`: the ring is closed.
-    /// Gives back a batch we will not use, so the producer is not stalled by our refusal. We
-    /// did no work on it: say so first, or the producer's next write of the slot would wait
-    /// for a `finished` signal that never comes.
-    fn refuse(&mut self, slot: u32, seq: u64) {
-        let _ = self.backend.signal_finished(slot, seq);
-        self.claim_unrecorded = false;
-        self.release_slot(slot);
-    }
-
     /// Our record must still say active: the producer marks it when it detaches us.
     fn check_active(&self) -> Result<(), Error> {
-        match self.seg.consumer(self.index).state.load(Ordering::Acquire) {
+        match self
+            .link
+            .seg
+            .consumer(self.index)
+            .state
+            .load(Ordering::Acquire)
+        {
             consumer_state::ACTIVE => Ok(()),
             s => Err(Error::Detached(format!(
                 "our record says {}",
@@ -443,7 +490,8 @@ impl<B: ConsumerBackend> Consumer<B> {
     /// Shared mode: puts a batch we claimed back, unclaimed and counted, so that a scan finds
     /// it and it is not lost to the others.
     fn unclaim(&self, k: u32) {
-        let desc = self.seg.slot(k);
+        let seg = &self.link.seg;
+        let desc = seg.slot(k);
         if desc
             .pending
             .compare_exchange(
@@ -454,23 +502,20 @@ impl<B: ConsumerBackend> Consumer<B> {
             )
             .is_ok()
         {
-            let h = self.seg.header();
-            self.seg
-                .claim()
-                .requeued
-                .value
-                .fetch_add(1, Ordering::AcqRel);
+            let h = seg.header();
+            seg.claim().requeued.value.fetch_add(1, Ordering::AcqRel);
             wait::notify(&h.data_wake.value, &h.data_sleepers.value, true);
         }
     }
 
+    /// Liveness check after a wake-up with nothing to do. `Ok(true)`: the ring is closed.
     fn check_peer(&self, deadline: Option<Instant>) -> Result<bool, Error> {
-        let h = self.seg.header();
+        let h = self.link.seg.header();
         self.check_active()?;
         if h.constants.producer_state.load(Ordering::Acquire) == producer_state::CLOSED {
             return Ok(true);
         }
-        if sys::peer_gone(&self.conn) {
+        if sys::peer_gone(&self.link.conn) {
             // A clean close may race the hang-up: re-check the state.
             if h.constants.producer_state.load(Ordering::Acquire) == producer_state::CLOSED {
                 return Ok(true);
@@ -483,12 +528,16 @@ impl<B: ConsumerBackend> Consumer<B> {
         Ok(false)
     }
 
-    fn next_broadcast(&mut self, deadline: Option<Instant>) -> Result<Option<(u64, u32)>, Error> {
+    fn next_broadcast(
+        &mut self,
+        deadline: Option<Instant>,
+    ) -> Result<Option<(u64, u32, bool)>, Error> {
         let c = self.cursor;
         let n = self.layout.slot_count;
         let mut head = self.load_head()?;
         if head <= c {
-            let seg = &self.seg;
+            self.check_not_self_blocked(head)?;
+            let seg = &self.link.seg;
             let h = seg.header();
             let policy = self.config.wait;
             let closed_empty = wait::wait_for(
@@ -511,31 +560,39 @@ impl<B: ConsumerBackend> Consumer<B> {
         }
         ring::check_window(head, c, n).map_err(violation)?;
         let k = ring::slot_of(c, n);
-        let desc = self.seg.slot(k);
+        let desc = self.link.seg.slot(k);
         let seq = desc.seq.load(Ordering::Acquire);
         let pending = desc.pending.load(Ordering::Acquire);
         ring::check_slot(k, seq, c, pending, self.index).map_err(violation)?;
         self.cursor = c + 1;
-        self.seg
+        self.link
+            .seg
             .consumer(self.index)
             .cursor
             .store(self.cursor, Ordering::Relaxed);
-        Ok(Some((c, k)))
+        Ok(Some((c, k, false)))
     }
 
-    fn next_shared(&mut self, deadline: Option<Instant>) -> Result<Option<(u64, u32)>, Error> {
+    /// Shared mode: claims the oldest unclaimed batch. The flag says the claim's token could
+    /// not be recorded (a late writer got there first), so the producer will not wait for
+    /// our work on it: we complete it before releasing.
+    fn next_shared(
+        &mut self,
+        deadline: Option<Instant>,
+    ) -> Result<Option<(u64, u32, bool)>, Error> {
         let n = self.layout.slot_count;
         let me = self.index;
         loop {
             let head = self.load_head()?;
-            let claim = self.seg.claim();
+            let seg = &self.link.seg;
+            let claim = seg.claim();
             let requeued = claim.requeued.value.load(Ordering::Acquire);
             let window = ring::live_window(head, n);
             let hint = claim.claim_hint.value.load(Ordering::Acquire);
             let start = ring::scan_start(head, hint, requeued, n);
             for s in start..window.end {
                 let k = ring::slot_of(s, n);
-                let desc = self.seg.slot(k);
+                let desc = seg.slot(k);
                 if !ring::try_claim(&desc.pending, me) {
                     continue;
                 }
@@ -549,13 +606,7 @@ impl<B: ConsumerBackend> Consumer<B> {
                     return Err(e);
                 }
                 let seq = desc.seq.load(Ordering::Acquire);
-                let now = self
-                    .seg
-                    .header()
-                    .head
-                    .value
-                    .load(Ordering::Acquire)
-                    .max(head);
+                let now = seg.header().head.value.load(Ordering::Acquire).max(head);
                 if let Err(v) = ring::check_claimed(k, seq, now, n) {
                     // Put it back untouched (and count it, so scans find it) and report.
                     self.unclaim(k);
@@ -564,7 +615,7 @@ impl<B: ConsumerBackend> Consumer<B> {
                 // Tell the producer whose work to wait for before it refills the slot. If a
                 // late writer got there first, it will not wait for ours: we complete our
                 // work on this batch before releasing it instead.
-                self.claim_unrecorded = !ring::record_claim(&desc.claimer, seq, self.claim_token);
+                let unrecorded = !ring::record_claim(&desc.claimer, seq, self.claim_token);
                 if seq < hint {
                     let _ = claim.requeued.value.fetch_update(
                         Ordering::AcqRel,
@@ -573,11 +624,8 @@ impl<B: ConsumerBackend> Consumer<B> {
                     );
                 }
                 claim.claim_hint.value.fetch_max(s + 1, Ordering::AcqRel);
-                self.seg
-                    .consumer(me)
-                    .cursor
-                    .store(seq + 1, Ordering::Relaxed);
-                return Ok(Some((seq, k)));
+                seg.consumer(me).cursor.store(seq + 1, Ordering::Relaxed);
+                return Ok(Some((seq, k, unrecorded)));
             }
             if requeued == 0 {
                 claim
@@ -597,7 +645,7 @@ impl<B: ConsumerBackend> Consumer<B> {
                 );
             }
             // Nothing claimable: wait for a new batch or a requeue.
-            let seg = &self.seg;
+            self.check_not_self_blocked(head)?;
             let h = seg.header();
             let closed_empty = wait::wait_for(
                 self.config.wait,
@@ -628,9 +676,11 @@ impl<B: ConsumerBackend> Consumer<B> {
             }
         }
     }
+}
 
-    /// Releases `slot` after the backend's finished signal; false if it was taken from us.
-    fn release_slot(&mut self, slot: u32) -> bool {
+impl<B: ConsumerBackend> Link<B> {
+    /// Releases `slot` in the ring; false if it was taken from us.
+    fn release_slot(&self, slot: u32) -> bool {
         let desc = self.seg.slot(slot);
         let ok = match self.layout.mode {
             Mode::Broadcast => ring::release_broadcast(&desc.pending, self.index),
@@ -641,12 +691,22 @@ impl<B: ConsumerBackend> Consumer<B> {
         ok
     }
 
-    fn release_batch(&mut self, seq: u64, slot: u32) -> Result<(), Error> {
+    /// Gives back a batch we will not use, so the producer is not stalled by our refusal. We
+    /// did no work on it: say so first, or the producer's next write of the slot would wait
+    /// for a `finished` signal that never comes.
+    fn refuse(&self, slot: u32, seq: u64) {
+        let _ = self.backend.signal_finished(slot, seq);
+        self.release_slot(slot);
+    }
+
+    /// The backend's finished signal, then the ring's release.
+    fn release_batch(&self, seq: u64, slot: u32, claim_unrecorded: bool) -> Result<(), Error> {
         let mut finished = self.backend.signal_finished(slot, seq);
-        if std::mem::take(&mut self.claim_unrecorded) {
+        if claim_unrecorded {
             finished = finished.and_then(|()| self.backend.complete_now());
         }
         crate::fault::point("consumer.before_release");
+        self.held[slot as usize].store(0, Ordering::Release);
         let ok = self.release_slot(slot);
         crate::fault::point("consumer.after_release");
         self.seg
@@ -663,7 +723,7 @@ impl<B: ConsumerBackend> Consumer<B> {
     }
 }
 
-impl<B: ConsumerBackend> Drop for Consumer<B> {
+impl<B: ConsumerBackend> Drop for Link<B> {
     fn drop(&mut self) {
         // A producer that died unnoticed (we did not wait since): its signals may never come.
         let closed = self
@@ -678,7 +738,8 @@ impl<B: ConsumerBackend> Drop for Consumer<B> {
         }
         // Importers free first: drop the backend (unmapping/freeing imports) before saying
         // goodbye, so the producer frees its memory only after ours is gone.
-        // SAFETY: the backend is never used again: this is the consumer's drop.
+        // SAFETY: the backend is never used again: this is the link's drop, and every batch
+        // (each holds the link) is gone.
         unsafe { ManuallyDrop::drop(&mut self.backend) };
         let _ = self.conn.set_nonblocking(false);
         let _ = self
@@ -688,18 +749,23 @@ impl<B: ConsumerBackend> Drop for Consumer<B> {
     }
 }
 
-/// A batch received in place. Dropping it releases it (recording the backend's finished
-/// signal first); [`Batch::release`] does the same and reports errors.
-pub struct Batch<'c, B: ConsumerBackend> {
-    consumer: &'c mut Consumer<B>,
+/// A batch received in place: an owned value (`Send`), so several may be held at once and
+/// released in any order, from any thread. Dropping it releases it (recording the backend's
+/// finished signal first); [`Batch::release`] does the same and reports errors. The consumer
+/// stays attached while any of its batches lives.
+pub struct Batch<B: ConsumerBackend> {
+    link: Arc<Link<B>>,
     seq: u64,
     slot: u32,
     len: u64,
     header: [u64; USER_HEADER_WORDS],
+    tensors: Vec<TensorInfo>,
+    /// Shared mode: claimed but the token not recorded (see `next_shared`).
+    claim_unrecorded: bool,
     done: bool,
 }
 
-impl<'c, B: ConsumerBackend> Batch<'c, B> {
+impl<B: ConsumerBackend> Batch<B> {
     /// Sequence number.
     pub fn seq(&self) -> u64 {
         self.seq
@@ -720,29 +786,57 @@ impl<'c, B: ConsumerBackend> Batch<'c, B> {
     pub fn header(&self) -> &[u64; USER_HEADER_WORDS] {
         &self.header
     }
+    /// The named tensors the producer published, validated to lie within the batch; a batch
+    /// published without a table has one: `data`, its bytes as `uint8`.
+    pub fn tensors(&self) -> &[TensorInfo] {
+        &self.tensors
+    }
+    /// A tensor by name.
+    pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
+        self.tensors.iter().find(|t| t.name.as_str() == name)
+    }
     /// The backend (its stream, ...).
     pub fn backend(&self) -> &B {
-        &self.consumer.backend
+        &self.link.backend
+    }
+    /// The consumer's index in the ring.
+    pub fn consumer_index(&self) -> u32 {
+        self.link.index
     }
     /// The batch's memory, in place.
     pub fn data(&self) -> B::BatchRef<'_> {
         // SAFETY: the batch is published, validated (len <= slot_bytes) and not released
         // until this Batch is consumed or dropped, which the borrow on `self` outlives.
-        unsafe { self.consumer.backend.batch_ref(self.slot, self.len) }
+        unsafe { self.link.backend.batch_ref(self.slot, self.len) }
     }
     /// Releases the batch: the backend's finished signal, then the ring's release.
     pub fn release(mut self) -> Result<(), Error> {
         self.done = true;
-        self.consumer.release_batch(self.seq, self.slot)
+        self.link
+            .release_batch(self.seq, self.slot, self.claim_unrecorded)
     }
 }
 
-impl<B: ConsumerBackend> Drop for Batch<'_, B> {
+impl<B: ConsumerBackend> std::fmt::Debug for Batch<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Batch")
+            .field("seq", &self.seq)
+            .field("slot", &self.slot)
+            .field("len", &self.len)
+            .field("tensors", &self.tensors)
+            .finish()
+    }
+}
+
+impl<B: ConsumerBackend> Drop for Batch<B> {
     fn drop(&mut self) {
         if !self.done {
-            if let Err(e) = self.consumer.release_batch(self.seq, self.slot) {
+            if let Err(e) = self
+                .link
+                .release_batch(self.seq, self.slot, self.claim_unrecorded)
+            {
                 tracing::warn!(seq = self.seq, "releasing a dropped batch failed: {e}");
-                self.consumer.deferred = Some(e);
+                *self.link.deferred.lock() = Some(e);
             }
         }
     }

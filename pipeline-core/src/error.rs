@@ -85,6 +85,16 @@ pub enum Error {
     Closed,
     /// An argument is out of range.
     InvalidArgument(String),
+    /// The consumer asked for a batch it could never get: it still holds the batch in the
+    /// slot the producer must refill first (itself, or through tensors made from it).
+    Deadlock {
+        /// The held batch.
+        seq: u64,
+        /// Its slot.
+        slot: u32,
+        /// Batches this consumer holds in all.
+        held: usize,
+    },
 }
 
 impl Error {
@@ -123,6 +133,10 @@ impl fmt::Display for Error {
             Error::Timeout(what) => write!(f, "timed out waiting for {what}"),
             Error::Closed => write!(f, "the ring is shut down"),
             Error::InvalidArgument(m) => write!(f, "invalid argument: {m}"),
+            Error::Deadlock { seq, slot, held } => write!(
+                f,
+                "waiting for the next batch would never end: this consumer still holds batch {seq} in slot {slot} ({held} held in all), and the producer must reuse that slot before it can publish again; release batches (and drop tensors made from them) before asking for more, or give the ring more slots"
+            ),
         }
     }
 }

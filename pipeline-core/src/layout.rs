@@ -5,8 +5,10 @@
 //! | offset | size | what |
 //! | --- | --- | --- |
 //! | 0 | 768 | [`SegmentHeader`]: constants, then five 128-byte lines of counters |
-//! | 768 | 256 × slots | [`SlotDesc`] per slot |
-//! | 768 + 256 × slots | 256 × consumers | [`ConsumerRecord`] per consumer |
+//! | 768 | 256 | [`ClaimLines`] |
+//! | 1024 | 256 × slots | [`SlotDesc`] per slot |
+//! | 1024 + 256 × slots | 256 × consumers | [`ConsumerRecord`] per consumer |
+//! | after the records | 1536 × slots | [`TensorTable`] per slot |
 //!
 //! Every byte of the segment lies inside an atomic, so holding a `&SegmentHeader` while
 //! another process writes is sound; values read from it are validated before use.
@@ -18,11 +20,12 @@ use memmap2::{MmapOptions, MmapRaw};
 
 use crate::error::{Error, ProtocolError};
 use crate::sys;
+use crate::tensor::TensorTable;
 
 /// `"GPIPESEG"` little-endian: written last by the producer, it marks the segment initialised.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"GPIPESEG");
 /// Version of the control-segment layout and the handshake.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 /// Largest ring gpipe accepts.
 pub const MAX_SLOTS: u32 = 4096;
 /// Most consumers one ring can have (one bit each in a 64-bit word, bit 63 reserved).
@@ -171,12 +174,17 @@ impl RingLayout {
     pub fn segment_bytes(&self) -> u64 {
         let raw = SLOTS_OFFSET as u64
             + self.slot_count as u64 * size_of::<SlotDesc>() as u64
-            + self.consumer_capacity as u64 * size_of::<ConsumerRecord>() as u64;
+            + self.consumer_capacity as u64 * size_of::<ConsumerRecord>() as u64
+            + self.slot_count as u64 * size_of::<TensorTable>() as u64;
         raw.div_ceil(4096) * 4096
     }
 
     fn consumers_offset(&self) -> usize {
         SLOTS_OFFSET + self.slot_count as usize * size_of::<SlotDesc>()
+    }
+
+    fn tables_offset(&self) -> usize {
+        self.consumers_offset() + self.consumer_capacity as usize * size_of::<ConsumerRecord>()
     }
 }
 
@@ -339,7 +347,7 @@ const fn fnv1a(mut h: u64, v: u64) -> u64 {
 /// A hash of every size and offset in the layout: peers built from another revision of the
 /// layout refuse each other instead of misreading.
 pub const LAYOUT_HASH: u64 = {
-    let parts: [u64; 16] = [
+    let parts: [u64; 22] = [
         PROTOCOL_VERSION as u64,
         size_of::<SegmentHeader>() as u64,
         size_of::<ClaimLines>() as u64,
@@ -356,6 +364,12 @@ pub const LAYOUT_HASH: u64 = {
         std::mem::offset_of!(ConsumerRecord, cursor) as u64,
         USER_HEADER_WORDS as u64,
         UNCLAIMED,
+        size_of::<TensorTable>() as u64,
+        size_of::<crate::tensor::TensorEntry>() as u64,
+        std::mem::offset_of!(TensorTable, entries) as u64,
+        std::mem::offset_of!(crate::tensor::TensorEntry, shape) as u64,
+        crate::tensor::MAX_TENSORS as u64,
+        crate::tensor::MAX_DIMS as u64,
     ];
     let mut h = 0xcbf2_9ce4_8422_2325u64;
     let mut i = 0;
@@ -516,6 +530,16 @@ impl ControlSegment {
         // SAFETY: c < consumer_capacity, so the record lies within segment_bytes(); aligned to
         // 128 from a page-aligned base; all fields are atomics.
         unsafe { &*(self.map.as_ptr().add(off) as *const ConsumerRecord) }
+    }
+
+    /// Slot `k`'s tensor table. Panics if `k` is out of range (indices come from local state).
+    pub fn tensor_table(&self, k: u32) -> &TensorTable {
+        assert!(k < self.layout.slot_count, "slot index {k} out of range");
+        let off = self.layout.tables_offset() + k as usize * size_of::<TensorTable>();
+        // SAFETY: k < slot_count, so the table lies within segment_bytes(); the offset is a
+        // multiple of 128 (every region before it is) from a page-aligned base; all fields are
+        // atomics.
+        unsafe { &*(self.map.as_ptr().add(off) as *const TensorTable) }
     }
 
     /// Raw base pointer and length (for tests that scribble on the segment on purpose).

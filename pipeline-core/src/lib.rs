@@ -53,6 +53,8 @@ pub mod producer;
 #[cfg(not(loom))]
 pub mod sys;
 #[cfg(not(loom))]
+pub mod tensor;
+#[cfg(not(loom))]
 pub mod wait;
 #[cfg(not(loom))]
 pub mod wire;
@@ -68,6 +70,8 @@ pub use error::{BackendError, Error, ProtocolError};
 #[cfg(not(loom))]
 pub use layout::{Mode, RingLayout, USER_HEADER_WORDS, round_slot_bytes};
 #[cfg(not(loom))]
-pub use producer::{LagPolicy, Producer, ProducerConfig, ProducerStats, Slot};
+pub use producer::{LagPolicy, Producer, ProducerConfig, ProducerStats, Slot, SlotLoan};
+#[cfg(not(loom))]
+pub use tensor::{DType, TensorInfo, TensorPlan};
 #[cfg(not(loom))]
 pub use wait::WaitPolicy;

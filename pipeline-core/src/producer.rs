@@ -19,6 +19,7 @@ use crate::layout::{
 };
 use crate::ring;
 use crate::sys;
+use crate::tensor::{self, TensorInfo};
 use crate::wait::{self, WaitPolicy};
 use crate::wire::{self, Message, Role};
 
@@ -819,6 +820,27 @@ impl<B: ProducerBackend> Producer<B> {
         })
     }
 
+    /// Takes back a slot let go with [`Slot::into_loan`]. Refused once the producer has
+    /// published past it or was closed: a loan is good for the next batch only.
+    pub fn resume(&mut self, loan: SlotLoan) -> Result<Slot<'_, B>, Error> {
+        if self.closed {
+            return Err(Error::Closed);
+        }
+        if loan.seq != self.head
+            || loan.slot != ring::slot_of(self.head, self.shared.layout.slot_count)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "slot loan for batch {} is stale: the next batch is {}",
+                loan.seq, self.head
+            )));
+        }
+        Ok(Slot {
+            producer: self,
+            seq: loan.seq,
+            slot: loan.slot,
+        })
+    }
+
     fn wait_slot_free(&self, k: u32, deadline: Option<Instant>) -> Result<(), Error> {
         let sh = &*self.shared;
         let desc = sh.seg.slot(k);
@@ -992,6 +1014,25 @@ impl<B: ProducerBackend> Drop for Producer<B> {
     }
 }
 
+/// A slot acquired and let go with [`Slot::into_loan`]: [`Producer::resume`] turns it back
+/// into the [`Slot`] while nothing else was acquired or published meanwhile.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlotLoan {
+    seq: u64,
+    slot: u32,
+}
+
+impl SlotLoan {
+    /// Sequence number the batch will have.
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+    /// Index of the slot in the ring.
+    pub fn index(&self) -> u32 {
+        self.slot
+    }
+}
+
 /// A slot loaned to the producer: write the batch, then [`Slot::publish`]. Dropping it
 /// unpublished returns it to the ring (the next `acquire` hands out the same slot).
 pub struct Slot<'p, B: ProducerBackend> {
@@ -1017,6 +1058,16 @@ impl<'p, B: ProducerBackend> Slot<'p, B> {
     pub fn backend(&self) -> &B {
         &self.producer.shared.backend
     }
+    /// Lets go of the slot without publishing it, keeping a token to take it back with
+    /// [`Producer::resume`] (the acquire's waits are not repeated). For bindings that cannot
+    /// hold a borrow of the producer, such as the Python package.
+    pub fn into_loan(self) -> SlotLoan {
+        SlotLoan {
+            seq: self.seq,
+            slot: self.slot,
+        }
+    }
+
     /// The slot's memory.
     pub fn memory(&mut self) -> B::SlotMut<'_> {
         // SAFETY: between acquire (the slot's previous holders released it and the backend
@@ -1037,6 +1088,28 @@ impl<'p, B: ProducerBackend> Slot<'p, B> {
         len: u64,
         header: &[u64; USER_HEADER_WORDS],
     ) -> Result<u64, Error> {
+        self.publish_with(len, header, &[])
+    }
+
+    /// Publishes named tensors (declared with a [`crate::TensorPlan`], so each lies within
+    /// the slot) and a user header; the batch's length is the end of the last tensor.
+    pub fn publish_tensors(
+        self,
+        tensors: &[TensorInfo],
+        header: &[u64; USER_HEADER_WORDS],
+    ) -> Result<u64, Error> {
+        let len = tensors.iter().map(TensorInfo::end).max().unwrap_or(0);
+        self.publish_with(len, header, tensors)
+    }
+
+    /// Publishes `len` bytes, a user header and a tensor table (empty: the batch reads as
+    /// one `uint8` tensor of `len` bytes). Every tensor must lie within `len`.
+    pub fn publish_with(
+        self,
+        len: u64,
+        header: &[u64; USER_HEADER_WORDS],
+        tensors: &[TensorInfo],
+    ) -> Result<u64, Error> {
         let p = self.producer;
         let sh = &*p.shared;
         if len > sh.layout.slot_bytes {
@@ -1045,10 +1118,32 @@ impl<'p, B: ProducerBackend> Slot<'p, B> {
                 sh.layout.slot_bytes
             )));
         }
+        if tensors.len() > tensor::MAX_TENSORS {
+            return Err(Error::InvalidArgument(format!(
+                "{} tensors in one batch; at most {}",
+                tensors.len(),
+                tensor::MAX_TENSORS
+            )));
+        }
+        for (i, t) in tensors.iter().enumerate() {
+            if t.extent_bytes().is_err() || t.end() > len {
+                return Err(Error::InvalidArgument(format!(
+                    "tensor {} ends beyond the batch's {len} bytes",
+                    t.name
+                )));
+            }
+            if tensors[..i].iter().any(|o| o.name == t.name) {
+                return Err(Error::InvalidArgument(format!(
+                    "tensor name {} appears twice",
+                    t.name
+                )));
+            }
+        }
         sh.backend
             .signal_ready(self.slot, self.seq)
             .map_err(Error::Backend)?;
         let desc = sh.seg.slot(self.slot);
+        sh.seg.tensor_table(self.slot).write(tensors);
         desc.len.store(len, Ordering::Relaxed);
         for (w, v) in desc.header.iter().zip(header) {
             w.store(*v, Ordering::Relaxed);

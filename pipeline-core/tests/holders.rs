@@ -217,17 +217,17 @@ impl ConsumerBackend for Completing {
         let (inner, export) = HostConsumer::import(layout, consumer, HostOptions, blob, fds)?;
         Ok((Self { inner, completions }, export))
     }
-    fn wait_ready(&mut self, slot: u32, seq: u64) -> Result<(), BackendError> {
+    fn wait_ready(&self, slot: u32, seq: u64) -> Result<(), BackendError> {
         self.inner.wait_ready(slot, seq)
     }
     unsafe fn batch_ref(&self, slot: u32, len: u64) -> &[u8] {
         // SAFETY: forwarded under the same contract the ring upholds for us.
         unsafe { self.inner.batch_ref(slot, len) }
     }
-    fn signal_finished(&mut self, slot: u32, seq: u64) -> Result<(), BackendError> {
+    fn signal_finished(&self, slot: u32, seq: u64) -> Result<(), BackendError> {
         self.inner.signal_finished(slot, seq)
     }
-    fn complete_now(&mut self) -> Result<(), BackendError> {
+    fn complete_now(&self) -> Result<(), BackendError> {
         self.completions.fetch_add(1, Ordering::SeqCst);
         Ok(())
     }

@@ -49,7 +49,7 @@
 use std::collections::VecDeque;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
 use memmap2::{MmapOptions, MmapRaw};
@@ -571,7 +571,7 @@ pub struct CudaConsumer {
     timelines: Timelines,
     index: u32,
     /// The producer died: waits on its `ready` signals may never complete.
-    abandoned: bool,
+    abandoned: AtomicBool,
     slot_bytes: u64,
     timings: ImportTimings,
 }
@@ -711,7 +711,7 @@ impl ConsumerBackend for CudaConsumer {
                 ready,
                 timelines,
                 index: consumer,
-                abandoned: false,
+                abandoned: AtomicBool::new(false),
                 slot_bytes,
                 timings,
             },
@@ -722,7 +722,7 @@ impl ConsumerBackend for CudaConsumer {
         ))
     }
 
-    fn wait_ready(&mut self, slot: u32, seq: u64) -> Result<(), BackendError> {
+    fn wait_ready(&self, slot: u32, seq: u64) -> Result<(), BackendError> {
         match &self.ready {
             ReadySignal::Events(events) => {
                 self.stream.wait_event(&events[slot as usize]).map_err(be)
@@ -741,12 +741,12 @@ impl ConsumerBackend for CudaConsumer {
         }
     }
 
-    fn complete_now(&mut self) -> Result<(), BackendError> {
+    fn complete_now(&self) -> Result<(), BackendError> {
         self.stream.synchronize().map_err(be)
     }
 
-    fn abandon(&mut self) {
-        self.abandoned = true;
+    fn abandon(&self) {
+        self.abandoned.store(true, Ordering::Release);
         if let ReadySignal::Semaphore(words) = &self.ready {
             // Release our own stream's waits on a producer that will never signal.
             for k in 0..words.slots {
@@ -764,7 +764,7 @@ impl ConsumerBackend for CudaConsumer {
         }
     }
 
-    fn signal_finished(&mut self, slot: u32, seq: u64) -> Result<(), BackendError> {
+    fn signal_finished(&self, slot: u32, seq: u64) -> Result<(), BackendError> {
         // SAFETY: the word is in our registered timelines, mapped for our lifetime; the
         // stream is ours.
         unsafe {
@@ -783,7 +783,7 @@ impl Drop for CudaConsumer {
         // Importers free first: finish our work, drop every import (free pool pointers, unmap
         // and release VMM allocations, close legacy IPC handles), and only then (when the core
         // sends Goodbye after this drop) may the producer free its memory.
-        if self.abandoned && matches!(self.ready, ReadySignal::Events(_)) {
+        if self.abandoned.load(Ordering::Acquire) && matches!(self.ready, ReadySignal::Events(_)) {
             // The producer died: our stream may wait forever on a `ready` event it recorded
             // but never ran. Leave the imports to the driver's process teardown.
             tracing::warn!("the producer died: skipping the CUDA consumer's teardown");

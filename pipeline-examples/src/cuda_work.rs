@@ -140,7 +140,7 @@ impl CudaCheck {
 }
 
 impl Check<CudaConsumer> for CudaCheck {
-    fn check(&mut self, batch: &Batch<'_, CudaConsumer>) -> Result<(), String> {
+    fn check(&mut self, batch: &Batch<CudaConsumer>) -> Result<(), String> {
         let be = batch.backend();
         let stream = be.stream();
         if self.state.is_none() {

@@ -747,7 +747,7 @@ struct Slow<'a, C> {
 }
 
 impl<B: ConsumerBackend, C: Check<B>> Check<B> for Slow<'_, C> {
-    fn check(&mut self, batch: &pipeline_core::Batch<'_, B>) -> Result<(), String> {
+    fn check(&mut self, batch: &pipeline_core::Batch<B>) -> Result<(), String> {
         std::thread::sleep(Duration::from_micros(self.us));
         match self.inner.as_deref_mut() {
             Some(c) => c.check(batch),

@@ -34,7 +34,7 @@ pub trait Fill<B: ProducerBackend> {
 /// Consumer-side verification for one backend.
 pub trait Check<B: ConsumerBackend> {
     /// Checks one batch (may defer the verdict, e.g. to the GPU).
-    fn check(&mut self, batch: &Batch<'_, B>) -> Result<(), String>;
+    fn check(&mut self, batch: &Batch<B>) -> Result<(), String>;
     /// Sequence numbers whose verification failed, once all are known.
     fn finish(&mut self, consumer: &Consumer<B>) -> Result<Vec<u64>, String>;
 }
@@ -64,7 +64,7 @@ pub struct HostCheck {
 }
 
 impl Check<pipeline_core::HostConsumer> for HostCheck {
-    fn check(&mut self, batch: &Batch<'_, pipeline_core::HostConsumer>) -> Result<(), String> {
+    fn check(&mut self, batch: &Batch<pipeline_core::HostConsumer>) -> Result<(), String> {
         let h = batch.header();
         let ok = h[H_SEQ] == batch.seq() && pattern::checksum(batch.data()) == h[H_CHECKSUM];
         if !ok {
