@@ -2,6 +2,12 @@
 //! number and each 8-byte word's index, so stale, torn or misplaced data changes the checksum.
 //! The CUDA kernels in pipeline-cuda compute exactly the same words and checksum.
 
+/// User header word holding the checksum of a pattern batch (as `gpipe produce` publishes it
+/// and `gpipe consume --verify` checks it).
+pub const HEADER_CHECKSUM: usize = 0;
+/// User header word holding a pattern batch's sequence number.
+pub const HEADER_SEQ: usize = 1;
+
 /// Word `i` of batch `seq` (stored little-endian).
 #[inline(always)]
 pub fn pattern_word(seq: u64, i: u64) -> u64 {

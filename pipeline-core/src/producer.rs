@@ -666,6 +666,10 @@ pub struct Producer<B: ProducerBackend> {
     supervisor: Option<JoinHandle<()>>,
     socket_path: PathBuf,
     closed: bool,
+    /// The batch the producer has been waiting to get a slot for, and since when: the lag
+    /// policy's clock, kept across `acquire` calls that time out (a binding acquires in short
+    /// slices to stay interruptible).
+    stalled_since: Option<(u64, Instant)>,
 }
 
 impl<B: ProducerBackend> Producer<B> {
@@ -726,6 +730,7 @@ impl<B: ProducerBackend> Producer<B> {
             supervisor: Some(supervisor),
             socket_path,
             closed: false,
+            stalled_since: None,
         })
     }
 
@@ -805,7 +810,12 @@ impl<B: ProducerBackend> Producer<B> {
         let n = self.shared.layout.slot_count;
         let k = ring::slot_of(s, n);
         if let Some(prev) = ring::previous_in_slot(s, n) {
-            self.wait_slot_free(k, deadline)?;
+            let started = match self.stalled_since {
+                Some((seq, t)) if seq == s => t,
+                _ => self.stalled_since.insert((s, Instant::now())).1,
+            };
+            self.wait_slot_free(k, started, deadline)?;
+            self.stalled_since = None;
             let _gate = self.shared.holders_gate.read();
             let holders = self.holders_of(k, prev);
             self.shared
@@ -841,12 +851,17 @@ impl<B: ProducerBackend> Producer<B> {
         })
     }
 
-    fn wait_slot_free(&self, k: u32, deadline: Option<Instant>) -> Result<(), Error> {
+    /// Waits until slot `k` is free; the lag policy counts from `started`.
+    fn wait_slot_free(
+        &self,
+        k: u32,
+        started: Instant,
+        deadline: Option<Instant>,
+    ) -> Result<(), Error> {
         let sh = &*self.shared;
         let desc = sh.seg.slot(k);
         let shared_mode = sh.shared_mode();
         let h = sh.seg.header();
-        let started = Instant::now();
         wait::wait_for(
             sh.config.wait,
             &h.space_wake.value,
@@ -910,7 +925,7 @@ impl<B: ProducerBackend> Producer<B> {
         let n = self.shared.layout.slot_count;
         for s in self.head.saturating_sub(n as u64)..self.head {
             let k = ring::slot_of(s, n);
-            self.wait_slot_free(k, deadline)?;
+            self.wait_slot_free(k, Instant::now(), deadline)?;
             let _gate = self.shared.holders_gate.read();
             let holders = self.holders_of(k, s);
             self.shared
@@ -951,6 +966,18 @@ impl<B: ProducerBackend> Producer<B> {
     pub fn close(mut self) -> ProducerStats {
         self.close_inner();
         self.stats()
+    }
+
+    /// Closes the ring as [`Producer::close`] does, but keeps the slot memory until the
+    /// producer is dropped: for bindings that handed out views of it.
+    pub fn shutdown(&mut self) -> ProducerStats {
+        self.close_inner();
+        self.stats()
+    }
+
+    /// True once the ring is closed.
+    pub fn is_closed(&self) -> bool {
+        self.closed
     }
 
     fn close_inner(&mut self) {

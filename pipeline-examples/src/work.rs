@@ -10,10 +10,7 @@ use pipeline_core::{
     USER_HEADER_WORDS, pattern,
 };
 
-/// Header word 0: the checksum the producer computed; word 1: the sequence number.
-pub const H_CHECKSUM: usize = 0;
-/// Header word carrying the sequence number.
-pub const H_SEQ: usize = 1;
+pub use pattern::{HEADER_CHECKSUM as H_CHECKSUM, HEADER_SEQ as H_SEQ};
 
 /// Producer-side fill for one backend.
 pub trait Fill<B: ProducerBackend> {

@@ -1,0 +1,572 @@
+//! `gpipe.Producer` and `gpipe.Slot`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use pipeline_core::{
+    BackendKind, Error, HostOptions, HostProducer, LagPolicy, Mode, Producer, ProducerConfig,
+    SlotLoan, TensorPlan, USER_HEADER_WORDS, WaitPolicy, pattern,
+};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::consumer::TICK;
+use crate::dlpack::{DEVICE_CPU, DLDevice};
+use crate::tensor::PyTensor;
+use crate::{Closed, GpipeError, blocking, deadline, parse_dtype, to_py};
+
+/// A producer on one of the backends.
+enum AnyProducer {
+    Host(Producer<HostProducer>),
+}
+
+/// The producer and what it shares with its slots' tensors: the slot memory lives until the
+/// last of them is gone, even after `close()`.
+struct ProducerCell {
+    producer: Mutex<AnyProducer>,
+    /// Sequence number + 1 of the slot handed out and not yet published or abandoned.
+    open: AtomicU64,
+}
+
+/// The producing side of a ring. See the package docs for the arguments.
+#[pyclass(frozen, subclass, module = "gpipe", name = "Producer")]
+pub struct PyProducer {
+    cell: Arc<ProducerCell>,
+    socket: String,
+    backend: BackendKind,
+    mode: Mode,
+    slots: u32,
+    slot_bytes: u64,
+    device: DLDevice,
+}
+
+fn parse_mode(mode: &str) -> PyResult<Mode> {
+    mode.parse().map_err(PyValueError::new_err)
+}
+
+#[pymethods]
+impl PyProducer {
+    #[new]
+    #[pyo3(signature = (socket, *, slots=8, batch_bytes=8 << 20, mode="broadcast", backend="auto", device=0, detach_after_ms=None, max_consumers=16, drain_timeout=5.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        socket: PathBuf,
+        slots: u32,
+        batch_bytes: u64,
+        mode: &str,
+        backend: &str,
+        device: i64,
+        detach_after_ms: Option<u64>,
+        max_consumers: u32,
+        drain_timeout: f64,
+    ) -> PyResult<Self> {
+        let mode = parse_mode(mode)?;
+        if !(drain_timeout.is_finite() && drain_timeout >= 0.0) {
+            return Err(PyValueError::new_err(format!(
+                "drain_timeout must be a non-negative number of seconds, not {drain_timeout}"
+            )));
+        }
+        if device < 0 {
+            return Err(PyValueError::new_err(format!(
+                "device must be a CUDA device index >= 0, not {device}"
+            )));
+        }
+        let config = ProducerConfig {
+            slots,
+            batch_bytes,
+            mode,
+            max_consumers,
+            wait: WaitPolicy {
+                tick: TICK,
+                ..WaitPolicy::default()
+            },
+            lag: match detach_after_ms {
+                None => LagPolicy::Block,
+                Some(ms) => LagPolicy::DetachAfter(Duration::from_millis(ms)),
+            },
+            drain_timeout: Duration::from_secs_f64(drain_timeout.min(3600.0)),
+            ..ProducerConfig::default()
+        };
+        config
+            .layout()
+            .validate()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let kind = match backend {
+            // The CUDA backend of the Python package lands separately; until then "auto" is
+            // the host backend, which runs everywhere.
+            "auto" | "host" => BackendKind::Host,
+            "cuda" => {
+                return Err(crate::BackendError::new_err(
+                    "backend=\"cuda\" is not available in this build of the Python package yet; use backend=\"host\"",
+                ));
+            }
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "unknown backend {other:?}: use \"auto\", \"cuda\" or \"host\""
+                )));
+            }
+        };
+        let path = socket.clone();
+        let producer = py
+            .detach(|| Producer::<HostProducer>::bind(&path, config, HostOptions))
+            .map_err(to_py)?;
+        let layout = producer.layout();
+        Ok(Self {
+            cell: Arc::new(ProducerCell {
+                producer: Mutex::new(AnyProducer::Host(producer)),
+                open: AtomicU64::new(0),
+            }),
+            socket: socket.display().to_string(),
+            backend: kind,
+            mode,
+            slots: layout.slot_count,
+            slot_bytes: layout.slot_bytes,
+            device: DLDevice {
+                device_type: DEVICE_CPU,
+                device_id: 0,
+            },
+        })
+    }
+
+    /// Takes the next slot, waiting up to `timeout` seconds (None: as long as it takes) for
+    /// every consumer that had its previous batch to release it. Use it as a context manager:
+    /// leaving the block without `publish()` gives the slot back unpublished.
+    #[pyo3(signature = (timeout=None))]
+    fn acquire(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<PySlot> {
+        let open = self.cell.open.load(Ordering::Acquire);
+        if open != 0 {
+            return Err(GpipeError::new_err(format!(
+                "the slot for batch {} is still open: publish it or leave its with-block before acquiring another",
+                open - 1
+            )));
+        }
+        let deadline = deadline(timeout)?;
+        let cell = &self.cell;
+        let (loan, base, capacity) = blocking(py, deadline, |until| {
+            let mut g = cell.producer.lock();
+            match &mut *g {
+                AnyProducer::Host(p) => {
+                    if p.is_closed() {
+                        return Err(Error::Closed);
+                    }
+                    let left = until.saturating_duration_since(std::time::Instant::now());
+                    let mut s = p.acquire_timeout(left)?;
+                    let base = s.memory().as_mut_ptr() as usize;
+                    let capacity = s.capacity();
+                    Ok((s.into_loan(), base, capacity))
+                }
+            }
+        })?;
+        self.cell.open.store(loan.seq() + 1, Ordering::Release);
+        Ok(PySlot {
+            cell: self.cell.clone(),
+            loan,
+            base,
+            capacity,
+            device: self.device,
+            state: Mutex::new(SlotState {
+                plan: TensorPlan::new(),
+                done: None,
+            }),
+        })
+    }
+
+    /// Waits until at least `n` consumers are attached.
+    #[pyo3(signature = (n=1, timeout=None))]
+    fn wait_for_consumers(&self, py: Python<'_>, n: u32, timeout: Option<f64>) -> PyResult<()> {
+        let deadline = deadline(timeout)?;
+        let cell = &self.cell;
+        blocking(py, deadline, |until| {
+            let g = cell.producer.lock();
+            let left = until.saturating_duration_since(std::time::Instant::now());
+            match &*g {
+                AnyProducer::Host(p) => p.wait_for_consumers(n, left),
+            }
+        })
+    }
+
+    /// Waits until every published batch was released by every consumer that got it.
+    #[pyo3(signature = (timeout=None))]
+    fn flush(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+        let deadline = deadline(timeout)?;
+        let cell = &self.cell;
+        blocking(py, deadline, |until| {
+            let mut g = cell.producer.lock();
+            let left = until.saturating_duration_since(std::time::Instant::now());
+            match &mut *g {
+                AnyProducer::Host(p) => p.flush(left),
+            }
+        })
+    }
+
+    /// Closes the ring cleanly: consumers receive everything published, then `Closed`.
+    /// Waits up to `drain_timeout` for them to finish. Returns the run's counters.
+    fn close<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let cell = &self.cell;
+        let stats = py.detach(|| match &mut *cell.producer.lock() {
+            AnyProducer::Host(p) => p.shutdown(),
+        });
+        let d = PyDict::new(py);
+        d.set_item("published", stats.published)?;
+        d.set_item("attached", stats.attached)?;
+        d.set_item("left", stats.left)?;
+        d.set_item("died", stats.died)?;
+        d.set_item("detached", stats.detached)?;
+        d.set_item("refused", stats.refused)?;
+        d.set_item("requeued", stats.requeued)?;
+        Ok(d)
+    }
+
+    /// True after close().
+    #[getter]
+    fn closed(&self) -> bool {
+        match &*self.cell.producer.lock() {
+            AnyProducer::Host(p) => p.is_closed(),
+        }
+    }
+
+    /// Consumers attached now.
+    #[getter]
+    fn consumers(&self) -> u32 {
+        match &*self.cell.producer.lock() {
+            AnyProducer::Host(p) => p.consumers(),
+        }
+    }
+
+    /// Sequence number of the next batch.
+    #[getter]
+    fn next_seq(&self) -> u64 {
+        match &*self.cell.producer.lock() {
+            AnyProducer::Host(p) => p.next_seq(),
+        }
+    }
+
+    /// The socket path consumers attach to.
+    #[getter]
+    fn socket(&self) -> &str {
+        &self.socket
+    }
+
+    /// "host" or "cuda".
+    #[getter]
+    fn backend(&self) -> String {
+        self.backend.to_string()
+    }
+
+    /// "broadcast" or "shared".
+    #[getter]
+    fn mode(&self) -> String {
+        self.mode.to_string()
+    }
+
+    /// Slots in the ring.
+    #[getter]
+    fn slots(&self) -> u32 {
+        self.slots
+    }
+
+    /// Capacity of each slot in bytes (batch_bytes rounded up to 2 MiB).
+    #[getter]
+    fn slot_bytes(&self) -> u64 {
+        self.slot_bytes
+    }
+
+    fn __enter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
+        self.close(py)?;
+        Ok(false)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "gpipe.Producer(socket={:?}, mode={}, backend={}, slots={}, slot_bytes={}, consumers={}, next_seq={}, {})",
+            self.socket,
+            self.mode,
+            self.backend,
+            self.slots,
+            self.slot_bytes,
+            self.consumers(),
+            self.next_seq(),
+            if self.closed() { "closed" } else { "open" }
+        )
+    }
+}
+
+struct SlotState {
+    plan: TensorPlan,
+    /// Published (Some(true)) or given back (Some(false)).
+    done: Option<bool>,
+}
+
+/// A slot acquired by the producer: declare tensors, write them, publish.
+#[pyclass(frozen, module = "gpipe", name = "Slot")]
+pub struct PySlot {
+    cell: Arc<ProducerCell>,
+    loan: SlotLoan,
+    base: usize,
+    capacity: u64,
+    device: DLDevice,
+    state: Mutex<SlotState>,
+}
+
+impl PySlot {
+    fn finish(&self, st: &mut SlotState, published: bool) {
+        st.done = Some(published);
+        let _ = self.cell.open.compare_exchange(
+            self.loan.seq() + 1,
+            0,
+            Ordering::AcqRel,
+            Ordering::Relaxed,
+        );
+    }
+
+    fn check_open(&self, st: &SlotState) -> PyResult<()> {
+        match st.done {
+            None => Ok(()),
+            Some(true) => Err(GpipeError::new_err(format!(
+                "the slot of batch {} was published; acquire a new one",
+                self.loan.seq()
+            ))),
+            Some(false) => Err(GpipeError::new_err(format!(
+                "the slot of batch {} was given back unpublished; acquire a new one",
+                self.loan.seq()
+            ))),
+        }
+    }
+
+    fn writable(&self, t: &pipeline_core::TensorInfo) -> PyTensor {
+        PyTensor {
+            keep: self.cell.clone(),
+            data: self.base + t.offset as usize,
+            info: *t,
+            device: self.device,
+            readonly: false,
+            copied: false,
+            origin: format!("slot {} of batch {}", self.loan.index(), self.loan.seq()),
+        }
+    }
+}
+
+impl Drop for PySlot {
+    fn drop(&mut self) {
+        let st = self.state.get_mut();
+        if st.done.is_none() {
+            st.done = Some(false);
+            let _ = self.cell.open.compare_exchange(
+                self.loan.seq() + 1,
+                0,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            );
+        }
+    }
+}
+
+#[pymethods]
+impl PySlot {
+    /// Declares a tensor in this slot (or returns the one declared under `name`) and gives a
+    /// writable gpipe.Tensor over it. Tensors are placed in declaration order, each at the
+    /// previous one's end rounded up to 256 bytes. `strides` are in elements (default:
+    /// row-major); a channels_last layout stays channels_last.
+    #[pyo3(signature = (name, dtype=None, shape=None, strides=None))]
+    fn tensor(
+        &self,
+        name: &str,
+        dtype: Option<Bound<'_, PyAny>>,
+        shape: Option<Vec<i64>>,
+        strides: Option<Vec<i64>>,
+    ) -> PyResult<PyTensor> {
+        let mut st = self.state.lock();
+        self.check_open(&st)?;
+        let to_u64 = |v: Vec<i64>, what: &str| -> PyResult<Vec<u64>> {
+            v.into_iter()
+                .map(|x| {
+                    u64::try_from(x).map_err(|_| {
+                        PyValueError::new_err(format!(
+                            "tensor {name:?}: negative {what} ({x}) are not supported"
+                        ))
+                    })
+                })
+                .collect()
+        };
+        let shape = shape.map(|s| to_u64(s, "dimensions")).transpose()?;
+        let strides = strides.map(|s| to_u64(s, "strides")).transpose()?;
+        let dtype = dtype.as_ref().map(parse_dtype).transpose()?;
+        if let Some(t) = st.plan.get(name) {
+            let same = dtype.is_none_or(|d| d == t.dtype)
+                && shape.as_deref().is_none_or(|s| s == t.shape())
+                && strides.as_deref().is_none_or(|s| s == t.strides());
+            if !same {
+                return Err(PyValueError::new_err(format!(
+                    "tensor {name:?} is already declared in this slot as {} {:?}",
+                    t.dtype,
+                    t.shape()
+                )));
+            }
+            let t = *t;
+            return Ok(self.writable(&t));
+        }
+        let (Some(dtype), Some(shape)) = (dtype, shape) else {
+            return Err(PyValueError::new_err(format!(
+                "tensor {name:?} is not declared yet: give its dtype and shape"
+            )));
+        };
+        let t = *st
+            .plan
+            .push(name, dtype, &shape, strides.as_deref(), self.capacity)
+            .map_err(PyValueError::new_err)?;
+        Ok(self.writable(&t))
+    }
+
+    /// Writes the test pattern of `gpipe produce` (batch `seq`'s words) over the first
+    /// `nbytes` bytes and returns the header that `gpipe consume --verify` checks; publish
+    /// with `publish(meta=..., nbytes=...)`.
+    fn fill_pattern(&self, nbytes: u64) -> PyResult<[u64; USER_HEADER_WORDS]> {
+        let st = self.state.lock();
+        self.check_open(&st)?;
+        if nbytes > self.capacity {
+            return Err(PyValueError::new_err(format!(
+                "{nbytes} bytes exceed the slot capacity of {}",
+                self.capacity
+            )));
+        }
+        if !st.plan.is_empty() {
+            return Err(PyValueError::new_err(
+                "fill_pattern writes raw bytes; this slot already has tensors declared",
+            ));
+        }
+        // SAFETY: the slot is ours until published or given back (the loan is open and only
+        // one slot is out at a time), its memory spans `capacity` bytes from `base` and is
+        // kept mapped by `cell`; no Rust reference to it exists elsewhere.
+        let mem = unsafe { std::slice::from_raw_parts_mut(self.base as *mut u8, nbytes as usize) };
+        let sum = pattern::fill(mem, self.loan.seq());
+        let mut h = [0u64; USER_HEADER_WORDS];
+        h[pattern::HEADER_CHECKSUM] = sum;
+        h[pattern::HEADER_SEQ] = self.loan.seq();
+        Ok(h)
+    }
+
+    /// Publishes the batch: its tensors (or `nbytes` raw bytes when none were declared) and an
+    /// optional user header of up to 8 non-negative ints. Returns the sequence number.
+    #[pyo3(signature = (meta=None, nbytes=None))]
+    fn publish(
+        &self,
+        py: Python<'_>,
+        meta: Option<Vec<u64>>,
+        nbytes: Option<u64>,
+    ) -> PyResult<u64> {
+        let mut st = self.state.lock();
+        self.check_open(&st)?;
+        let mut header = [0u64; USER_HEADER_WORDS];
+        if let Some(m) = meta {
+            if m.len() > USER_HEADER_WORDS {
+                return Err(PyValueError::new_err(format!(
+                    "meta has {} words; a batch carries at most {USER_HEADER_WORDS}",
+                    m.len()
+                )));
+            }
+            header[..m.len()].copy_from_slice(&m);
+        }
+        let len = match nbytes {
+            Some(n) if n < st.plan.len() => {
+                return Err(PyValueError::new_err(format!(
+                    "nbytes={n} is shorter than the declared tensors ({} bytes)",
+                    st.plan.len()
+                )));
+            }
+            Some(n) => n,
+            None if st.plan.is_empty() => {
+                return Err(PyValueError::new_err(
+                    "nothing to publish: declare tensors with slot.tensor(...) or pass nbytes=",
+                ));
+            }
+            None => st.plan.len(),
+        };
+        let loan = self.loan;
+        let cell = &self.cell;
+        let tensors = st.plan.tensors();
+        let seq = py
+            .detach(|| match &mut *cell.producer.lock() {
+                AnyProducer::Host(p) => p.resume(loan)?.publish_with(len, &header, tensors),
+            })
+            .map_err(|e| match e {
+                Error::Closed => Closed::new_err("the producer is closed"),
+                e => to_py(e),
+            })?;
+        self.finish(&mut st, true);
+        Ok(seq)
+    }
+
+    /// Gives the slot back unpublished (the next acquire returns it again).
+    fn abandon(&self) {
+        let mut st = self.state.lock();
+        if st.done.is_none() {
+            self.finish(&mut st, false);
+        }
+    }
+
+    /// The sequence number this batch will have.
+    #[getter]
+    fn seq(&self) -> u64 {
+        self.loan.seq()
+    }
+
+    /// The slot index.
+    #[getter]
+    fn index(&self) -> u32 {
+        self.loan.index()
+    }
+
+    /// Capacity in bytes.
+    #[getter]
+    fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// Names of the tensors declared so far.
+    #[getter]
+    fn names(&self) -> Vec<String> {
+        self.state
+            .lock()
+            .plan
+            .tensors()
+            .iter()
+            .map(|t| t.name.to_string())
+            .collect()
+    }
+
+    fn __enter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.abandon();
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        let st = self.state.lock();
+        let state = match st.done {
+            None => "open",
+            Some(true) => "published",
+            Some(false) => "given back",
+        };
+        let names: Vec<&str> = st.plan.tensors().iter().map(|t| t.name.as_str()).collect();
+        format!(
+            "gpipe.Slot(seq={}, index={}, capacity={}, tensors={names:?}, {state})",
+            self.loan.seq(),
+            self.loan.index(),
+            self.capacity
+        )
+    }
+}

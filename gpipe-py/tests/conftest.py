@@ -1,0 +1,135 @@
+"""Shared fixtures: socket paths, child Python processes, the gpipe CLI, and a watchdog."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# Every test is killed (with a traceback of every thread) if it runs this long: a hang fails
+# the run instead of stalling it.
+WATCHDOG_S = 120
+
+
+@pytest.fixture(autouse=True)
+def watchdog():
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture
+def sock(tmp_path_factory) -> str:
+    # Unix socket paths are limited to 107 bytes: keep them short.
+    d = Path("/tmp") / f"gp-{os.getpid()}"
+    d.mkdir(exist_ok=True)
+    return str(d / f"{uuid.uuid4().hex[:10]}.sock")
+
+
+class Child:
+    """A Python child process in its own process group (killed with the group at the end)."""
+
+    def __init__(self, code: str, *args: str, env=None):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
+
+    def readline(self, timeout: float = 20.0) -> str:
+        import select
+
+        r, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not r:
+            self.kill()
+            raise AssertionError(f"child printed nothing in {timeout}s; stderr: {self.proc.stderr.read()}")
+        return self.proc.stdout.readline().strip()
+
+    def wait(self, timeout: float = 60.0) -> tuple[int, str, str]:
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            out, err = self.proc.communicate()
+            raise AssertionError(f"child did not finish in {timeout}s; stderr: {err}")
+        return self.proc.returncode, out, err
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture
+def child():
+    children: list[Child] = []
+
+    def start(code: str, *args: str, env=None) -> Child:
+        c = Child(code, *args, env=env)
+        children.append(c)
+        return c
+
+    yield start
+    for c in children:
+        c.kill()
+        try:
+            c.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _find_gpipe() -> str | None:
+    env = os.environ.get("GPIPE_BIN")
+    if env:
+        return env
+    for profile in ("release", "debug"):
+        p = ROOT / "target" / profile / "gpipe"
+        if p.exists():
+            return str(p)
+    return shutil.which("gpipe")
+
+
+@pytest.fixture
+def gpipe_bin() -> str:
+    path = _find_gpipe()
+    if path is None:
+        pytest.skip("the gpipe CLI is not built (cargo build -p pipeline-examples) and not on PATH")
+    return path
+
+
+@pytest.fixture
+def make_ring(sock):
+    """`make_ring(slots=4, **producer_kwargs)` gives (producer, consumer) on one ring. Both are
+    closed after the test, once its arrays are gone (a held tensor keeps its batch, and the
+    producer's close waits for consumers to let go)."""
+    import gpipe
+
+    made = []
+
+    def make(slots: int = 4, batch_bytes: int = 1 << 20, **kw):
+        p = gpipe.Producer(sock, slots=slots, batch_bytes=batch_bytes, **kw)
+        c = gpipe.Consumer(sock)
+        p.wait_for_consumers(1, timeout=5)
+        made.append((p, c))
+        return p, c
+
+    yield make
+    for p, c in made:
+        c.close()
+        p.close()

@@ -1,0 +1,91 @@
+"""PyTorch on the host backend: tensors over the slot, send() of torch tensors, and the
+IterableDataset. Skipped where torch is not installed (CI); run on the GPU machine."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import gpipe  # noqa: E402
+import gpipe.torch  # noqa: E402
+
+
+def test_torch_round_trip_keeps_dtype_shape_and_channels_last(make_ring):
+    p, c = make_ring()
+    img = torch.randn(4, 3, 8, 8).to(memory_format=torch.channels_last)
+    half = torch.randn(5, 7, dtype=torch.bfloat16)
+    labels = torch.arange(4)
+    p.send({"images": img, "half": half, "labels": labels}, meta=[42])
+    with c.recv(timeout=5) as b:
+        got = torch.from_dlpack(b["images"])
+        assert got.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(got, img)
+        assert torch.equal(torch.from_dlpack(b["half"]), half)
+        assert torch.equal(torch.from_dlpack(b["labels"]), labels)
+        assert b.meta[0] == 42
+
+
+def test_slot_tensors_are_writable_torch_tensors(make_ring):
+    p, c = make_ring()
+    with p.acquire() as s:
+        x = torch.from_dlpack(s.tensor("x", torch.float32, (16,)))
+        x.copy_(torch.arange(16.0))
+        s.publish()
+    with c.recv(timeout=5) as b:
+        assert torch.from_dlpack(b).sum().item() == 120
+
+
+def test_a_cuda_tensor_sent_to_a_host_ring_is_refused(make_ring):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    p, _ = make_ring()
+    with pytest.raises(ValueError, match="host memory"):
+        p.send(torch.zeros(4, device="cuda"))
+
+
+def test_the_dataset_in_a_dataloader(sock, child):
+    p = gpipe.Producer(sock, slots=4, batch_bytes=1 << 20)
+    ch = child(
+        """
+        import sys, torch, gpipe.torch
+        from torch.utils.data import DataLoader
+        ds = gpipe.torch.BatchDataset(sys.argv[1], with_meta=True)
+        total = 0
+        for n, ((x, y), meta) in enumerate(
+            ((d["x"], d["y"]), m) for d, m in DataLoader(ds, batch_size=None, num_workers=0)
+        ):
+            assert x.shape == (8, 3) and int(meta[0]) == n
+            total += int(y.sum())
+        print(total, flush=True)
+        """,
+        sock,
+    )
+    p.wait_for_consumers(1, timeout=20)
+    for i in range(10):
+        p.send({"x": torch.zeros(8, 3), "y": torch.full((2,), i)}, meta=[i])
+    p.close()
+    rc, out, err = ch.wait()
+    assert rc == 0, err
+    assert int(out.strip()) == 2 * sum(range(10))
+
+
+def test_the_dataset_refuses_broadcast_with_several_workers(sock, child):
+    p = gpipe.Producer(sock, slots=4, batch_bytes=1 << 20)
+    ch = child(
+        """
+        import sys, torch, gpipe.torch
+        from torch.utils.data import DataLoader
+        ds = gpipe.torch.BatchDataset(sys.argv[1])
+        try:
+            for _ in DataLoader(ds, batch_size=None, num_workers=2):
+                pass
+        except Exception as e:
+            print("refused" if "broadcast" in str(e) else repr(e), flush=True)
+        """,
+        sock,
+    )
+    rc, out, err = ch.wait(timeout=90)
+    assert rc == 0, err
+    assert out.strip() == "refused"
+    p.close()
