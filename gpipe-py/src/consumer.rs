@@ -13,25 +13,49 @@ use pyo3::exceptions::{PyBufferError, PyKeyError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::dlpack::{DEVICE_CPU, DLDevice};
-use crate::tensor::{Keep, PyTensor};
+use pipeline_cuda::backend::{CudaConsumer, CudaOptions};
+
+use crate::dlpack::{DEVICE_CPU, DEVICE_CUDA, DLDevice};
+use crate::tensor::{Keep, PyTensor, StreamUse};
 use crate::{Closed, GpipeError, attach_error, blocking, deadline, to_py};
 
 /// A consumer on one of the backends.
 enum AnyConsumer {
     Host(Consumer<HostConsumer>),
+    Cuda(Consumer<CudaConsumer>),
 }
 
 /// A received batch on one of the backends. Dropping it releases it (the core's rule).
 enum AnyBatch {
     Host(Batch<HostConsumer>),
+    Cuda(Batch<CudaConsumer>),
 }
 
-impl AnyBatch {
-    fn release(self) -> Result<(), Error> {
-        match self {
-            AnyBatch::Host(b) => b.release(),
-        }
+/// A device argument: None, an ordinal, "cpu", "cuda", "cuda:N" or a torch.device.
+/// `Some(None)`: CUDA, any device; `Some(Some(n))`: CUDA device n; `None`: host or unset.
+fn parse_device(device: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Option<usize>>> {
+    let Some(d) = device else { return Ok(None) };
+    if d.is_none() {
+        return Ok(None);
+    }
+    if let Ok(n) = d.extract::<i64>() {
+        return usize::try_from(n)
+            .map(|n| Some(Some(n)))
+            .map_err(|_| PyValueError::new_err(format!("invalid device {n}")));
+    }
+    let s = d.str()?.to_string();
+    match s.as_str() {
+        "cpu" => Ok(None),
+        "cuda" => Ok(Some(None)),
+        _ => s
+            .strip_prefix("cuda:")
+            .and_then(|n| n.parse::<usize>().ok())
+            .map(|n| Some(Some(n)))
+            .ok_or_else(|| {
+                PyValueError::new_err(format!(
+                    "invalid device {s:?}: use None, \"cpu\", \"cuda\", \"cuda:N\" or an int"
+                ))
+            }),
     }
 }
 
@@ -67,7 +91,10 @@ impl PyConsumer {
                 "timeout must be a positive number of seconds, not {timeout}"
             )));
         }
-        let device = device.map(|d| d.str().map(|s| s.to_string())).transpose()?;
+        let cpu_given = device
+            .as_ref()
+            .is_some_and(|d| d.str().is_ok_and(|s| s == "cpu"));
+        let device = parse_device(device.as_ref())?;
         let config = ConsumerConfig {
             handshake_timeout: Duration::from_secs_f64(timeout.min(3600.0)),
             wait: WaitPolicy {
@@ -82,9 +109,10 @@ impl PyConsumer {
         let layout = pending.layout();
         let (inner, dl) = match pending.backend() {
             BackendKind::Host => {
-                if let Some(d) = device.as_deref().filter(|d| *d != "cpu") {
+                if let Some(d) = device {
+                    let d = d.map_or("cuda".to_string(), |n| format!("cuda:{n}"));
                     return Err(PyValueError::new_err(format!(
-                        "device={d} given, but the producer's ring at {} is in host memory; leave device out (or pass \"cpu\")",
+                        "device {d} given, but the producer's ring at {} is in host memory; leave device out (or pass \"cpu\")",
                         socket.display()
                     )));
                 }
@@ -100,14 +128,44 @@ impl PyConsumer {
                 )
             }
             BackendKind::Cuda => {
-                return Err(crate::AttachError::new_err(format!(
-                    "the producer at {} uses the CUDA backend, which this build of the Python package does not import yet",
-                    socket.display()
-                )));
+                if cpu_given {
+                    return Err(PyValueError::new_err(format!(
+                        "device \"cpu\" given, but the producer's ring at {} is in CUDA memory",
+                        socket.display()
+                    )));
+                }
+                if !pipeline_cuda::driver::driver_present() {
+                    return Err(crate::AttachError::new_err(format!(
+                        "the producer's ring at {} is in CUDA memory, but no CUDA driver (libcuda.so.1) can be loaded here",
+                        socket.display()
+                    )));
+                }
+                let c = py
+                    .detach(|| pending.finish::<CudaConsumer>(CudaOptions::default()))
+                    .map_err(attach_error)?;
+                let ordinal = c.backend().device_ordinal();
+                if let Some(Some(want)) = device {
+                    if want != ordinal {
+                        return Err(PyValueError::new_err(format!(
+                            "device cuda:{want} given, but the producer's slots are on cuda:{ordinal}; consumers on another GPU than the producer's are not supported yet"
+                        )));
+                    }
+                }
+                // A dead producer must never leave a GPU stream of ours waiting on its
+                // `ready` signal: release such waits as soon as it dies.
+                c.watch_producer(TICK).map_err(to_py)?;
+                (
+                    AnyConsumer::Cuda(c),
+                    DLDevice {
+                        device_type: DEVICE_CUDA,
+                        device_id: ordinal as i32,
+                    },
+                )
             }
         };
         let index = match &inner {
             AnyConsumer::Host(c) => c.index(),
+            AnyConsumer::Cuda(c) => c.index(),
         };
         Ok(Self {
             inner: Mutex::new(Some(inner)),
@@ -160,7 +218,29 @@ impl PyConsumer {
     fn held(&self) -> usize {
         match self.inner.lock().as_ref() {
             Some(AnyConsumer::Host(c)) => c.held(),
+            Some(AnyConsumer::Cuda(c)) => c.held(),
             None => 0,
+        }
+    }
+
+    /// True when this consumer's batches are mapped read-only on the device, so a kernel
+    /// that writes one faults here alone (CUDA broadcast rings on the VMM path; host rings
+    /// are always read-only).
+    #[getter]
+    fn enforced_read_only(&self) -> bool {
+        match self.inner.lock().as_ref() {
+            Some(AnyConsumer::Host(_)) => true,
+            Some(AnyConsumer::Cuda(c)) => c.backend().read_only(),
+            None => false,
+        }
+    }
+
+    /// The device the batches are on: "cpu" or "cuda:N".
+    #[getter]
+    fn device(&self) -> String {
+        match self.device.device_type {
+            DEVICE_CPU => "cpu".into(),
+            _ => format!("cuda:{}", self.device.device_id),
         }
     }
 
@@ -242,6 +322,9 @@ impl PyConsumer {
                 Some(AnyConsumer::Host(c)) => {
                     c.recv_until(Some(until)).map(|b| b.map(AnyBatch::Host))
                 }
+                Some(AnyConsumer::Cuda(c)) => {
+                    c.recv_until(Some(until)).map(|b| b.map(AnyBatch::Cuda))
+                }
             }
         });
         let got = match got {
@@ -266,9 +349,20 @@ impl PyConsumer {
                 h.tensors().to_vec(),
                 h.data().as_ptr() as usize,
             ),
+            AnyBatch::Cuda(h) => (
+                h.seq(),
+                h.slot(),
+                h.len(),
+                *h.header(),
+                h.tensors().to_vec(),
+                h.data().ptr as usize,
+            ),
         };
         PyBatch {
-            cell: Mutex::new(Some(Arc::new(BatchCell(b)))),
+            cell: Mutex::new(Some(Arc::new(BatchCell {
+                batch: Some(b),
+                streams: Mutex::new(Vec::new()),
+            }))),
             seq,
             slot,
             len,
@@ -282,8 +376,72 @@ impl PyConsumer {
 }
 
 /// Holds the core batch; the slot is released when the last owner (the Python batch, or a
-/// tensor made from it) lets go.
-struct BatchCell(AnyBatch);
+/// tensor made from it) lets go. On CUDA it also remembers the streams tensors were made
+/// for: the release orders `finished` after their work.
+struct BatchCell {
+    batch: Option<AnyBatch>,
+    streams: Mutex<Vec<u64>>,
+}
+
+impl BatchCell {
+    /// CUDA: makes the consumer's stream wait for every stream the batch was used on.
+    fn join_streams(&self) -> Result<(), Error> {
+        if let Some(AnyBatch::Cuda(b)) = &self.batch {
+            for &s in self.streams.lock().iter() {
+                // SAFETY: `s` is a stream handle the user gave for this batch's tensors (or
+                // 1/2); the user keeps it alive while the batch's tensors are (docs/python.md).
+                unsafe {
+                    b.backend()
+                        .join(s as usize as pipeline_cuda::driver::CUstream)
+                }
+                .map_err(|e| Error::Backend(Box::new(e)))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Releases now, reporting errors.
+    fn release(mut self) -> Result<(), Error> {
+        let joined = self.join_streams();
+        let released = match self.batch.take() {
+            Some(AnyBatch::Host(b)) => b.release(),
+            Some(AnyBatch::Cuda(b)) => b.release(),
+            None => Ok(()),
+        };
+        joined.and(released)
+    }
+}
+
+impl Drop for BatchCell {
+    fn drop(&mut self) {
+        if let Err(e) = self.join_streams() {
+            eprintln!("gpipe: ordering a released batch after its streams failed: {e}");
+        }
+        // The core batch releases itself as it drops.
+    }
+}
+
+impl StreamUse for BatchCell {
+    fn use_on(&self, stream: u64) -> Result<(), String> {
+        let Some(AnyBatch::Cuda(b)) = &self.batch else {
+            return Ok(());
+        };
+        // SAFETY: `stream` is the handle a DLPack consumer named for this tensor (or 1/2).
+        unsafe {
+            b.backend().wait_ready_on(
+                stream as usize as pipeline_cuda::driver::CUstream,
+                b.slot(),
+                b.seq(),
+            )
+        }
+        .map_err(|e| e.to_string())?;
+        let mut streams = self.streams.lock();
+        if !streams.contains(&stream) {
+            streams.push(stream);
+        }
+        Ok(())
+    }
+}
 
 /// One batch, in place. Release it with `release()`, a `with` block, or by dropping it; the
 /// slot returns to the producer once that has happened and every tensor made from the batch
@@ -312,8 +470,15 @@ impl PyBatch {
     }
 
     fn view(&self, t: &TensorInfo) -> PyResult<PyTensor> {
-        let keep: Keep = self.keep()?;
+        let cell = self.keep()?;
+        let streams: Option<Arc<dyn StreamUse>> = if self.device.device_type == DEVICE_CPU {
+            None
+        } else {
+            Some(cell.clone())
+        };
+        let keep: Keep = cell;
         Ok(PyTensor {
+            streams,
             keep,
             data: self.base + t.offset as usize,
             info: *t,
@@ -417,9 +582,8 @@ impl PyBatch {
         dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let _ = stream;
         self.view(self.only()?)?
-            .export(py, max_version, dl_device, copy)
+            .export(py, stream.as_ref(), max_version, dl_device, copy)
     }
 
     fn __dlpack_device__(&self) -> (i32, i32) {
@@ -445,9 +609,13 @@ impl PyBatch {
     /// `Slot.fill_pattern` writes): the header's checksum and sequence number.
     fn verify_pattern(&self) -> PyResult<bool> {
         let keep = self.keep()?;
-        match &keep.0 {
-            AnyBatch::Host(b) => Ok(b.header()[pattern::HEADER_SEQ] == b.seq()
+        match &keep.batch {
+            Some(AnyBatch::Host(b)) => Ok(b.header()[pattern::HEADER_SEQ] == b.seq()
                 && pattern::checksum(b.data()) == b.header()[pattern::HEADER_CHECKSUM]),
+            Some(AnyBatch::Cuda(_)) => Err(crate::BackendError::new_err(
+                "verify_pattern checks host batches; verify CUDA batches with `gpipe consume --verify`",
+            )),
+            None => Err(GpipeError::new_err("batch already released")),
         }
     }
 
@@ -458,10 +626,25 @@ impl PyBatch {
             return Ok(());
         };
         match Arc::try_unwrap(cell) {
-            Ok(cell) => py.detach(|| cell.0.release()).map_err(to_py),
+            Ok(cell) => py.detach(|| cell.release()).map_err(to_py),
             // Tensors still hold it: the last of them releases it.
             Err(_) => Ok(()),
         }
+    }
+
+    /// Declares that work on this batch's tensors also runs on `stream` (a CUDA stream
+    /// handle, or an object with `cuda_stream` or `ptr`, e.g. a torch or CuPy stream), as
+    /// torch's `Tensor.record_stream`: the stream waits for the batch to be ready, and the
+    /// slot is handed back only after the work enqueued on it by then. A no-op for host
+    /// batches.
+    fn record_stream(&self, py: Python<'_>, stream: Bound<'_, PyAny>) -> PyResult<()> {
+        if self.device.device_type == DEVICE_CPU {
+            return Ok(());
+        }
+        let handle = stream_handle(&stream)?;
+        let cell = self.keep()?;
+        py.detach(|| cell.use_on(handle))
+            .map_err(crate::BackendError::new_err)
     }
 
     fn __enter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
@@ -484,5 +667,26 @@ impl PyBatch {
             self.consumer,
             if self.released() { "released" } else { "held" }
         )
+    }
+}
+
+/// A CUDA stream given as a handle (int) or an object with `cuda_stream` (torch) or `ptr`
+/// (CuPy). Handle 0 (the legacy default stream as torch names it) becomes 1, its DLPack name.
+pub(crate) fn stream_handle(stream: &Bound<'_, PyAny>) -> PyResult<u64> {
+    let v: i64 = if let Ok(v) = stream.extract::<i64>() {
+        v
+    } else if let Ok(v) = stream.getattr("cuda_stream") {
+        v.extract()?
+    } else if let Ok(v) = stream.getattr("ptr") {
+        v.extract()?
+    } else {
+        return Err(pyo3::exceptions::PyTypeError::new_err(
+            "stream must be an int handle or a torch/CuPy stream",
+        ));
+    };
+    match v {
+        0 => Ok(1),
+        v if v > 0 => Ok(v as u64),
+        v => Err(PyValueError::new_err(format!("invalid stream handle {v}"))),
     }
 }

@@ -14,14 +14,76 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::consumer::TICK;
-use crate::dlpack::{DEVICE_CPU, DLDevice};
-use crate::tensor::PyTensor;
+use pipeline_cuda::backend::{CudaOptions, CudaProducer, HandleKind, MemoryPath, SyncMode};
+use pipeline_cuda::driver::CUstream;
+
+use crate::consumer::{TICK, stream_handle};
+use crate::dlpack::{DEVICE_CPU, DEVICE_CUDA, DLDevice};
+use crate::tensor::{PyTensor, StreamUse};
 use crate::{Closed, GpipeError, blocking, deadline, parse_dtype, to_py};
 
 /// A producer on one of the backends.
 enum AnyProducer {
     Host(Producer<HostProducer>),
+    Cuda(Producer<CudaProducer>),
+}
+
+/// Runs `$e` with `$p` bound to the producer, whichever backend it has.
+macro_rules! with_producer {
+    ($any:expr, $p:ident => $e:expr) => {
+        match $any {
+            AnyProducer::Host($p) => $e,
+            AnyProducer::Cuda($p) => $e,
+        }
+    };
+}
+
+/// The CUDA options of a Python producer: `ready` as timeline words (a consumer's stream
+/// waiting on a dead producer's word is released by its watch thread; an IPC event of a
+/// dead process may never complete), and in broadcast mode the VMM path where the device
+/// has it, so consumers map the slots read-only.
+fn cuda_options(device: usize, mode: Mode) -> Result<CudaOptions, String> {
+    if !pipeline_cuda::driver::driver_present() {
+        return Err("no CUDA driver (libcuda.so.1) could be loaded".into());
+    }
+    let report = pipeline_cuda::probe::probe().map_err(|e| e.to_string())?;
+    let caps = report
+        .devices
+        .iter()
+        .find(|d| d.ordinal == device)
+        .ok_or_else(|| format!("no CUDA device {device} ({} visible)", report.devices.len()))?;
+    let memory = if mode == Mode::Broadcast
+        && caps
+            .check_path(MemoryPath::Vmm, HandleKind::PosixFd)
+            .is_ok()
+    {
+        MemoryPath::Vmm
+    } else {
+        caps.auto_memory_path(HandleKind::PosixFd)
+            .map_err(|e| e.to_string())?
+    };
+    Ok(CudaOptions {
+        device: Some(device),
+        memory,
+        handle: HandleKind::PosixFd,
+        sync: SyncMode::Semaphore,
+        writable: false,
+    })
+}
+
+/// The caller's current CUDA stream: torch's current stream on `device` when torch is
+/// loaded and has initialised CUDA, else the legacy default stream (1).
+fn current_stream(py: Python<'_>, device: i32) -> PyResult<u64> {
+    let modules = py.import("sys")?.getattr("modules")?;
+    let Ok(torch) = modules.get_item("torch") else {
+        return Ok(1);
+    };
+    let cuda = torch.getattr("cuda")?;
+    if !cuda.call_method0("is_initialized")?.extract::<bool>()? {
+        return Ok(1);
+    }
+    let s = cuda.call_method1("current_stream", (device,))?;
+    stream_handle(&s)
 }
 
 /// The producer and what it shares with its slots' tensors: the slot memory lives until the
@@ -38,6 +100,7 @@ pub struct PyProducer {
     cell: Arc<ProducerCell>,
     socket: String,
     backend: BackendKind,
+    memory: &'static str,
     mode: Mode,
     slots: u32,
     slot_bytes: u64,
@@ -96,15 +159,13 @@ impl PyProducer {
             .layout()
             .validate()
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        let kind = match backend {
-            // The CUDA backend of the Python package lands separately; until then "auto" is
-            // the host backend, which runs everywhere.
-            "auto" | "host" => BackendKind::Host,
-            "cuda" => {
-                return Err(crate::BackendError::new_err(
-                    "backend=\"cuda\" is not available in this build of the Python package yet; use backend=\"host\"",
-                ));
-            }
+        let cuda = match backend {
+            "host" => None,
+            "cuda" => Some(
+                cuda_options(device as usize, mode)
+                    .map_err(|e| crate::BackendError::new_err(format!("backend=\"cuda\": {e}")))?,
+            ),
+            "auto" => cuda_options(device as usize, mode).ok(),
             other => {
                 return Err(PyValueError::new_err(format!(
                     "unknown backend {other:?}: use \"auto\", \"cuda\" or \"host\""
@@ -112,32 +173,58 @@ impl PyProducer {
             }
         };
         let path = socket.clone();
-        let producer = py
-            .detach(|| Producer::<HostProducer>::bind(&path, config, HostOptions))
-            .map_err(to_py)?;
-        let layout = producer.layout();
+        let (producer, dl) = match cuda {
+            None => (
+                AnyProducer::Host(
+                    py.detach(|| Producer::<HostProducer>::bind(&path, config, HostOptions))
+                        .map_err(to_py)?,
+                ),
+                DLDevice {
+                    device_type: DEVICE_CPU,
+                    device_id: 0,
+                },
+            ),
+            Some(options) => (
+                AnyProducer::Cuda(
+                    py.detach(|| Producer::<CudaProducer>::bind(&path, config, options))
+                        .map_err(to_py)?,
+                ),
+                DLDevice {
+                    device_type: DEVICE_CUDA,
+                    device_id: device as i32,
+                },
+            ),
+        };
+        let layout = with_producer!(&producer, p => p.layout());
+        let (kind, memory) = match &producer {
+            AnyProducer::Host(_) => (BackendKind::Host, "host"),
+            AnyProducer::Cuda(p) => (BackendKind::Cuda, p.backend().memory_path().as_str()),
+        };
         Ok(Self {
             cell: Arc::new(ProducerCell {
-                producer: Mutex::new(AnyProducer::Host(producer)),
+                producer: Mutex::new(producer),
                 open: AtomicU64::new(0),
             }),
             socket: socket.display().to_string(),
             backend: kind,
+            memory,
             mode,
             slots: layout.slot_count,
             slot_bytes: layout.slot_bytes,
-            device: DLDevice {
-                device_type: DEVICE_CPU,
-                device_id: 0,
-            },
+            device: dl,
         })
     }
 
     /// Takes the next slot, waiting up to `timeout` seconds (None: as long as it takes) for
     /// every consumer that had its previous batch to release it. Use it as a context manager:
     /// leaving the block without `publish()` gives the slot back unpublished.
-    #[pyo3(signature = (timeout=None))]
-    fn acquire(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<PySlot> {
+    #[pyo3(signature = (timeout=None, stream=None))]
+    fn acquire(
+        &self,
+        py: Python<'_>,
+        timeout: Option<f64>,
+        stream: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<PySlot> {
         let open = self.cell.open.load(Ordering::Acquire);
         if open != 0 {
             return Err(GpipeError::new_err(format!(
@@ -147,23 +234,46 @@ impl PyProducer {
         }
         let deadline = deadline(timeout)?;
         let cell = &self.cell;
+        let user_stream = match (&stream, self.backend) {
+            (_, BackendKind::Host) => None,
+            (Some(s), _) => Some(stream_handle(s)?),
+            (None, _) => Some(current_stream(py, self.device.device_id)?),
+        };
         let (loan, base, capacity) = blocking(py, deadline, |until| {
             let mut g = cell.producer.lock();
+            let left = until.saturating_duration_since(std::time::Instant::now());
             match &mut *g {
                 AnyProducer::Host(p) => {
                     if p.is_closed() {
                         return Err(Error::Closed);
                     }
-                    let left = until.saturating_duration_since(std::time::Instant::now());
                     let mut s = p.acquire_timeout(left)?;
                     let base = s.memory().as_mut_ptr() as usize;
                     let capacity = s.capacity();
+                    Ok((s.into_loan(), base, capacity))
+                }
+                AnyProducer::Cuda(p) => {
+                    if p.is_closed() {
+                        return Err(Error::Closed);
+                    }
+                    let mut s = p.acquire_timeout(left)?;
+                    let base = s.memory().ptr as usize;
+                    let capacity = s.capacity();
+                    if let Some(h) = user_stream {
+                        // SAFETY: `h` is the caller's stream handle (or 1/2).
+                        unsafe { s.backend().order_after(h as usize as CUstream) }
+                            .map_err(|e| Error::Backend(Box::new(e)))?;
+                    }
                     Ok((s.into_loan(), base, capacity))
                 }
             }
         })?;
         self.cell.open.store(loan.seq() + 1, Ordering::Release);
         Ok(PySlot {
+            streams: Arc::new(SlotStreams {
+                cell: self.cell.clone(),
+                streams: Mutex::new(user_stream.into_iter().collect()),
+            }),
             cell: self.cell.clone(),
             loan,
             base,
@@ -184,9 +294,7 @@ impl PyProducer {
         blocking(py, deadline, |until| {
             let g = cell.producer.lock();
             let left = until.saturating_duration_since(std::time::Instant::now());
-            match &*g {
-                AnyProducer::Host(p) => p.wait_for_consumers(n, left),
-            }
+            with_producer!(&*g, p => p.wait_for_consumers(n, left))
         })
     }
 
@@ -198,9 +306,7 @@ impl PyProducer {
         blocking(py, deadline, |until| {
             let mut g = cell.producer.lock();
             let left = until.saturating_duration_since(std::time::Instant::now());
-            match &mut *g {
-                AnyProducer::Host(p) => p.flush(left),
-            }
+            with_producer!(&mut *g, p => p.flush(left))
         })
     }
 
@@ -208,9 +314,7 @@ impl PyProducer {
     /// Waits up to `drain_timeout` for them to finish. Returns the run's counters.
     fn close<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let cell = &self.cell;
-        let stats = py.detach(|| match &mut *cell.producer.lock() {
-            AnyProducer::Host(p) => p.shutdown(),
-        });
+        let stats = py.detach(|| with_producer!(&mut *cell.producer.lock(), p => p.shutdown()));
         let d = PyDict::new(py);
         d.set_item("published", stats.published)?;
         d.set_item("attached", stats.attached)?;
@@ -225,25 +329,19 @@ impl PyProducer {
     /// True after close().
     #[getter]
     fn closed(&self) -> bool {
-        match &*self.cell.producer.lock() {
-            AnyProducer::Host(p) => p.is_closed(),
-        }
+        with_producer!(&*self.cell.producer.lock(), p => p.is_closed())
     }
 
     /// Consumers attached now.
     #[getter]
     fn consumers(&self) -> u32 {
-        match &*self.cell.producer.lock() {
-            AnyProducer::Host(p) => p.consumers(),
-        }
+        with_producer!(&*self.cell.producer.lock(), p => p.consumers())
     }
 
     /// Sequence number of the next batch.
     #[getter]
     fn next_seq(&self) -> u64 {
-        match &*self.cell.producer.lock() {
-            AnyProducer::Host(p) => p.next_seq(),
-        }
+        with_producer!(&*self.cell.producer.lock(), p => p.next_seq())
     }
 
     /// The socket path consumers attach to.
@@ -256,6 +354,21 @@ impl PyProducer {
     #[getter]
     fn backend(&self) -> String {
         self.backend.to_string()
+    }
+
+    /// Where the slots live: "host", or the CUDA memory path ("pool", "vmm", "legacy").
+    #[getter]
+    fn memory(&self) -> &'static str {
+        self.memory
+    }
+
+    /// The device: "cpu" or "cuda:N".
+    #[getter]
+    fn device(&self) -> String {
+        match self.device.device_type {
+            DEVICE_CPU => "cpu".into(),
+            _ => format!("cuda:{}", self.device.device_id),
+        }
     }
 
     /// "broadcast" or "shared".
@@ -288,10 +401,12 @@ impl PyProducer {
 
     fn __repr__(&self) -> String {
         format!(
-            "gpipe.Producer(socket={:?}, mode={}, backend={}, slots={}, slot_bytes={}, consumers={}, next_seq={}, {})",
+            "gpipe.Producer(socket={:?}, mode={}, backend={}, device={}, memory={}, slots={}, slot_bytes={}, consumers={}, next_seq={}, {})",
             self.socket,
             self.mode,
             self.backend,
+            self.device(),
+            self.memory,
             self.slots,
             self.slot_bytes,
             self.consumers(),
@@ -307,9 +422,49 @@ struct SlotState {
     done: Option<bool>,
 }
 
+/// The streams a slot's tensors were made for (CUDA): each waits for the slot's previous
+/// consumers, and `publish` orders `ready` after all of them.
+struct SlotStreams {
+    cell: Arc<ProducerCell>,
+    streams: Mutex<Vec<u64>>,
+}
+
+impl SlotStreams {
+    /// Makes the producer's stream wait for every stream used on the slot.
+    fn join_all(&self, p: &Producer<CudaProducer>) -> Result<(), Error> {
+        for &s in self.streams.lock().iter() {
+            // SAFETY: a stream handle the caller gave for this slot (or 1/2), alive while
+            // the slot is open.
+            unsafe { p.backend().join(s as usize as CUstream) }
+                .map_err(|e| Error::Backend(Box::new(e)))?;
+        }
+        Ok(())
+    }
+}
+
+impl StreamUse for SlotStreams {
+    fn use_on(&self, stream: u64) -> Result<(), String> {
+        if self.streams.lock().contains(&stream) {
+            return Ok(());
+        }
+        // The producer lock is taken before the streams lock, as in publish.
+        if let AnyProducer::Cuda(p) = &*self.cell.producer.lock() {
+            // SAFETY: the handle a DLPack consumer named for this slot's tensor (or 1/2).
+            unsafe { p.backend().order_after(stream as usize as CUstream) }
+                .map_err(|e| e.to_string())?;
+        }
+        let mut streams = self.streams.lock();
+        if !streams.contains(&stream) {
+            streams.push(stream);
+        }
+        Ok(())
+    }
+}
+
 /// A slot acquired by the producer: declare tensors, write them, publish.
 #[pyclass(frozen, module = "gpipe", name = "Slot")]
 pub struct PySlot {
+    streams: Arc<SlotStreams>,
     cell: Arc<ProducerCell>,
     loan: SlotLoan,
     base: usize,
@@ -352,6 +507,11 @@ impl PySlot {
             readonly: false,
             copied: false,
             origin: format!("slot {} of batch {}", self.loan.index(), self.loan.seq()),
+            streams: if self.device.device_type == DEVICE_CPU {
+                None
+            } else {
+                Some(self.streams.clone())
+            },
         }
     }
 }
@@ -444,6 +604,11 @@ impl PySlot {
                 "fill_pattern writes raw bytes; this slot already has tensors declared",
             ));
         }
+        if self.device.device_type != DEVICE_CPU {
+            return Err(crate::BackendError::new_err(
+                "fill_pattern writes host slots; a CUDA ring's pattern batches come from `gpipe produce`",
+            ));
+        }
         // SAFETY: the slot is ours until published or given back (the loan is open and only
         // one slot is out at a time), its memory spans `capacity` bytes from `base` and is
         // kept mapped by `cell`; no Rust reference to it exists elsewhere.
@@ -457,13 +622,24 @@ impl PySlot {
 
     /// Publishes the batch: its tensors (or `nbytes` raw bytes when none were declared) and an
     /// optional user header of up to 8 non-negative ints. Returns the sequence number.
-    #[pyo3(signature = (meta=None, nbytes=None))]
+    #[pyo3(signature = (meta=None, nbytes=None, stream=None))]
     fn publish(
         &self,
         py: Python<'_>,
         meta: Option<Vec<u64>>,
         nbytes: Option<u64>,
+        stream: Option<Bound<'_, PyAny>>,
     ) -> PyResult<u64> {
+        if self.device.device_type != DEVICE_CPU {
+            let h = match &stream {
+                Some(s) => stream_handle(s)?,
+                None => current_stream(py, self.device.device_id)?,
+            };
+            let mut streams = self.streams.streams.lock();
+            if !streams.contains(&h) {
+                streams.push(h);
+            }
+        }
         let mut st = self.state.lock();
         self.check_open(&st)?;
         let mut header = [0u64; USER_HEADER_WORDS];
@@ -494,9 +670,14 @@ impl PySlot {
         let loan = self.loan;
         let cell = &self.cell;
         let tensors = st.plan.tensors();
+        let streams = &self.streams;
         let seq = py
             .detach(|| match &mut *cell.producer.lock() {
                 AnyProducer::Host(p) => p.resume(loan)?.publish_with(len, &header, tensors),
+                AnyProducer::Cuda(p) => {
+                    streams.join_all(p)?;
+                    p.resume(loan)?.publish_with(len, &header, tensors)
+                }
             })
             .map_err(|e| match e {
                 Error::Closed => Closed::new_err("the producer is closed"),

@@ -12,6 +12,34 @@ use crate::dlpack::{self, DEVICE_CPU, DEVICE_CUDA, DLDevice, Export};
 /// What keeps a tensor's memory valid: a held batch, a producer's slots, or a private copy.
 pub(crate) type Keep = Arc<dyn Send + Sync>;
 
+/// GPU memory: what to do with the stream a DLPack consumer says it will use the tensor on.
+pub(crate) trait StreamUse: Send + Sync {
+    /// Orders `stream` (a CUstream handle, 1 = legacy default, 2 = per-thread) for use of the
+    /// memory, and remembers it so the memory is handed back only after its work.
+    fn use_on(&self, stream: u64) -> Result<(), String>;
+}
+
+/// The `stream` argument of `__dlpack__` for CUDA memory, as the array API standard defines
+/// it: None is the legacy default stream (1), -1 means "do not synchronise", 0 is refused as
+/// ambiguous, anything else is a stream handle.
+pub(crate) fn cuda_stream(stream: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
+    let Some(s) = stream else { return Ok(Some(1)) };
+    if s.is_none() {
+        return Ok(Some(1));
+    }
+    let v: i64 = s.extract().map_err(|_| {
+        PyBufferError::new_err("stream must be an int (a CUDA stream handle), -1 or None")
+    })?;
+    match v {
+        -1 => Ok(None),
+        0 => Err(PyBufferError::new_err(
+            "stream=0 is ambiguous in DLPack; pass 1 for the legacy default stream or 2 for the per-thread one",
+        )),
+        v if v < -1 => Err(PyBufferError::new_err(format!("invalid stream {v}"))),
+        v => Ok(Some(v as u64)),
+    }
+}
+
 /// A DLPack-capable view of one tensor. Making a framework tensor from it (`torch.from_dlpack`,
 /// `numpy.from_dlpack`, ...) gives an array over the memory itself; the memory stays valid,
 /// and a batch's slot stays held, until every such array is gone.
@@ -24,6 +52,8 @@ pub struct PyTensor {
     pub(crate) readonly: bool,
     pub(crate) copied: bool,
     pub(crate) origin: String,
+    /// GPU memory: stream ordering for exports.
+    pub(crate) streams: Option<Arc<dyn StreamUse>>,
 }
 
 /// A private host copy, 256-byte aligned, that Python libraries may write.
@@ -50,6 +80,7 @@ impl PyTensor {
     pub(crate) fn export<'py>(
         &self,
         py: Python<'py>,
+        stream: Option<&Bound<'py, PyAny>>,
         max_version: Option<(u32, u32)>,
         dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
@@ -63,7 +94,13 @@ impl PyTensor {
             }
         }
         if copy == Some(true) {
-            return self.copy_of()?.export(py, max_version, None, None);
+            return self.copy_of()?.export(py, None, max_version, None, None);
+        }
+        if let Some(uses) = &self.streams {
+            if let Some(s) = cuda_stream(stream)? {
+                py.detach(|| uses.use_on(s))
+                    .map_err(|e| PyBufferError::new_err(format!("ordering stream {s:#x}: {e}")))?;
+            }
         }
         let ex = Export {
             data: self.data as *mut u8,
@@ -112,6 +149,7 @@ impl PyTensor {
             readonly: false,
             copied: true,
             origin: format!("copy of {}", self.origin),
+            streams: None,
         })
     }
 }
@@ -128,8 +166,7 @@ impl PyTensor {
         dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let _ = stream;
-        self.export(py, max_version, dl_device, copy)
+        self.export(py, stream.as_ref(), max_version, dl_device, copy)
     }
 
     /// `(device_type, device_id)` as DLPack numbers them: (1, 0) for host memory, (2, n) for

@@ -36,9 +36,14 @@ def sock(tmp_path_factory) -> str:
 
 
 class Child:
-    """A Python child process in its own process group (killed with the group at the end)."""
+    """A Python child process in its own process group (killed with the group at the end).
+    Its stdout is read line by line on a thread, so `readline` never blocks on data that is
+    already buffered."""
 
     def __init__(self, code: str, *args: str, env=None):
+        import queue
+        import threading
+
         self.proc = subprocess.Popen(
             [sys.executable, "-c", textwrap.dedent(code), *args],
             stdout=subprocess.PIPE,
@@ -47,24 +52,52 @@ class Child:
             start_new_session=True,
             env={**os.environ, **(env or {})},
         )
+        self.lines: "queue.Queue[str | None]" = queue.Queue()
+        self.out: list[str] = []
+        self.err: list[str] = []
+
+        def pump(stream, sink, q=None):
+            for line in stream:
+                sink.append(line)
+                if q is not None:
+                    q.put(line)
+            if q is not None:
+                q.put(None)
+
+        self.threads = [
+            threading.Thread(target=pump, args=(self.proc.stdout, self.out, self.lines), daemon=True),
+            threading.Thread(target=pump, args=(self.proc.stderr, self.err), daemon=True),
+        ]
+        for t in self.threads:
+            t.start()
 
     def readline(self, timeout: float = 20.0) -> str:
-        import select
+        import queue
 
-        r, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not r:
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
             self.kill()
-            raise AssertionError(f"child printed nothing in {timeout}s; stderr: {self.proc.stderr.read()}")
-        return self.proc.stdout.readline().strip()
+            raise AssertionError(f"child printed nothing in {timeout}s; stderr: {''.join(self.err)[-3000:]}")
+        if line is None:
+            self.proc.wait(timeout=10)
+            raise AssertionError(
+                f"child exited ({self.proc.returncode}) before printing a line; stderr: {''.join(self.err)[-3000:]}"
+            )
+        return line.strip()
 
     def wait(self, timeout: float = 60.0) -> tuple[int, str, str]:
         try:
-            out, err = self.proc.communicate(timeout=timeout)
+            self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill()
-            out, err = self.proc.communicate()
-            raise AssertionError(f"child did not finish in {timeout}s; stderr: {err}")
-        return self.proc.returncode, out, err
+            self.proc.wait()
+            for t in self.threads:
+                t.join(timeout=5)
+            raise AssertionError(f"child did not finish in {timeout}s; stderr: {''.join(self.err)[-3000:]}")
+        for t in self.threads:
+            t.join(timeout=10)
+        return self.proc.returncode, "".join(self.out), "".join(self.err)
 
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)

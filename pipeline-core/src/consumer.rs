@@ -364,6 +364,40 @@ impl<B: ConsumerBackend> Consumer<B> {
         &self.link.seg
     }
 
+    /// Starts a thread that checks the producer's socket every `tick` and, when the producer
+    /// died, calls the backend's [`ConsumerBackend::abandon`] at once, without waiting for
+    /// the next `recv`. On a GPU, work waiting on the producer's signals (a stream waiting on
+    /// `ready`) is then released even while the user is blocked elsewhere, e.g. in a device
+    /// synchronize. The thread ends when the ring closes, the producer dies, or the consumer
+    /// and all its batches are gone.
+    pub fn watch_producer(&self, tick: Duration) -> Result<(), Error> {
+        let link = Arc::downgrade(&self.link);
+        std::thread::Builder::new()
+            .name("gpipe-watch".into())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(tick);
+                    let Some(link) = link.upgrade() else { return };
+                    let state = link
+                        .seg
+                        .header()
+                        .constants
+                        .producer_state
+                        .load(Ordering::Acquire);
+                    if state == producer_state::CLOSED {
+                        return;
+                    }
+                    if sys::peer_gone(&link.conn) {
+                        tracing::warn!("the producer died: releasing waits on its signals");
+                        link.backend.abandon();
+                        return;
+                    }
+                }
+            })
+            .map_err(Error::os("spawn the producer watch thread"))?;
+        Ok(())
+    }
+
     /// Batches received and not yet released (by this consumer or by batches it handed out).
     pub fn held(&self) -> usize {
         self.link

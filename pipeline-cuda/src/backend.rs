@@ -86,6 +86,13 @@ pub struct CudaOptions {
     /// Producer: how `ready` is signalled (default [`SyncMode::Events`]). Consumers ignore it
     /// and follow the export.
     pub sync: SyncMode,
+    /// Consumer of a broadcast ring on the VMM path: map the slots writable. By default such a
+    /// consumer maps them read-only, so a kernel of its that writes a batch faults in that
+    /// consumer alone and the batch other consumers read stays intact. The pool and legacy
+    /// paths cannot map read-only (the driver refuses `PROT_READ` on an imported pool): there
+    /// a consumer's writes reach everyone. Shared-mode consumers own their batches and map
+    /// read-write.
+    pub writable: bool,
 }
 
 impl CudaOptions {
@@ -250,6 +257,8 @@ pub struct CudaProducer {
     /// [`ProducerBackend::overdue`] call on: only a ring with the lag policy `DetachAfter`
     /// asks, and only it pays for the bookkeeping).
     watch: Watch,
+    /// An ordering-only event for joining a caller's stream with ours.
+    scratch: Mutex<Event>,
 }
 
 /// What [`ProducerBackend::overdue`] needs: each wait on a `finished` word is followed on the
@@ -292,6 +301,34 @@ impl CudaProducer {
     /// How the slots' handles are shared.
     pub fn handle_kind(&self) -> HandleKind {
         self.handle
+    }
+
+    /// Makes a caller's `stream` wait for everything enqueued on the producer's stream so far
+    /// (after `acquire`: the waits for the slot's previous consumers). gpipe's own waits stay
+    /// on its stream, where the lag watch counts them; the caller's stream waits one event.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream handle of this context, or `CU_STREAM_LEGACY` (1) /
+    /// `CU_STREAM_PER_THREAD` (2).
+    pub unsafe fn order_after(&self, stream: driver::CUstream) -> Result<(), CudaError> {
+        self.ctx.make_current()?;
+        let ev = self.scratch.lock();
+        ev.record(&self.stream)?;
+        // SAFETY: the caller guarantees `stream`; the event is ours and live.
+        unsafe { Stream::raw_wait_event(stream, &ev) }
+    }
+
+    /// Makes the producer's stream wait for everything enqueued on a caller's `stream` so
+    /// far (before `publish`: `ready` is then recorded after the caller's writes).
+    ///
+    /// # Safety
+    /// As for [`CudaProducer::order_after`].
+    pub unsafe fn join(&self, stream: driver::CUstream) -> Result<(), CudaError> {
+        self.ctx.make_current()?;
+        let ev = self.scratch.lock();
+        // SAFETY: the caller guarantees `stream`.
+        unsafe { ev.record_raw(stream) }?;
+        self.stream.wait_event(&ev)
     }
 }
 
@@ -384,6 +421,7 @@ impl ProducerBackend for CudaProducer {
             "gpipe-finished",
         )?;
         let watch = Watch::new(&ctx)?;
+        let scratch = Event::new_plain(&ctx).map_err(be)?;
         Ok(Self {
             ctx,
             stream,
@@ -398,6 +436,7 @@ impl ProducerBackend for CudaProducer {
             live: Mutex::new(0),
             gate: RwLock::new(()),
             watch,
+            scratch: Mutex::new(scratch),
         })
     }
 
@@ -574,6 +613,10 @@ pub struct CudaConsumer {
     abandoned: AtomicBool,
     slot_bytes: u64,
     timings: ImportTimings,
+    /// The slots are mapped read-only.
+    read_only: bool,
+    /// An ordering-only event for joining a caller's stream with ours.
+    scratch: Mutex<Event>,
 }
 
 impl CudaConsumer {
@@ -596,6 +639,63 @@ impl CudaConsumer {
     /// How long this consumer's import (its attach) took, per step.
     pub fn import_timings(&self) -> &ImportTimings {
         &self.timings
+    }
+
+    /// True when the slots are mapped read-only (a broadcast ring on the VMM path, unless
+    /// [`CudaOptions::writable`]): a kernel that writes one faults in this process alone.
+    pub fn read_only(&self) -> bool {
+        self.read_only
+    }
+
+    /// The device ordinal the slots are used on.
+    pub fn device_ordinal(&self) -> usize {
+        self.ctx.device().ordinal()
+    }
+
+    /// Makes a caller's `stream` wait until batch `seq` in `slot` is ready (the producer's
+    /// writes are done), as [`ConsumerBackend::wait_ready`] does for the consumer's stream.
+    /// Valid while the batch is held: the producer signals `ready[slot]` again only after the
+    /// slot is released.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream handle of this context, or `CU_STREAM_LEGACY` (1) /
+    /// `CU_STREAM_PER_THREAD` (2).
+    pub unsafe fn wait_ready_on(
+        &self,
+        stream: driver::CUstream,
+        slot: u32,
+        seq: u64,
+    ) -> Result<(), CudaError> {
+        self.ctx.make_current()?;
+        match &self.ready {
+            // SAFETY: the caller guarantees `stream`; the event is ours, live for our life.
+            ReadySignal::Events(events) => unsafe {
+                Stream::raw_wait_event(stream, &events[slot as usize])
+            },
+            // SAFETY: the word is in our registered ready timelines, mapped for our lifetime;
+            // the caller guarantees `stream`.
+            ReadySignal::Semaphore(words) => unsafe {
+                driver::stream_wait_value64_raw(
+                    stream,
+                    words.device(0, slot),
+                    seq + 1,
+                    WaitCondition::Geq,
+                )
+            },
+        }
+    }
+
+    /// Makes the consumer's stream (on which a release writes `finished`) wait for the work
+    /// enqueued on a caller's `stream` so far.
+    ///
+    /// # Safety
+    /// As for [`CudaConsumer::wait_ready_on`].
+    pub unsafe fn join(&self, stream: driver::CUstream) -> Result<(), CudaError> {
+        self.ctx.make_current()?;
+        let ev = self.scratch.lock();
+        // SAFETY: the caller guarantees `stream`.
+        unsafe { ev.record_raw(stream) }?;
+        self.stream.wait_event(&ev)
     }
 }
 
@@ -673,7 +773,11 @@ impl ConsumerBackend for CudaConsumer {
         check_capabilities(&ctx, memory, handle)?;
         let stream = Stream::new(&ctx).map_err(be)?;
         timings.setup_us = micros(t);
-        let slots = ConsumerSlots::import(&ctx, export, &mut timings)?;
+        let scratch = Event::new_plain(&ctx).map_err(be)?;
+        let read_only = layout.mode == pipeline_core::Mode::Broadcast
+            && memory == MemoryPath::Vmm
+            && !options.writable;
+        let slots = ConsumerSlots::import(&ctx, export, &mut timings, read_only)?;
         debug_assert_eq!(slots.len(), n as usize);
         let t = Instant::now();
         let ready = match ready_fd {
@@ -714,6 +818,8 @@ impl ConsumerBackend for CudaConsumer {
                 abandoned: AtomicBool::new(false),
                 slot_bytes,
                 timings,
+                read_only,
+                scratch: Mutex::new(scratch),
             },
             Export {
                 blob: reply,

@@ -441,6 +441,18 @@ impl Stream {
         unsafe { self.wait_event_raw(event.raw()) }
     }
 
+    /// Makes a stream given by handle wait for `event`'s most recent record.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream handle of a context on this device (or
+    /// `CU_STREAM_LEGACY` / `CU_STREAM_PER_THREAD`).
+    pub unsafe fn raw_wait_event(stream: CUstream, event: &Event) -> Result<(), CudaError> {
+        // SAFETY: the caller guarantees `stream`; `event` is live (borrowed).
+        check("cuStreamWaitEvent", unsafe {
+            sys::cuStreamWaitEvent(stream, event.raw(), 0)
+        })
+    }
+
     /// Like [`Stream::wait_event`], for an event handle owned elsewhere.
     ///
     /// # Safety
@@ -546,6 +558,28 @@ impl Event {
             sys::cuIpcGetEventHandle(&mut handle, self.raw)
         })?;
         Ok(handle.reserved.map(|c| c.to_ne_bytes()[0]))
+    }
+
+    /// An event for ordering only (`CU_EVENT_DISABLE_TIMING`), within this process.
+    pub fn new_plain(ctx: &Arc<Context>) -> Result<Event, CudaError> {
+        Event::create(
+            ctx,
+            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint,
+            false,
+        )
+    }
+
+    /// Captures the work enqueued so far on a stream given by handle: one of this context's,
+    /// or `CU_STREAM_LEGACY` (1) / `CU_STREAM_PER_THREAD` (2).
+    ///
+    /// # Safety
+    /// `stream` must be a live stream handle of this event's context (or one of the two
+    /// special handles).
+    pub unsafe fn record_raw(&self, stream: CUstream) -> Result<(), CudaError> {
+        // SAFETY: `self.raw` is live; the caller guarantees `stream`.
+        check("cuEventRecord", unsafe {
+            sys::cuEventRecord(self.raw, stream)
+        })
     }
 
     /// Captures the work enqueued on `stream` so far.
@@ -1004,13 +1038,28 @@ pub unsafe fn stream_wait_value64(
     value: u64,
     condition: WaitCondition,
 ) -> Result<(), CudaError> {
+    // SAFETY: `stream` is live (borrowed); the caller guarantees `ptr`.
+    unsafe { stream_wait_value64_raw(stream.raw, ptr, value, condition) }
+}
+
+/// As [`stream_wait_value64`], on a stream given by handle.
+///
+/// # Safety
+/// As for [`stream_wait_value64`]; `stream` is a live handle of the current context (or
+/// `CU_STREAM_LEGACY` / `CU_STREAM_PER_THREAD`).
+pub unsafe fn stream_wait_value64_raw(
+    stream: CUstream,
+    ptr: CUdeviceptr,
+    value: u64,
+    condition: WaitCondition,
+) -> Result<(), CudaError> {
     let flags = match condition {
         WaitCondition::Geq => sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ,
         WaitCondition::Eq => sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_EQ,
     } as c_uint;
-    // SAFETY: the caller guarantees `ptr`; the stream is live.
+    // SAFETY: the caller guarantees `ptr` and `stream`.
     check("cuStreamWaitValue64_v2", unsafe {
-        sys::cuStreamWaitValue64_v2(stream.raw, ptr, value, flags)
+        sys::cuStreamWaitValue64_v2(stream, ptr, value, flags)
     })
 }
 

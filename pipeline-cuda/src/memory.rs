@@ -706,10 +706,13 @@ pub(crate) enum ConsumerSlots {
 
 impl ConsumerSlots {
     /// Imports every slot of `export` once, recording the time per step in `timings`.
+    /// Imports every slot once. `read_only`: map VMM slots read-only (the pool and legacy
+    /// paths cannot be).
     pub(crate) fn import(
         ctx: &Arc<Context>,
         export: SlotExport,
         timings: &mut ImportTimings,
+        read_only: bool,
     ) -> Result<ConsumerSlots, BackendError> {
         let mut slot_times = Vec::new();
         let slots = match export {
@@ -779,7 +782,7 @@ impl ConsumerSlots {
                         Share::Fabric(f) => PhysicalAllocation::import_fabric(ctx, &f, size)
                             .map_err(|e| fabric_failure("importing a VMM allocation", e))?,
                     };
-                    maps.push(VmmMapping::new(ctx, alloc, align)?);
+                    maps.push(VmmMapping::with_access(ctx, alloc, align, read_only)?);
                     slot_times.push(micros(t));
                 }
                 ConsumerSlots::Vmm { maps }

@@ -288,6 +288,18 @@ impl VmmMapping {
         allocation: PhysicalAllocation,
         alignment: usize,
     ) -> Result<VmmMapping, CudaError> {
+        Self::with_access(ctx, allocation, alignment, false)
+    }
+
+    /// As [`VmmMapping::new`], mapped read-only for this device when `read_only` is set
+    /// (`CU_MEM_ACCESS_FLAGS_PROT_READ`): kernels of this process that write it fault with an
+    /// illegal-address error, and the memory is left as it was.
+    pub fn with_access(
+        ctx: &Arc<Context>,
+        allocation: PhysicalAllocation,
+        alignment: usize,
+        read_only: bool,
+    ) -> Result<VmmMapping, CudaError> {
         if alignment != 0 && !alignment.is_power_of_two() {
             return Err(CudaError::InvalidArgument(format!(
                 "VMM mapping alignment {alignment} is not a power of two"
@@ -321,7 +333,11 @@ impl VmmMapping {
         mapping.allocation = Some(allocation);
         let desc = sys::CUmemAccessDesc {
             location: device_location(ctx.device()),
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            flags: if read_only {
+                sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ
+            } else {
+                sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            },
         };
         // SAFETY: the whole range is mapped by us; `desc` is one valid descriptor.
         check("cuMemSetAccess", unsafe {

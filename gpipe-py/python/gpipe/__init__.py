@@ -94,20 +94,40 @@ def _layout_of(obj: Any) -> tuple[str, list[int], Optional[list[int]], str]:
 def _copy_into(slot: Slot, name: str, src: Any) -> None:
     dtype, shape, strides, kind = _layout_of(src)
     dst = slot.tensor(name, dtype, shape, strides)
+    on_gpu = dst.__dlpack_device__()[0] == 2
     if kind == "torch":
         import torch  # type: ignore[import-not-found]
 
-        if src.device.type != "cpu" and dst.__dlpack_device__()[0] == 1:
-            raise ValueError(
-                f"tensor {name!r} is on {src.device}, but this ring is in host memory; "
-                "move it with .cpu() or use a CUDA ring"
-            )
+        if src.device.type == "cuda":
+            if not on_gpu:
+                raise ValueError(
+                    f"tensor {name!r} is on {src.device}, but this ring is in host memory; "
+                    "move it with .cpu() or use a CUDA ring"
+                )
+            ring_dev = dst.__dlpack_device__()[1]
+            if src.device.index != ring_dev:
+                raise ValueError(
+                    f"tensor {name!r} is on {src.device}, but this ring's slots are on "
+                    f"cuda:{ring_dev}; move it with .to('cuda:{ring_dev}')"
+                )
+        elif src.device.type != "cpu":
+            raise ValueError(f"tensor {name!r} is on {src.device}, which gpipe cannot copy from")
         torch.from_dlpack(dst).copy_(src)
-    else:
-        import numpy as np
+        return
+    import numpy as np
 
-        out = np.from_dlpack(dst)
-        np.copyto(out, src if isinstance(src, np.ndarray) else np.from_dlpack(src))
+    arr = src if isinstance(src, np.ndarray) else np.from_dlpack(src)
+    if on_gpu:
+        try:
+            import torch  # type: ignore[import-not-found]
+        except ImportError:
+            raise ValueError(
+                f"copying the NumPy array {name!r} into a CUDA ring needs torch; "
+                "or write the slot with CuPy: cupy.from_dlpack(slot.tensor(...))"
+            ) from None
+        torch.from_dlpack(dst).copy_(torch.from_numpy(np.ascontiguousarray(arr)).reshape(shape))
+        return
+    np.copyto(np.from_dlpack(dst), arr)
 
 
 class Producer(_gpipe.Producer):

@@ -1,0 +1,301 @@
+"""The package on the GPU: torch, CuPy and JAX tensors over a CUDA ring's slots, streams,
+killed peers and the write rule. Skipped without torch and a CUDA device (CI); run on the
+GPU machine (`. .gpu/env.sh && python3 -m pytest gpipe-py/tests`)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+import gpipe  # noqa: E402
+
+N = 1 << 18  # int32 words per batch (1 MiB)
+
+# A consumer child. Every batch is checked on the GPU against its sequence number with no
+# host synchronisation per batch; the mismatch count is read once at the end.
+# argv: socket, how ("default" | "side" | "record" | "hold"), delay_s
+CONSUMER = r"""
+import json, sys, time, torch, gpipe
+sock, how, delay = sys.argv[1], sys.argv[2], float(sys.argv[3])
+c = gpipe.Consumer(sock)
+print("attached", flush=True)
+bad = torch.zeros((), dtype=torch.int64, device="cuda")
+side = torch.cuda.Stream()
+other = torch.cuda.Stream()
+seqs = []
+end = "closed"
+try:
+    for b in c:
+        with b:
+            if how == "side":
+                with torch.cuda.stream(side):
+                    x = torch.from_dlpack(b["x"])
+                    y = (x.float() @ torch.ones(x.shape[1], 64, device="cuda")).sum()
+                    bad += ((x != b.seq).sum() > 0).long()
+            elif how == "record":
+                x = torch.from_dlpack(b["x"])       # made for the default stream
+                b.record_stream(other)               # ... used on another
+                with torch.cuda.stream(other):
+                    torch.cuda._sleep(20000)
+                    bad += ((x != b.seq).sum() > 0).long()
+            else:
+                x = torch.from_dlpack(b["x"])
+                torch.cuda._sleep(20000)             # slow reader: a refill too early shows
+                bad += ((x != b.seq).sum() > 0).long()
+            if "labels" in b:
+                img = torch.from_dlpack(b["images"])
+                if not img.is_contiguous(memory_format=torch.channels_last):
+                    bad += 1000
+                bad += ((img != (b.seq % 251)).sum() > 0).long()
+                bad += ((torch.from_dlpack(b["labels"]) != b.seq).sum() > 0).long()
+            seqs.append(b.seq)
+            del x
+        if delay:
+            time.sleep(delay)
+except gpipe.Error as e:
+    end = type(e).__name__ + ": " + str(e)
+torch.cuda.synchronize()
+print(json.dumps({"seqs": seqs, "bad": int(bad.item()), "end": end}), flush=True)
+"""
+
+
+def produce(p, n, start=0, images=False):
+    for s in range(start, start + n):
+        with p.acquire(timeout=30) as slot:
+            x = torch.from_dlpack(slot.tensor("x", torch.int32, (N // 64, 64)))
+            x.zero_()
+            torch.cuda._sleep(20000)  # a slow writer: a consumer reading too early shows
+            x.add_(s)
+            if images:
+                img = torch.from_dlpack(
+                    slot.tensor("images", torch.uint8, (4, 3, 32, 32), (3072, 1, 96, 3))
+                )
+                img.fill_(s % 251)
+                lab = torch.from_dlpack(slot.tensor("labels", torch.int64, (4,)))
+                lab.fill_(s)
+            slot.publish(meta=[s])
+
+
+def result(ch, timeout=120):
+    rc, out, err = ch.wait(timeout=timeout)
+    assert rc == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def start_consumers(child, sock, n, how="default", delay="0"):
+    kids = [child(CONSUMER, sock, how, delay) for _ in range(n)]
+    for k in kids:
+        assert k.readline(timeout=60) == "attached"
+    return kids
+
+
+@pytest.mark.parametrize("mode", ["broadcast", "shared"])
+@pytest.mark.parametrize("consumers", [1, 4])
+def test_torch_producer_torch_consumers(sock, child, mode, consumers):
+    p = gpipe.Producer(sock, slots=4, batch_bytes=2 << 20, mode=mode, backend="cuda")
+    assert p.backend == "cuda" and p.device == "cuda:0"
+    if mode == "broadcast":
+        assert p.memory in ("vmm", "pool")
+    kids = start_consumers(child, sock, consumers)
+    p.wait_for_consumers(consumers, timeout=30)
+    produce(p, 300)
+    p.close()
+    results = [result(k) for k in kids]
+    for r in results:
+        assert r["bad"] == 0 and r["end"] == "closed", r
+    if mode == "broadcast":
+        for r in results:
+            assert r["seqs"] == list(range(300))
+    else:
+        assert sorted(s for r in results for s in r["seqs"]) == list(range(300))
+
+
+@pytest.mark.parametrize("how", ["side", "record"])
+def test_work_on_a_side_stream_and_moved_with_record_stream(sock, child, how):
+    p = gpipe.Producer(sock, slots=2, batch_bytes=2 << 20, backend="cuda")
+    (k,) = start_consumers(child, sock, 1, how=how)
+    p.wait_for_consumers(1, timeout=30)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # the producer writes on a side stream of its own
+        produce(p, 200)
+    p.close()
+    r = result(k)
+    assert r["bad"] == 0 and r["seqs"] == list(range(200)), r
+
+
+def test_multi_tensor_batches_channels_last_and_labels(sock, child):
+    p = gpipe.Producer(sock, slots=4, batch_bytes=2 << 20, backend="cuda")
+    (k,) = start_consumers(child, sock, 1)
+    p.wait_for_consumers(1, timeout=30)
+    produce(p, 100, images=True)
+    p.close()
+    r = result(k)
+    assert r["bad"] == 0 and len(r["seqs"]) == 100, r
+
+
+def test_send_keeps_layouts_and_refuses_a_wrong_device(sock, child):
+    p = gpipe.Producer(sock, slots=2, batch_bytes=2 << 20, backend="cuda")
+    c = gpipe.Consumer(sock)
+    p.wait_for_consumers(1, timeout=30)
+    img = torch.randn(8, 3, 16, 16, device="cuda").to(memory_format=torch.channels_last)
+    p.send({"img": img, "cpu_labels": torch.arange(8)})
+    with c.recv(timeout=10) as b:
+        got = torch.from_dlpack(b["img"])
+        assert got.device == torch.device("cuda:0")
+        assert got.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(got, img)
+        assert torch.equal(torch.from_dlpack(b["cpu_labels"]).cpu(), torch.arange(8))
+        assert b["img"].__dlpack_device__() == (2, 0)
+    with pytest.raises(ValueError, match="cuda:0"):
+        gpipe.Consumer(sock, device=5)
+    with pytest.raises(ValueError, match="CUDA memory"):
+        gpipe.Consumer(sock, device="cpu")
+    if torch.cuda.device_count() > 1:
+        with pytest.raises(ValueError, match="cuda:0"):
+            p.send(torch.zeros(4, device="cuda:1"))
+    c.close()
+    p.close()
+
+
+CUPY_CONSUMER = r"""
+import sys, cupy, gpipe
+c = gpipe.Consumer(sys.argv[1])
+print("attached", flush=True)
+bad = 0; n = 0
+for b in c:
+    with b:
+        x = cupy.from_dlpack(b["x"])
+        bad += int((x != b.seq).any())
+        n += 1
+        del x
+print(n, bad, flush=True)
+"""
+
+JAX_CONSUMER = r"""
+import os, sys
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+import jax, jax.numpy as jnp, gpipe
+c = gpipe.Consumer(sys.argv[1])
+print("attached", flush=True)
+bad = 0; n = 0
+for b in c:
+    with b:
+        x = jax.dlpack.from_dlpack(b["x"])
+        bad += int(jnp.any(x != b.seq))
+        n += 1
+        del x
+print(n, bad, flush=True)
+"""
+
+
+@pytest.mark.parametrize("lib", ["cupy", "jax"])
+def test_cupy_and_jax_consumers(sock, child, lib):
+    pytest.importorskip(lib)
+    p = gpipe.Producer(sock, slots=4, batch_bytes=2 << 20, backend="cuda")
+    k = child(CUPY_CONSUMER if lib == "cupy" else JAX_CONSUMER, sock)
+    assert k.readline(timeout=90) == "attached"
+    p.wait_for_consumers(1, timeout=30)
+    produce(p, 50)
+    p.close()
+    rc, out, err = k.wait(timeout=120)
+    assert rc == 0, err
+    assert out.split()[-2:] == ["50", "0"], (out, err[-2000:])
+
+
+@pytest.mark.parametrize("mode", ["broadcast", "shared"])
+def test_a_sigkilled_consumer_costs_the_others_nothing(sock, child, mode):
+    p = gpipe.Producer(sock, slots=4, batch_bytes=2 << 20, mode=mode, backend="cuda")
+    victim = child(CONSUMER, sock, "default", "0.01")
+    assert victim.readline(timeout=60) == "attached"
+    others = start_consumers(child, sock, 2)
+    p.wait_for_consumers(3, timeout=30)
+    produce(p, 60)
+    victim.kill()
+    produce(p, 240, start=60)
+    p.close()
+    results = [result(k) for k in others]
+    for r in results:
+        assert r["bad"] == 0 and r["end"] == "closed", r
+    if mode == "broadcast":
+        for r in results:
+            assert r["seqs"] == list(range(300))
+    else:
+        got = [s for r in results for s in r["seqs"]]
+        assert len(got) == len(set(got)) and set(range(60, 300)) <= set(got)
+
+
+WRITER = r"""
+import sys, torch, gpipe
+c = gpipe.Consumer(sys.argv[1])
+print("attached", c.enforced_read_only, flush=True)
+try:
+    for b in c:
+        with b:
+            x = torch.from_dlpack(b["x"])
+            x.add_(1000)          # a broadcast consumer writing its batch in place
+            torch.cuda.synchronize()
+            del x
+    print("wrote", flush=True)
+except Exception as e:
+    print("failed", type(e).__name__, str(e)[:200], flush=True)
+    sys.exit(3)
+"""
+
+
+def test_a_broadcast_consumer_that_writes_fails_alone(sock, child):
+    p = gpipe.Producer(sock, slots=4, batch_bytes=2 << 20, mode="broadcast", backend="cuda")
+    if p.memory != "vmm":
+        pytest.skip(f"the device has no VMM path ({p.memory}): writes cannot be refused there")
+    w = child(WRITER, sock)
+    assert w.readline(timeout=60) == "attached True"
+    readers = start_consumers(child, sock, 2)
+    p.wait_for_consumers(3, timeout=30)
+    produce(p, 100)
+    p.close()
+    rc, out, err = w.wait(timeout=120)
+    assert rc == 3 and "failed" in out, (rc, out, err[-2000:])
+    for r in (result(k) for k in readers):
+        assert r["bad"] == 0 and r["seqs"] == list(range(100)) and r["end"] == "closed", r
+
+
+def test_a_sigkilled_producer_never_hangs_the_consumers_gpu(sock, child):
+    prod = child(
+        r"""
+        import sys, time, torch, gpipe
+        p = gpipe.Producer(sys.argv[1], slots=4, batch_bytes=2 << 20, backend="cuda")
+        print("bound", flush=True)
+        p.wait_for_consumers(1, timeout=60)
+        with p.acquire() as slot:
+            x = torch.from_dlpack(slot.tensor("x", torch.int32, (1024,)))
+            torch.cuda._sleep(4_000_000_000)   # seconds of GPU time before `ready`
+            x.fill_(7)
+            slot.publish()
+        print("published", flush=True)
+        time.sleep(120)
+        """,
+        sock,
+    )
+    assert prod.readline(timeout=60) == "bound"
+    c = gpipe.Consumer(sock)
+    assert prod.readline(timeout=60) == "published"
+    b = c.recv(timeout=10)
+    x = torch.from_dlpack(b["x"])  # our stream now waits for a `ready` that never comes
+    y = x + 1
+    prod.kill()
+    t0 = time.monotonic()
+    torch.cuda.synchronize()  # released by the consumer's watch on the producer
+    synced = time.monotonic() - t0
+    with pytest.raises(gpipe.ProducerDied):
+        c.recv(timeout=10)
+    died = time.monotonic() - t0
+    print(f"synchronize returned after {synced:.3f} s, ProducerDied after {died:.3f} s")
+    assert synced < 1.0 and died < 1.0, (synced, died)
+    del x, y
+    b.release()
