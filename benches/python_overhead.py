@@ -33,7 +33,7 @@ def median_per_batch(samples: list[float]) -> float:
 
 def run(rounds: int) -> dict:
     sock = os.path.join(tempfile.mkdtemp(prefix="gp-bench-"), "ring.sock")
-    p = gpipe.Producer(sock, slots=SLOTS, batch_bytes=2 << 20)
+    p = gpipe.Producer(sock, slots=SLOTS, batch_bytes=2 << 20, backend="host")
     c = gpipe.Consumer(sock)
     p.wait_for_consumers(1, timeout=5)
     try:

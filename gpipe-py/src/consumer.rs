@@ -141,7 +141,13 @@ impl PyConsumer {
                     )));
                 }
                 let c = py
-                    .detach(|| pending.finish::<CudaConsumer>(CudaOptions::default()))
+                    .detach(|| {
+                        pending.finish::<CudaConsumer>(CudaOptions {
+                            // Each stream a tensor is made for waits `ready` itself.
+                            defer_ready: true,
+                            ..CudaOptions::default()
+                        })
+                    })
                     .map_err(attach_error)?;
                 let ordinal = c.backend().device_ordinal();
                 if let Some(Some(want)) = device {

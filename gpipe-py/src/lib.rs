@@ -12,64 +12,74 @@ mod tensor;
 use std::time::{Duration, Instant};
 
 use pipeline_core::{DType, Error};
-use pyo3::create_exception;
-use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-create_exception!(
-    gpipe,
-    GpipeError,
-    PyException,
-    "Base class of every error gpipe raises (besides ValueError/TypeError for bad arguments)."
-);
-create_exception!(
-    gpipe,
-    ProducerDied,
-    GpipeError,
-    "The producer died without closing the ring; batches it had not published are lost."
-);
-create_exception!(
-    gpipe,
-    Closed,
-    GpipeError,
-    "The ring was closed cleanly and everything published has been received, or this object was closed."
-);
-create_exception!(
-    gpipe,
-    AttachError,
-    GpipeError,
-    "Attaching to a producer failed: nothing listens, permission, version or backend mismatch."
-);
-create_exception!(
-    gpipe,
-    Detached,
-    GpipeError,
-    "The producer detached this consumer (its lag policy, or a protocol violation)."
-);
-create_exception!(
-    gpipe,
-    Timeout,
-    GpipeError,
-    "A blocking call ran past its timeout; nothing was lost, call it again."
-);
-create_exception!(
-    gpipe,
-    Deadlock,
-    GpipeError,
-    "The call could never return: this consumer holds the batch in the slot the producer must refill first."
-);
-create_exception!(
-    gpipe,
-    ProtocolError,
-    GpipeError,
-    "A peer broke the protocol (a corrupted control segment, a malformed message)."
-);
-create_exception!(
-    gpipe,
-    BackendError,
-    GpipeError,
-    "The memory backend (host memory or CUDA) failed."
-);
+/// The exception classes (their Rust names are their Python names, so they pickle).
+pub(crate) mod exc {
+    use pyo3::create_exception;
+    use pyo3::exceptions::PyException;
+
+    create_exception!(
+        gpipe,
+        Error,
+        PyException,
+        "Base class of every error gpipe raises (besides ValueError/TypeError for bad arguments)."
+    );
+    create_exception!(
+        gpipe,
+        ProducerDied,
+        Error,
+        "The producer died without closing the ring; batches it had not published are lost."
+    );
+    create_exception!(
+        gpipe,
+        Closed,
+        Error,
+        "The ring was closed cleanly and everything published has been received, or this object was closed."
+    );
+    create_exception!(
+        gpipe,
+        AttachError,
+        Error,
+        "Attaching to a producer failed: nothing listens, permission, version or backend mismatch."
+    );
+    create_exception!(
+        gpipe,
+        Detached,
+        Error,
+        "The producer detached this consumer (its lag policy, or a protocol violation)."
+    );
+    create_exception!(
+        gpipe,
+        Timeout,
+        Error,
+        "A blocking call ran past its timeout; nothing was lost, call it again."
+    );
+    create_exception!(
+        gpipe,
+        Deadlock,
+        Error,
+        "The call could never return: this consumer holds the batch in the slot the producer must refill first."
+    );
+    create_exception!(
+        gpipe,
+        ProtocolError,
+        Error,
+        "A peer broke the protocol (a corrupted control segment, a malformed message)."
+    );
+    create_exception!(
+        gpipe,
+        BackendError,
+        Error,
+        "The memory backend (host memory or CUDA) failed."
+    );
+}
+
+pub(crate) use exc::{
+    AttachError, BackendError, Closed, Deadlock, Detached, Error as GpipeError, ProducerDied,
+    ProtocolError, Timeout,
+};
 
 /// How long a blocking call runs without the GIL before it checks for signals.
 pub(crate) const SLICE: Duration = Duration::from_millis(50);

@@ -42,7 +42,7 @@ macro_rules! with_producer {
 /// waiting on a dead producer's word is released by its watch thread; an IPC event of a
 /// dead process may never complete), and in broadcast mode the VMM path where the device
 /// has it, so consumers map the slots read-only.
-fn cuda_options(device: usize, mode: Mode) -> Result<CudaOptions, String> {
+fn cuda_options(device: usize, mode: Mode, sync: SyncMode) -> Result<CudaOptions, String> {
     if !pipeline_cuda::driver::driver_present() {
         return Err("no CUDA driver (libcuda.so.1) could be loaded".into());
     }
@@ -66,8 +66,9 @@ fn cuda_options(device: usize, mode: Mode) -> Result<CudaOptions, String> {
         device: Some(device),
         memory,
         handle: HandleKind::PosixFd,
-        sync: SyncMode::Semaphore,
+        sync,
         writable: false,
+        defer_ready: false,
     })
 }
 
@@ -114,7 +115,7 @@ fn parse_mode(mode: &str) -> PyResult<Mode> {
 #[pymethods]
 impl PyProducer {
     #[new]
-    #[pyo3(signature = (socket, *, slots=8, batch_bytes=8 << 20, mode="broadcast", backend="auto", device=0, detach_after_ms=None, max_consumers=16, drain_timeout=5.0))]
+    #[pyo3(signature = (socket, *, slots=8, batch_bytes=8 << 20, mode="broadcast", backend="auto", device=0, detach_after_ms=None, max_consumers=16, drain_timeout=5.0, sync="auto"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -127,8 +128,20 @@ impl PyProducer {
         detach_after_ms: Option<u64>,
         max_consumers: u32,
         drain_timeout: f64,
+        sync: &str,
     ) -> PyResult<Self> {
         let mode = parse_mode(mode)?;
+        // `auto`: timeline words, which a consumer can release when the producer dies (an IPC
+        // event recorded by a dead process may never complete).
+        let sync = match sync {
+            "auto" | "semaphore" => SyncMode::Semaphore,
+            "events" => SyncMode::Events,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "unknown sync {other:?}: use \"auto\", \"semaphore\" or \"events\""
+                )));
+            }
+        };
         if !(drain_timeout.is_finite() && drain_timeout >= 0.0) {
             return Err(PyValueError::new_err(format!(
                 "drain_timeout must be a non-negative number of seconds, not {drain_timeout}"
@@ -162,10 +175,10 @@ impl PyProducer {
         let cuda = match backend {
             "host" => None,
             "cuda" => Some(
-                cuda_options(device as usize, mode)
+                cuda_options(device as usize, mode, sync)
                     .map_err(|e| crate::BackendError::new_err(format!("backend=\"cuda\": {e}")))?,
             ),
-            "auto" => cuda_options(device as usize, mode).ok(),
+            "auto" => cuda_options(device as usize, mode, sync).ok(),
             other => {
                 return Err(PyValueError::new_err(format!(
                     "unknown backend {other:?}: use \"auto\", \"cuda\" or \"host\""

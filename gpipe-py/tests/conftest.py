@@ -46,12 +46,14 @@ class Child:
 
         self.proc = subprocess.Popen(
             [sys.executable, "-c", textwrap.dedent(code), *args],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
             env={**os.environ, **(env or {})},
         )
+        self._stdin = self.proc.stdin
         self.lines: "queue.Queue[str | None]" = queue.Queue()
         self.out: list[str] = []
         self.err: list[str] = []
@@ -98,6 +100,11 @@ class Child:
         for t in self.threads:
             t.join(timeout=10)
         return self.proc.returncode, "".join(self.out), "".join(self.err)
+
+    def release_stdin(self) -> None:
+        """Sends a line to the child's stdin (a child may wait on it to be told to go on)."""
+        self._stdin.write("go\n")
+        self._stdin.flush()
 
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)
@@ -156,6 +163,7 @@ def make_ring(sock):
     made = []
 
     def make(slots: int = 4, batch_bytes: int = 1 << 20, **kw):
+        kw.setdefault("backend", "host")
         p = gpipe.Producer(sock, slots=slots, batch_bytes=batch_bytes, **kw)
         c = gpipe.Consumer(sock)
         p.wait_for_consumers(1, timeout=5)
@@ -166,3 +174,18 @@ def make_ring(sock):
     for p, c in made:
         c.close()
         p.close()
+
+
+@pytest.fixture
+def report():
+    """`report(line)`: a measured figure worth keeping, appended to $GPIPE_REPORT when set
+    (the GPU scripts collect them) and printed."""
+
+    def write(line: str) -> None:
+        print(line)
+        path = os.environ.get("GPIPE_REPORT")
+        if path:
+            with open(path, "a") as f:
+                f.write(line + "\n")
+
+    return write

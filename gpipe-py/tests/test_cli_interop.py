@@ -15,7 +15,7 @@ import gpipe
 def test_gpipe_produce_feeds_a_python_consumer(sock, gpipe_bin):
     prod = subprocess.Popen(
         # Shared mode: batches published before the consumer attaches wait for it.
-        [gpipe_bin, "produce", "--socket", sock, "--mode", "shared", "--slots", "4",
+        [gpipe_bin, "produce", "--backend", "host", "--socket", sock, "--mode", "shared", "--slots", "4",
          "--batch-bytes", "1MiB", "--batches", "200"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
@@ -41,7 +41,7 @@ def test_gpipe_produce_feeds_a_python_consumer(sock, gpipe_bin):
 
 
 def test_a_python_producer_feeds_gpipe_consume_verify(sock, gpipe_bin):
-    p = gpipe.Producer(sock, slots=4, batch_bytes=1 << 20)
+    p = gpipe.Producer(sock, backend="host", slots=4, batch_bytes=1 << 20)
     cons = subprocess.Popen(
         [gpipe_bin, "consume", "--socket", sock, "--verify", "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,

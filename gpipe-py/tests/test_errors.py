@@ -27,22 +27,22 @@ def test_attach_to_nothing(sock):
 
 def test_producer_arguments(sock):
     with pytest.raises(ValueError, match="unknown mode"):
-        gpipe.Producer(sock, mode="fanout")
+        gpipe.Producer(sock, backend="host", mode="fanout")
     with pytest.raises(ValueError, match="unknown backend"):
         gpipe.Producer(sock, backend="tpu")
     with pytest.raises(ValueError, match="slot count"):
-        gpipe.Producer(sock, slots=0)
+        gpipe.Producer(sock, backend="host", slots=0)
     with pytest.raises(ValueError, match="consumer capacity"):
-        gpipe.Producer(sock, max_consumers=64)
+        gpipe.Producer(sock, backend="host", max_consumers=64)
     with pytest.raises(OverflowError):
-        gpipe.Producer(sock, slots=-1)
+        gpipe.Producer(sock, backend="host", slots=-1)
     with pytest.raises(ValueError):
-        gpipe.Producer(sock, device=-1)
+        gpipe.Producer(sock, backend="host", device=-1)
 
 
 def test_a_second_producer_on_a_live_socket(ring, sock):
     with pytest.raises(ValueError, match="already listening"):
-        gpipe.Producer(sock)
+        gpipe.Producer(sock, backend="host")
 
 
 def test_slot_tensor_arguments(ring):

@@ -128,7 +128,7 @@ def test_recv_timeout(make_ring):
 
 
 def test_iteration_ends_when_the_producer_closes(sock, child):
-    p = gpipe.Producer(sock, slots=4, batch_bytes=1 << 20)
+    p = gpipe.Producer(sock, backend="host", slots=4, batch_bytes=1 << 20)
     ch = child(
         """
         import sys, numpy as np, gpipe
@@ -150,7 +150,7 @@ def test_iteration_ends_when_the_producer_closes(sock, child):
 
 
 def test_acquire_is_one_slot_at_a_time_and_with_gives_back(sock):
-    p = gpipe.Producer(sock, slots=2, batch_bytes=1 << 20)
+    p = gpipe.Producer(sock, backend="host", slots=2, batch_bytes=1 << 20)
     s = p.acquire()
     with pytest.raises(gpipe.Error, match="still open"):
         p.acquire()

@@ -45,7 +45,7 @@ def test_a_cuda_tensor_sent_to_a_host_ring_is_refused(make_ring):
 
 
 def test_the_dataset_in_a_dataloader(sock, child):
-    p = gpipe.Producer(sock, slots=4, batch_bytes=1 << 20)
+    p = gpipe.Producer(sock, backend="host", slots=4, batch_bytes=1 << 20)
     ch = child(
         """
         import sys, torch, gpipe.torch
@@ -71,15 +71,17 @@ def test_the_dataset_in_a_dataloader(sock, child):
 
 
 def test_the_dataset_refuses_broadcast_with_several_workers(sock, child):
-    p = gpipe.Producer(sock, slots=4, batch_bytes=1 << 20)
+    p = gpipe.Producer(sock, backend="host", slots=4, batch_bytes=1 << 20)
     ch = child(
         """
         import sys, torch, gpipe.torch
         from torch.utils.data import DataLoader
         ds = gpipe.torch.BatchDataset(sys.argv[1])
+        n = 0
         try:
             for _ in DataLoader(ds, batch_size=None, num_workers=2):
-                pass
+                n += 1
+            print("no error after", n, "items", flush=True)
         except Exception as e:
             print("refused" if "broadcast" in str(e) else repr(e), flush=True)
         """,
@@ -87,5 +89,5 @@ def test_the_dataset_refuses_broadcast_with_several_workers(sock, child):
     )
     rc, out, err = ch.wait(timeout=90)
     assert rc == 0, err
-    assert out.strip() == "refused"
+    assert out.strip() == "refused", (out, err[-3000:])
     p.close()

@@ -44,7 +44,7 @@ def test_numpy_arrays_of_a_batch_are_read_only(make_ring, mode):
 
 
 def test_a_consumer_that_writes_through_a_raw_pointer_dies_alone(sock, child):
-    p = gpipe.Producer(sock, slots=4, batch_bytes=1 << 20, mode="broadcast")
+    p = gpipe.Producer(sock, backend="host", slots=4, batch_bytes=1 << 20, mode="broadcast")
     writer = child(
         """
         import ctypes, sys, gpipe

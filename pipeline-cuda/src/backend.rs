@@ -93,6 +93,11 @@ pub struct CudaOptions {
     /// a consumer's writes reach everyone. Shared-mode consumers own their batches and map
     /// read-write.
     pub writable: bool,
+    /// Consumer: do not make the consumer's own stream wait for `ready` on each batch; the
+    /// caller makes the streams it uses wait, with [`CudaConsumer::wait_ready_on`], and joins
+    /// them with [`CudaConsumer::join`] before the batch is released (the Python package
+    /// does this for the streams DLPack names). Without a wait, nothing may read the batch.
+    pub defer_ready: bool,
 }
 
 impl CudaOptions {
@@ -615,6 +620,8 @@ pub struct CudaConsumer {
     timings: ImportTimings,
     /// The slots are mapped read-only.
     read_only: bool,
+    /// [`CudaOptions::defer_ready`].
+    defer_ready: bool,
     /// An ordering-only event for joining a caller's stream with ours.
     scratch: Mutex<Event>,
 }
@@ -819,6 +826,7 @@ impl ConsumerBackend for CudaConsumer {
                 slot_bytes,
                 timings,
                 read_only,
+                defer_ready: options.defer_ready,
                 scratch: Mutex::new(scratch),
             },
             Export {
@@ -829,6 +837,9 @@ impl ConsumerBackend for CudaConsumer {
     }
 
     fn wait_ready(&self, slot: u32, seq: u64) -> Result<(), BackendError> {
+        if self.defer_ready {
+            return Ok(());
+        }
         match &self.ready {
             ReadySignal::Events(events) => {
                 self.stream.wait_event(&events[slot as usize]).map_err(be)

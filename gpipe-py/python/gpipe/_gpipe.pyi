@@ -130,6 +130,10 @@ class Batch:
     def __dlpack_device__(self) -> tuple[int, int]: ...
     def copy(self, name: Optional[str] = None) -> Tensor:
         """A private, writable copy of a tensor (the only one when name is None)."""
+    def record_stream(self, stream: Any) -> None:
+        """Declares that work on this batch's tensors also runs on `stream` (a torch or CuPy
+        stream, or a handle): it waits for the batch to be ready, and the slot goes back only
+        after the work enqueued on it by the release. A no-op for host batches."""
     def verify_pattern(self) -> bool:
         """True if the batch holds the test pattern `gpipe produce` (or Slot.fill_pattern)
         writes, with the header `gpipe consume --verify` checks."""
@@ -158,6 +162,11 @@ class Consumer:
     slot_bytes: int
     held: int
     """Batches received and not yet released (directly or through tensors)."""
+    device: str
+    """Where the batches are: "cpu" or "cuda:N"."""
+    enforced_read_only: bool
+    """True when a write into a batch faults in this process alone (host rings; CUDA broadcast
+    rings on the VMM path)."""
     closed: bool
     def __init__(self, socket: str, *, device: Any = None, timeout: float = 5.0) -> None: ...
     def recv(self, timeout: Optional[float] = None) -> Batch:
@@ -199,9 +208,17 @@ class Slot:
     def fill_pattern(self, nbytes: int) -> tuple[int, ...]:
         """Writes the CLI's test pattern over `nbytes` bytes and returns the header to
         publish with (publish(meta=..., nbytes=...)), for `gpipe consume --verify`."""
-    def publish(self, meta: Optional[Sequence[int]] = None, nbytes: Optional[int] = None) -> int:
+    def publish(
+        self,
+        meta: Optional[Sequence[int]] = None,
+        nbytes: Optional[int] = None,
+        stream: Any = None,
+    ) -> int:
         """Publishes the declared tensors (or `nbytes` raw bytes) with up to 8 header
-        words; returns the sequence number. Do not write the slot's tensors afterwards."""
+        words; returns the sequence number. On CUDA, `ready` is recorded after the work on
+        `stream` (default: torch's current stream, else the legacy default stream) and on
+        every stream the slot's tensors were made for. Do not write the slot's tensors
+        afterwards."""
     def abandon(self) -> None:
         """Gives the slot back unpublished."""
     def __enter__(self) -> Slot: ...
@@ -216,6 +233,10 @@ class Producer:
     slots: int
     slot_bytes: int
     """batch_bytes rounded up to 2 MiB."""
+    device: str
+    """"cpu" or "cuda:N"."""
+    memory: str
+    """Where the slots live: "host", or the CUDA memory path ("vmm", "pool", "legacy")."""
     consumers: int
     """Consumers attached now."""
     next_seq: int
@@ -232,13 +253,18 @@ class Producer:
         detach_after_ms: Optional[int] = None,
         max_consumers: int = 16,
         drain_timeout: float = 5.0,
+        sync: str = "auto",
     ) -> None:
         """Creates the ring and listens on `socket` (mode 0600). detach_after_ms: detach a
         consumer that holds a slot the producer needs for longer than this (default: wait
-        for it, i.e. back-pressure)."""
-    def acquire(self, timeout: Optional[float] = None) -> Slot:
+        for it, i.e. back-pressure). backend: "auto" (CUDA when usable, else host), "cuda" or
+        "host". sync (CUDA): "auto" = timeline words, which consumers release when the
+        producer dies; "events" = IPC events."""
+    def acquire(self, timeout: Optional[float] = None, stream: Any = None) -> Slot:
         """The next slot, once every consumer that had its previous batch released it.
-        One slot at a time. Raises Timeout, Closed."""
+        One slot at a time. On CUDA, `stream` (default: torch's current stream, else the
+        legacy default stream) is ordered after the slot's previous consumers. Raises
+        Timeout, Closed."""
     def wait_for_consumers(self, n: int = 1, timeout: Optional[float] = None) -> None:
         """Waits until at least n consumers are attached."""
     def flush(self, timeout: Optional[float] = None) -> None:
