@@ -166,3 +166,20 @@ def test_acquire_is_one_slot_at_a_time_and_with_gives_back(sock):
     with pytest.raises(gpipe.Error, match="published"):
         s3.tensor("y", "uint8", (4,))
     p.close()
+
+
+def test_under_detach_after_ms_a_held_tensor_gets_its_consumer_detached(make_ring):
+    """detach_after_ms: instead of waiting for a consumer that keeps a slot (through a tensor),
+    the producer detaches it and goes on; the consumer learns it at its next call."""
+    p, c = make_ring(slots=2, detach_after_ms=200)
+    send(p, 0)
+    b = c.recv(timeout=5)
+    x = np.from_dlpack(b)  # holds slot 0
+    b.release()
+    send(p, 1)
+    t0 = time.monotonic()
+    send(p, 2)  # needs slot 0: waits 200 ms, then detaches the consumer
+    assert 0.15 < time.monotonic() - t0 < 5
+    with pytest.raises(gpipe.Detached):
+        c.recv(timeout=5)
+    del x
