@@ -255,17 +255,14 @@ class Bench:
         t0 = 0.0
         for s in range(total):
             if s == warmup:
-                while min(acked) < s - 1:
-                    for i in range(n):
-                        while acked[i] < s - 1:
-                            acked[i] = max(acked[i], self.acks[i].get()[1])
+                self.await_acks(acked, s - 1)
                 torch.cuda.synchronize()
                 t0 = time.monotonic()
             k = s % slots
             if s >= slots:
+                # Every consumer recorded `finished` for batch s - slots: wait for it on the GPU.
+                self.await_acks(acked, s - slots)
                 for i in range(n):
-                    while acked[i] < s - slots:  # consumer i recorded finished for batch s-slots
-                        acked[i] = max(acked[i], self.acks[i].get()[1])
                     stream.wait_event(finished[i][k])
             ring[k].random_()
             ready[k].record(stream)
@@ -274,9 +271,7 @@ class Bench:
         for i in range(n):
             self.cmds[i].put(None)
         took = self.finish(n, t0, total)
-        for i in range(n):
-            while not self.acks[i].empty():
-                self.acks[i].get()
+        self.drain_acks(n)
         return batches / took
 
     def queue(self, words, n, slots, batches, warmup, total):
@@ -288,16 +283,12 @@ class Bench:
         stream = torch.cuda.current_stream()
         for s in range(total):
             if s == warmup:
-                for i in range(n):
-                    while acked[i] < s - 1:
-                        acked[i] = max(acked[i], self.acks[i].get()[1])
+                self.await_acks(acked, s - 1)
                 torch.cuda.synchronize()
                 t0 = time.monotonic()
             k = s % slots
             if s >= slots:
-                for i in range(n):
-                    while acked[i] < s - slots:
-                        acked[i] = max(acked[i], self.acks[i].get()[1])
+                self.await_acks(acked, s - slots)
             ring[k].random_()
             stream.synchronize()
             for i in range(n):
@@ -305,10 +296,19 @@ class Bench:
         for i in range(n):
             self.cmds[i].put(None)
         took = self.finish(n, t0, total)
+        self.drain_acks(n)
+        return batches / took
+
+    def await_acks(self, acked, upto):
+        """Reads acknowledgements until every consumer has acknowledged batch `upto`."""
+        for i in range(len(acked)):
+            while acked[i] < upto:
+                acked[i] = max(acked[i], self.acks[i].get()[1])
+
+    def drain_acks(self, n):
         for i in range(n):
             while not self.acks[i].empty():
                 self.acks[i].get()
-        return batches / took
 
     def close(self):
         for q in self.cmds:

@@ -244,10 +244,7 @@ impl PyConsumer {
     /// The device the batches are on: "cpu" or "cuda:N".
     #[getter]
     fn device(&self) -> String {
-        match self.device.device_type {
-            DEVICE_CPU => "cpu".into(),
-            _ => format!("cuda:{}", self.device.device_id),
-        }
+        self.device.name()
     }
 
     /// This consumer's index in the ring (0..max_consumers).

@@ -27,6 +27,17 @@ pub struct DLDevice {
     pub device_id: i32,
 }
 
+impl DLDevice {
+    /// "cpu", or "cuda:N", as torch names devices.
+    pub fn name(&self) -> String {
+        match self.device_type {
+            DEVICE_CPU => "cpu".into(),
+            DEVICE_CUDA => format!("cuda:{}", self.device_id),
+            t => format!("dlpack-device-{t}:{}", self.device_id),
+        }
+    }
+}
+
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct DLDataType {

@@ -378,10 +378,7 @@ impl PyProducer {
     /// The device: "cpu" or "cuda:N".
     #[getter]
     fn device(&self) -> String {
-        match self.device.device_type {
-            DEVICE_CPU => "cpu".into(),
-            _ => format!("cuda:{}", self.device.device_id),
-        }
+        self.device.name()
     }
 
     /// "broadcast" or "shared".

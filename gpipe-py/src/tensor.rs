@@ -7,7 +7,7 @@ use pipeline_core::TensorInfo;
 use pyo3::exceptions::PyBufferError;
 use pyo3::prelude::*;
 
-use crate::dlpack::{self, DEVICE_CPU, DEVICE_CUDA, DLDevice, Export};
+use crate::dlpack::{self, DEVICE_CPU, DLDevice, Export};
 
 /// What keeps a tensor's memory valid: a held batch, a producer's slots, or a private copy.
 pub(crate) type Keep = Arc<dyn Send + Sync>;
@@ -229,11 +229,7 @@ impl PyTensor {
     }
 
     fn __repr__(&self) -> String {
-        let device = match self.device.device_type {
-            DEVICE_CPU => "cpu".to_string(),
-            DEVICE_CUDA => format!("cuda:{}", self.device.device_id),
-            t => format!("dlpack-device-{t}:{}", self.device.device_id),
-        };
+        let device = self.device.name();
         format!(
             "gpipe.Tensor(name={:?}, dtype={}, shape={:?}, strides={:?}, device={device}, {}, {})",
             self.info.name.as_str(),
