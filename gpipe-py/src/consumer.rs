@@ -387,17 +387,31 @@ struct BatchCell {
 }
 
 impl BatchCell {
-    /// CUDA: makes the consumer's stream wait for every stream the batch was used on.
+    /// CUDA: orders `finished` after the work on every stream the batch was used on. With
+    /// one stream (the usual case) `finished` is written on that stream itself; with several,
+    /// the consumer's stream waits for each and the release writes it there. So in the common
+    /// case no stream waits on another of the same process per batch, which matters when the
+    /// GPU time-slices between processes (no MPS).
     fn join_streams(&self) -> Result<(), Error> {
+        use pipeline_cuda::driver::CUstream;
         if let Some(AnyBatch::Cuda(b)) = &self.batch {
-            for &s in self.streams.lock().iter() {
+            let streams = self.streams.lock();
+            let be = |e| Error::Backend(Box::new(e));
+            match streams.as_slice() {
+                [] => {}
                 // SAFETY: `s` is a stream handle the user gave for this batch's tensors (or
                 // 1/2); the user keeps it alive while the batch's tensors are (docs/python.md).
-                unsafe {
+                [s] => unsafe {
                     b.backend()
-                        .join(s as usize as pipeline_cuda::driver::CUstream)
+                        .signal_finished_on(*s as usize as CUstream, b.slot(), b.seq())
                 }
-                .map_err(|e| Error::Backend(Box::new(e)))?;
+                .map_err(be)?,
+                many => {
+                    for &s in many {
+                        // SAFETY: as above.
+                        unsafe { b.backend().join(s as usize as CUstream) }.map_err(be)?;
+                    }
+                }
             }
         }
         Ok(())

@@ -440,15 +440,38 @@ struct SlotStreams {
 }
 
 impl SlotStreams {
-    /// Makes the producer's stream wait for every stream used on the slot.
-    fn join_all(&self, p: &Producer<CudaProducer>) -> Result<(), Error> {
-        for &s in self.streams.lock().iter() {
-            // SAFETY: a stream handle the caller gave for this slot (or 1/2), alive while
-            // the slot is open.
-            unsafe { p.backend().join(s as usize as CUstream) }
-                .map_err(|e| Error::Backend(Box::new(e)))?;
+    /// Orders `ready` for batch `seq` in `slot` after the work on every stream used on the
+    /// slot: with one stream (the usual case) `ready` is signalled on it directly; with
+    /// several, the producer's stream waits for each and the publish signals there.
+    fn order_ready(&self, backend: &CudaProducer, slot: u32, seq: u64) -> Result<(), Error> {
+        let streams = self.streams.lock();
+        let be = |e| Error::Backend(Box::new(e));
+        match streams.as_slice() {
+            [] => {}
+            // SAFETY: a stream handle the caller gave for this slot (or 1/2), alive while the
+            // slot is open.
+            [s] => unsafe { backend.signal_ready_on(*s as usize as CUstream, slot, seq) }
+                .map_err(be)?,
+            many => {
+                for &s in many {
+                    // SAFETY: as above.
+                    unsafe { backend.join(s as usize as CUstream) }.map_err(be)?;
+                }
+            }
         }
         Ok(())
+    }
+}
+
+impl Drop for ProducerCell {
+    fn drop(&mut self) {
+        // The application's streams may still be writing slots: wait for them before the
+        // slots are freed with the producer.
+        if let AnyProducer::Cuda(p) = self.producer.get_mut() {
+            if let Err(e) = p.backend().synchronize_all() {
+                eprintln!("gpipe: synchronising before freeing the CUDA ring failed: {e}");
+            }
+        }
     }
 }
 
@@ -685,8 +708,19 @@ impl PySlot {
             .detach(|| match &mut *cell.producer.lock() {
                 AnyProducer::Host(p) => p.resume(loan)?.publish_with(len, &header, tensors),
                 AnyProducer::Cuda(p) => {
-                    streams.join_all(p)?;
-                    p.resume(loan)?.publish_with(len, &header, tensors)
+                    let slot = p.resume(loan)?;
+                    if len > slot.capacity() {
+                        return Err(Error::InvalidArgument(format!(
+                            "batch of {len} bytes exceeds the slot capacity {}",
+                            slot.capacity()
+                        )));
+                    }
+                    streams.order_ready(slot.backend(), loan.index(), loan.seq())?;
+                    let published = slot.publish_with(len, &header, tensors);
+                    if published.is_err() {
+                        p.backend().forget_presignal(loan.index());
+                    }
+                    published
                 }
             })
             .map_err(|e| match e {

@@ -264,6 +264,9 @@ pub struct CudaProducer {
     watch: Watch,
     /// An ordering-only event for joining a caller's stream with ours.
     scratch: Mutex<Event>,
+    /// Per slot: the generation (`seq + 1`) whose `ready` was already signalled on a caller's
+    /// stream ([`CudaProducer::signal_ready_on`]); `signal_ready` then adds nothing.
+    presignalled: Vec<AtomicU64>,
 }
 
 /// What [`ProducerBackend::overdue`] needs: each wait on a `finished` word is followed on the
@@ -321,6 +324,45 @@ impl CudaProducer {
         ev.record(&self.stream)?;
         // SAFETY: the caller guarantees `stream`; the event is ours and live.
         unsafe { Stream::raw_wait_event(stream, &ev) }
+    }
+
+    /// Signals `ready` for batch `seq` in `slot` on a caller's `stream`, after the work
+    /// enqueued on it so far (instead of joining that stream into ours and signalling there):
+    /// the publish that follows adds no signal of its own. The caller's stream must already
+    /// contain, or wait for, every write of the batch.
+    ///
+    /// # Safety
+    /// As for [`CudaProducer::order_after`].
+    pub unsafe fn signal_ready_on(
+        &self,
+        stream: driver::CUstream,
+        slot: u32,
+        seq: u64,
+    ) -> Result<(), CudaError> {
+        self.ctx.make_current()?;
+        match &self.ready {
+            // SAFETY: the caller guarantees `stream`; the event is ours.
+            ReadySignal::Events(events) => unsafe { events[slot as usize].record_raw(stream) },
+            // SAFETY: the word is in our registered ready timelines; the caller guarantees
+            // `stream`.
+            ReadySignal::Semaphore(words) => unsafe {
+                driver::stream_write_value64_raw(stream, words.device(0, slot), seq + 1)
+            },
+        }?;
+        self.presignalled[slot as usize].store(seq + 1, Ordering::Release);
+        Ok(())
+    }
+
+    /// Forgets a [`CudaProducer::signal_ready_on`] for `slot` whose publish did not happen:
+    /// the next publish of the slot signals again.
+    pub fn forget_presignal(&self, slot: u32) {
+        self.presignalled[slot as usize].store(0, Ordering::Release);
+    }
+
+    /// Blocks until all work in the producer's CUDA context is done, the application's streams
+    /// included (teardown, when the slots' writers used other streams than ours).
+    pub fn synchronize_all(&self) -> Result<(), CudaError> {
+        self.ctx.synchronize()
     }
 
     /// Makes the producer's stream wait for everything enqueued on a caller's `stream` so
@@ -442,6 +484,7 @@ impl ProducerBackend for CudaProducer {
             gate: RwLock::new(()),
             watch,
             scratch: Mutex::new(scratch),
+            presignalled: (0..layout.slot_count).map(|_| AtomicU64::new(0)).collect(),
         })
     }
 
@@ -580,6 +623,9 @@ impl ProducerBackend for CudaProducer {
     }
 
     fn signal_ready(&self, slot: u32, seq: u64) -> Result<(), BackendError> {
+        if self.presignalled[slot as usize].load(Ordering::Acquire) == seq + 1 {
+            return Ok(());
+        }
         match &self.ready {
             ReadySignal::Events(events) => events[slot as usize].record(&self.stream).map_err(be),
             // SAFETY: the word is in our registered ready timelines, mapped for our lifetime;
@@ -622,6 +668,9 @@ pub struct CudaConsumer {
     read_only: bool,
     /// [`CudaOptions::defer_ready`].
     defer_ready: bool,
+    /// Per slot: the generation whose `finished` was already written on a caller's stream
+    /// ([`CudaConsumer::signal_finished_on`]); `signal_finished` then adds nothing.
+    presignalled: Vec<AtomicU64>,
     /// An ordering-only event for joining a caller's stream with ours.
     scratch: Mutex<Event>,
 }
@@ -690,6 +739,32 @@ impl CudaConsumer {
                 )
             },
         }
+    }
+
+    /// Writes `finished` for batch `seq` in `slot` on a caller's `stream`, after the work
+    /// enqueued on it so far (instead of joining that stream into ours): the release that
+    /// follows adds no signal of its own. The caller's stream must contain, or wait for, every
+    /// use of the batch.
+    ///
+    /// # Safety
+    /// As for [`CudaConsumer::wait_ready_on`].
+    pub unsafe fn signal_finished_on(
+        &self,
+        stream: driver::CUstream,
+        slot: u32,
+        seq: u64,
+    ) -> Result<(), CudaError> {
+        self.ctx.make_current()?;
+        // SAFETY: the word is in our registered timelines; the caller guarantees `stream`.
+        unsafe {
+            driver::stream_write_value64_raw(
+                stream,
+                self.timelines.device(self.index, slot),
+                seq + 1,
+            )
+        }?;
+        self.presignalled[slot as usize].store(seq + 1, Ordering::Release);
+        Ok(())
     }
 
     /// Makes the consumer's stream (on which a release writes `finished`) wait for the work
@@ -827,6 +902,7 @@ impl ConsumerBackend for CudaConsumer {
                 timings,
                 read_only,
                 defer_ready: options.defer_ready,
+                presignalled: (0..n).map(|_| AtomicU64::new(0)).collect(),
                 scratch: Mutex::new(scratch),
             },
             Export {
@@ -859,7 +935,8 @@ impl ConsumerBackend for CudaConsumer {
     }
 
     fn complete_now(&self) -> Result<(), BackendError> {
-        self.stream.synchronize().map_err(be)
+        // `finished` may have been written on a caller's stream: wait for the whole context.
+        self.ctx.synchronize().map_err(be)
     }
 
     fn abandon(&self) {
@@ -882,6 +959,9 @@ impl ConsumerBackend for CudaConsumer {
     }
 
     fn signal_finished(&self, slot: u32, seq: u64) -> Result<(), BackendError> {
+        if self.presignalled[slot as usize].load(Ordering::Acquire) == seq + 1 {
+            return Ok(());
+        }
         // SAFETY: the word is in our registered timelines, mapped for our lifetime; the
         // stream is ours.
         unsafe {
@@ -906,8 +986,9 @@ impl Drop for CudaConsumer {
             tracing::warn!("the producer died: skipping the CUDA consumer's teardown");
             return;
         }
-        if let Err(e) = self.stream.synchronize() {
-            tracing::error!("CUDA consumer teardown: stream synchronize failed: {e}");
+        // The whole context: batches may have been used on the application's streams.
+        if let Err(e) = self.ctx.synchronize() {
+            tracing::error!("CUDA consumer teardown: context synchronize failed: {e}");
         }
         self.slots.release(&self.stream);
         if let Err(e) = self.stream.synchronize() {

@@ -370,6 +370,14 @@ impl Context {
         self.raw
     }
 
+    /// Blocks until all work in this context is done, on every stream (gpipe's and the
+    /// application's). For teardown only.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.make_current()?;
+        // SAFETY: the context is current on this thread.
+        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+    }
+
     /// Binds this context to the calling thread (`cuCtxSetCurrent`).
     pub fn make_current(&self) -> Result<(), CudaError> {
         // SAFETY: `raw` is a retained primary context, valid until drop.
@@ -1020,10 +1028,24 @@ pub unsafe fn stream_write_value64(
     ptr: CUdeviceptr,
     value: u64,
 ) -> Result<(), CudaError> {
+    // SAFETY: `stream` is live (borrowed); the caller guarantees `ptr`.
+    unsafe { stream_write_value64_raw(stream.raw, ptr, value) }
+}
+
+/// As [`stream_write_value64`], on a stream given by handle.
+///
+/// # Safety
+/// As for [`stream_write_value64`]; `stream` is a live handle of the current context (or
+/// `CU_STREAM_LEGACY` / `CU_STREAM_PER_THREAD`).
+pub unsafe fn stream_write_value64_raw(
+    stream: CUstream,
+    ptr: CUdeviceptr,
+    value: u64,
+) -> Result<(), CudaError> {
     let flags = sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as c_uint;
-    // SAFETY: the caller guarantees `ptr`; the stream is live.
+    // SAFETY: the caller guarantees `ptr` and `stream`.
     check("cuStreamWriteValue64_v2", unsafe {
-        sys::cuStreamWriteValue64_v2(stream.raw, ptr, value, flags)
+        sys::cuStreamWriteValue64_v2(stream, ptr, value, flags)
     })
 }
 
