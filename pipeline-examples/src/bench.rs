@@ -312,8 +312,9 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
     }
     if stats.died > 0 || stats.detached > 0 {
         problems.push(format!(
-            "{} consumers died and {} were detached during the run",
-            stats.died, stats.detached
+            "{} died and {} detached during the run",
+            crate::duration::plural(stats.died, "consumer", "consumers"),
+            stats.detached
         ));
     }
     let mut rtt = timing.round_trips.take().unwrap_or_default();
@@ -373,10 +374,10 @@ impl std::fmt::Display for BenchReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "gpipe bench: backend {} | mode {} | {} consumers | {} slots | {} per batch",
+            "gpipe bench: backend {} | mode {} | {} | {} slots | {} per batch",
             self.backend,
             self.mode,
-            self.consumers,
+            crate::duration::plural(self.consumers, "consumer", "consumers"),
             self.slots,
             crate::size::format(self.batch_bytes)
         )?;

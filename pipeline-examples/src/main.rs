@@ -2,6 +2,7 @@
 
 mod bench;
 mod cuda_work;
+mod duration;
 mod size;
 mod soak;
 mod work;
@@ -151,9 +152,10 @@ enum Cmd {
         /// Batches to publish.
         #[arg(long, default_value_t = 2000)]
         batches: u64,
-        /// Fail (and kill the consumers) if the run takes longer than this many seconds.
-        #[arg(long, default_value_t = 300)]
-        timeout: u64,
+        /// Fail (and kill the consumers) if the run takes longer than this (30s, 10m, 1h, or
+        /// seconds).
+        #[arg(long, value_parser = duration::parse, default_value = "300s")]
+        timeout: Duration,
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
@@ -169,9 +171,9 @@ enum Cmd {
         /// Which backend.
         #[arg(long, value_enum, default_value = "auto")]
         backend: BackendArg,
-        /// How long, in seconds.
-        #[arg(long, default_value_t = 60)]
-        duration: u64,
+        /// How long (30s, 10m, 1h, or seconds).
+        #[arg(long, value_parser = duration::parse, default_value = "60s")]
+        duration: Duration,
         /// Most consumer processes at once.
         #[arg(long, default_value_t = 6)]
         max_consumers: u32,
@@ -262,6 +264,12 @@ enum Cmd {
     },
 }
 
+/// Colour in logs only on a terminal, and never when `NO_COLOR` is set to anything non-empty
+/// (no-color.org): `gpipe produce ... 2>log` writes plain text.
+fn use_color(stderr_is_terminal: bool, no_color: Option<std::ffi::OsString>) -> bool {
+    stderr_is_terminal && no_color.is_none_or(|v| v.is_empty())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -269,6 +277,10 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(use_color(
+            std::io::IsTerminal::is_terminal(&std::io::stderr()),
+            std::env::var_os("NO_COLOR"),
+        ))
         .init();
     install_signal_handlers();
     match run(cli.cmd) {
@@ -319,7 +331,7 @@ fn run(cmd: Cmd) -> Result<ExitCode, String> {
                 slots: ring.slots,
                 batch_bytes: ring.batch_bytes,
                 batches,
-                timeout: Duration::from_secs(timeout),
+                timeout,
                 json,
                 backend: "host",
                 consumer_args: Vec::new(),
@@ -497,7 +509,7 @@ fn run(cmd: Cmd) -> Result<ExitCode, String> {
         } => {
             let mut args = soak::SoakArgs {
                 tick_ms,
-                duration: Duration::from_secs(duration),
+                duration,
                 max_consumers,
                 mode: ring.mode.into(),
                 slots: ring.slots,
@@ -638,10 +650,10 @@ fn produce<B: ProducerBackend, F: Fill<B>>(
             if last.elapsed() >= Duration::from_secs(1) {
                 let dt = last.elapsed().as_secs_f64();
                 eprintln!(
-                    "gpipe: {} batches published ({:.0}/s), {} consumers",
+                    "gpipe: {} batches published ({:.0}/s), {}",
                     n,
                     (n - last_n) as f64 / dt,
-                    consumers
+                    duration::plural(consumers, "consumer", "consumers")
                 );
                 last = Instant::now();
                 last_n = n;
@@ -759,5 +771,18 @@ impl<B: ConsumerBackend, C: Check<B>> Check<B> for Slow<'_, C> {
             Some(c) => c.finish(consumer),
             None => Ok(Vec::new()),
         }
+    }
+}
+
+#[cfg(test)]
+mod color_tests {
+    use super::use_color;
+
+    #[test]
+    fn colour_only_on_a_terminal_without_no_color() {
+        assert!(use_color(true, None));
+        assert!(!use_color(false, None));
+        assert!(!use_color(true, Some("1".into())));
+        assert!(use_color(true, Some("".into())));
     }
 }
