@@ -370,6 +370,46 @@ pub fn write_seq_log(path: &Path, seqs: &[u64]) -> std::io::Result<()> {
     std::fs::write(path, b)
 }
 
+/// Writes a JSON value as labelled lines ("ceiling batches per s: 142907"), nested objects
+/// indented, for the text report (`--json` keeps the raw object).
+fn write_labelled(
+    f: &mut std::fmt::Formatter<'_>,
+    v: &serde_json::Value,
+    depth: usize,
+) -> std::fmt::Result {
+    fn scalar(v: &serde_json::Value) -> String {
+        match v {
+            serde_json::Value::String(s) => s.clone(),
+            serde_json::Value::Number(n) => match (n.as_u64(), n.as_i64(), n.as_f64()) {
+                (Some(u), _, _) => u.to_string(),
+                (_, Some(i), _) => i.to_string(),
+                (_, _, Some(x)) if x.abs() >= 100.0 => format!("{x:.0}"),
+                (_, _, Some(x)) => format!("{x:.3}"),
+                _ => n.to_string(),
+            },
+            serde_json::Value::Array(a) => a.iter().map(scalar).collect::<Vec<_>>().join(", "),
+            serde_json::Value::Null => "-".into(),
+            other => other.to_string(),
+        }
+    }
+    let pad = "  ".repeat(depth);
+    match v {
+        serde_json::Value::Object(m) => {
+            for (k, v) in m {
+                let label = k.replace('_', " ");
+                if v.is_object() {
+                    writeln!(f, "{pad}{label}:")?;
+                    write_labelled(f, v, depth + 1)?;
+                } else {
+                    writeln!(f, "{pad}{label}: {}", scalar(v))?;
+                }
+            }
+            Ok(())
+        }
+        other => writeln!(f, "{pad}{}", scalar(other)),
+    }
+}
+
 impl std::fmt::Display for BenchReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
@@ -419,7 +459,7 @@ impl std::fmt::Display for BenchReport {
             )?;
         }
         if !self.extra.is_null() {
-            writeln!(f, "  {}", self.extra)?;
+            write_labelled(f, &self.extra, 1)?;
         }
         if self.problems.is_empty() {
             writeln!(f, "  OK: every batch verified; none lost, none duplicated")
@@ -429,5 +469,36 @@ impl std::fmt::Display for BenchReport {
             }
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod report_tests {
+    use super::write_labelled;
+
+    struct Show(serde_json::Value);
+    impl std::fmt::Display for Show {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write_labelled(f, &self.0, 1)
+        }
+    }
+
+    #[test]
+    fn extra_figures_become_labelled_lines() {
+        let v = serde_json::json!({
+            "ceiling_batches_per_s": 142907.4,
+            "ratio_to_ceiling": 0.7712,
+            "memory": "pool",
+            "attach": {"total_us": 812, "slots": [31, 40]},
+        });
+        let text = Show(v).to_string();
+        assert!(text.contains("  ceiling batches per s: 142907\n"), "{text}");
+        assert!(text.contains("  ratio to ceiling: 0.771\n"), "{text}");
+        assert!(text.contains("  memory: pool\n"), "{text}");
+        assert!(
+            text.contains("  attach:\n    slots: 31, 40\n    total us: 812\n"),
+            "{text}"
+        );
+        assert!(!text.contains('{'), "{text}");
     }
 }
