@@ -401,11 +401,19 @@ impl BatchCell {
                 [] => {}
                 // SAFETY: `s` is a stream handle the user gave for this batch's tensors (or
                 // 1/2); the user keeps it alive while the batch's tensors are (docs/python.md).
-                [s] => unsafe {
-                    b.backend()
-                        .signal_finished_on(*s as usize as CUstream, b.slot(), b.seq())
+                [s] => {
+                    // SAFETY: as above.
+                    let r = unsafe {
+                        b.backend()
+                            .signal_finished_on(*s as usize as CUstream, b.slot(), b.seq())
+                    };
+                    if let Err(e) = r {
+                        // The release will write `finished` on our stream, which does not wait
+                        // for the user's: let that work complete first.
+                        let _ = pipeline_core::ConsumerBackend::complete_now(b.backend());
+                        return Err(be(e));
+                    }
                 }
-                .map_err(be)?,
                 many => {
                     for &s in many {
                         // SAFETY: as above.

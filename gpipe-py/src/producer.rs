@@ -238,12 +238,15 @@ impl PyProducer {
         timeout: Option<f64>,
         stream: Option<Bound<'_, PyAny>>,
     ) -> PyResult<PySlot> {
-        let open = self.cell.open.load(Ordering::Acquire);
-        if open != 0 {
-            return Err(GpipeError::new_err(format!(
+        let still_open = |open: u64| {
+            format!(
                 "the slot for batch {} is still open: publish it or leave its with-block before acquiring another",
                 open - 1
-            )));
+            )
+        };
+        let open = self.cell.open.load(Ordering::Acquire);
+        if open != 0 {
+            return Err(GpipeError::new_err(still_open(open)));
         }
         let deadline = deadline(timeout)?;
         let cell = &self.cell;
@@ -254,6 +257,11 @@ impl PyProducer {
         };
         let (loan, base, capacity) = blocking(py, deadline, |until| {
             let mut g = cell.producer.lock();
+            // Checked again under the producer lock: two threads may acquire at once.
+            let open = cell.open.load(Ordering::Acquire);
+            if open != 0 {
+                return Err(Error::InvalidArgument(still_open(open)));
+            }
             let left = until.saturating_duration_since(std::time::Instant::now());
             match &mut *g {
                 AnyProducer::Host(p) => {
@@ -280,8 +288,10 @@ impl PyProducer {
                     Ok((s.into_loan(), base, capacity))
                 }
             }
+            .inspect(|(loan, _, _): &(SlotLoan, usize, u64)| {
+                cell.open.store(loan.seq() + 1, Ordering::Release)
+            })
         })?;
-        self.cell.open.store(loan.seq() + 1, Ordering::Release);
         Ok(PySlot {
             streams: Arc::new(SlotStreams {
                 cell: self.cell.clone(),
@@ -704,29 +714,30 @@ impl PySlot {
         let cell = &self.cell;
         let tensors = st.plan.tensors();
         let streams = &self.streams;
-        let seq = py
-            .detach(|| match &mut *cell.producer.lock() {
-                AnyProducer::Host(p) => p.resume(loan)?.publish_with(len, &header, tensors),
-                AnyProducer::Cuda(p) => {
-                    let slot = p.resume(loan)?;
-                    if len > slot.capacity() {
-                        return Err(Error::InvalidArgument(format!(
-                            "batch of {len} bytes exceeds the slot capacity {}",
-                            slot.capacity()
-                        )));
-                    }
-                    streams.order_ready(slot.backend(), loan.index(), loan.seq())?;
-                    let published = slot.publish_with(len, &header, tensors);
-                    if published.is_err() {
-                        p.backend().forget_presignal(loan.index());
-                    }
-                    published
+        // Not detached from the GIL: `st` is locked, and a thread that blocks on it while
+        // holding the GIL would deadlock with us. Publishing never waits.
+        let publish = || match &mut *cell.producer.lock() {
+            AnyProducer::Host(p) => p.resume(loan)?.publish_with(len, &header, tensors),
+            AnyProducer::Cuda(p) => {
+                let slot = p.resume(loan)?;
+                if len > slot.capacity() {
+                    return Err(Error::InvalidArgument(format!(
+                        "batch of {len} bytes exceeds the slot capacity {}",
+                        slot.capacity()
+                    )));
                 }
-            })
-            .map_err(|e| match e {
-                Error::Closed => Closed::new_err("the producer is closed"),
-                e => to_py(e),
-            })?;
+                streams.order_ready(slot.backend(), loan.index(), loan.seq())?;
+                let published = slot.publish_with(len, &header, tensors);
+                if published.is_err() {
+                    p.backend().forget_presignal(loan.index());
+                }
+                published
+            }
+        };
+        let seq = publish().map_err(|e| match e {
+            Error::Closed => Closed::new_err("the producer is closed"),
+            e => to_py(e),
+        })?;
         self.finish(&mut st, true);
         Ok(seq)
     }

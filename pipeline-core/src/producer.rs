@@ -1153,10 +1153,15 @@ impl<'p, B: ProducerBackend> Slot<'p, B> {
             )));
         }
         for (i, t) in tensors.iter().enumerate() {
-            if t.extent_bytes().is_err() || t.end() > len {
+            // The same checks consumers make (TensorTable::read): refuse here what every
+            // consumer would refuse.
+            let end = t.extent_bytes().ok().and_then(|e| t.offset.checked_add(e));
+            if end.is_none_or(|end| end > len) || t.offset % tensor::TENSOR_ALIGN != 0 {
                 return Err(Error::InvalidArgument(format!(
-                    "tensor {} ends beyond the batch's {len} bytes",
-                    t.name
+                    "tensor {} (offset {}) is not aligned to {} bytes or ends beyond the batch's {len} bytes",
+                    t.name,
+                    t.offset,
+                    tensor::TENSOR_ALIGN
                 )));
             }
             if tensors[..i].iter().any(|o| o.name == t.name) {

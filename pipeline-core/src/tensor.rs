@@ -304,9 +304,11 @@ impl TensorInfo {
             .ok_or_else(|| format!("tensor {} is too large", self.name))
     }
 
-    /// Byte offset just past the tensor's last element.
+    /// Byte offset just past the tensor's last element (saturating: a tensor built with an
+    /// absurd offset never wraps round to a small end).
     pub fn end(&self) -> u64 {
-        self.offset + self.extent_bytes().unwrap_or(0)
+        self.offset
+            .saturating_add(self.extent_bytes().unwrap_or(u64::MAX))
     }
 
     /// True when the strides are the row-major ones of the shape.

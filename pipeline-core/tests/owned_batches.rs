@@ -188,7 +188,16 @@ fn publishing_tensors_beyond_the_length_is_refused() {
         .unwrap_err();
     assert!(e.to_string().contains("beyond"), "{e}");
     // The slot returned to the ring: the next acquire gets batch 0 again.
-    assert_eq!(producer.acquire().unwrap().seq(), 0);
+    let slot = producer.acquire().unwrap();
+    assert_eq!(slot.seq(), 0);
+    // Offsets consumers would refuse are refused here: unaligned, or wrapping past u64.
+    let mut t = pipeline_core::TensorInfo::bytes(10);
+    t.offset = 3;
+    let e = slot.publish_with(64, &[0; 8], &[t]).unwrap_err();
+    assert!(e.to_string().contains("aligned"), "{e}");
+    let slot = producer.acquire().unwrap();
+    t.offset = u64::MAX - 255;
+    assert!(slot.publish_with(64, &[0; 8], &[t]).is_err());
 }
 
 #[test]

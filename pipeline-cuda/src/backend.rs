@@ -556,6 +556,26 @@ impl ProducerBackend for CudaProducer {
     }
 
     fn wait_finished(&self, slot: u32, prev_seq: u64, holders: u64) -> Result<(), BackendError> {
+        if self.presignalled[slot as usize].load(Ordering::Acquire) == prev_seq + 1 {
+            // The previous batch's writes ran on a caller's stream, which nothing of ours has
+            // waited for (with no holders, no consumer's `finished` orders after them either):
+            // wait for its `ready`, so the next writes of the slot come after them.
+            match &self.ready {
+                ReadySignal::Events(events) => {
+                    self.stream.wait_event(&events[slot as usize]).map_err(be)?
+                }
+                // SAFETY: the word is in our registered ready timelines; the stream is ours.
+                ReadySignal::Semaphore(words) => unsafe {
+                    driver::stream_wait_value64(
+                        &self.stream,
+                        words.device(0, slot),
+                        prev_seq + 1,
+                        WaitCondition::Geq,
+                    )
+                }
+                .map_err(be)?,
+            }
+        }
         if holders == 0 {
             return Ok(());
         }
@@ -741,6 +761,26 @@ impl CudaConsumer {
         }
     }
 
+    /// Makes the consumer's own stream wait for batch `seq` in `slot` to be ready.
+    fn own_wait_ready(&self, slot: u32, seq: u64) -> Result<(), BackendError> {
+        match &self.ready {
+            ReadySignal::Events(events) => {
+                self.stream.wait_event(&events[slot as usize]).map_err(be)
+            }
+            // SAFETY: the word is in our registered ready timelines, mapped for our lifetime;
+            // the stream is ours.
+            ReadySignal::Semaphore(words) => unsafe {
+                driver::stream_wait_value64(
+                    &self.stream,
+                    words.device(0, slot),
+                    seq + 1,
+                    WaitCondition::Geq,
+                )
+            }
+            .map_err(be),
+        }
+    }
+
     /// Writes `finished` for batch `seq` in `slot` on a caller's `stream`, after the work
     /// enqueued on it so far (instead of joining that stream into ours): the release that
     /// follows adds no signal of its own. The caller's stream must contain, or wait for, every
@@ -916,22 +956,7 @@ impl ConsumerBackend for CudaConsumer {
         if self.defer_ready {
             return Ok(());
         }
-        match &self.ready {
-            ReadySignal::Events(events) => {
-                self.stream.wait_event(&events[slot as usize]).map_err(be)
-            }
-            // SAFETY: the word is in our registered ready timelines, mapped for our lifetime;
-            // the stream is ours.
-            ReadySignal::Semaphore(words) => unsafe {
-                driver::stream_wait_value64(
-                    &self.stream,
-                    words.device(0, slot),
-                    seq + 1,
-                    WaitCondition::Geq,
-                )
-            }
-            .map_err(be),
-        }
+        self.own_wait_ready(slot, seq)
     }
 
     fn complete_now(&self) -> Result<(), BackendError> {
@@ -961,6 +986,13 @@ impl ConsumerBackend for CudaConsumer {
     fn signal_finished(&self, slot: u32, seq: u64) -> Result<(), BackendError> {
         if self.presignalled[slot as usize].load(Ordering::Acquire) == seq + 1 {
             return Ok(());
+        }
+        if self.defer_ready {
+            // Nothing of ours waited for `ready` (the batch was not used on a stream, or it is
+            // refused): wait now, so this write lands after the producer's, and so after this
+            // slot's previous `finished` written on a caller's stream. The word never goes
+            // backwards.
+            self.own_wait_ready(slot, seq)?;
         }
         // SAFETY: the word is in our registered timelines, mapped for our lifetime; the
         // stream is ours.
