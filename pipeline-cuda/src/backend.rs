@@ -222,12 +222,77 @@ impl Timelines {
     }
 }
 
+/// Makes `into` (one of ours) wait for the work enqueued so far on a caller's `stream`,
+/// through the ordering-only event `scratch`.
+///
+/// # Safety
+/// `stream` is a live stream handle of `ctx` (or `CU_STREAM_LEGACY` / `CU_STREAM_PER_THREAD`).
+unsafe fn join_into(
+    ctx: &Context,
+    scratch: &Mutex<Event>,
+    into: &Stream,
+    stream: driver::CUstream,
+) -> Result<(), CudaError> {
+    ctx.make_current()?;
+    let ev = scratch.lock();
+    // SAFETY: the caller guarantees `stream`.
+    unsafe { ev.record_raw(stream) }?;
+    into.wait_event(&ev)
+}
+
 /// How the producer signals `ready`.
 enum ReadySignal {
     /// One IPC event per slot.
     Events(Vec<Event>),
     /// One timeline word per slot (a single row).
     Semaphore(Timelines),
+}
+
+impl ReadySignal {
+    /// Signals that batch `seq` in `slot` is ready, after the work enqueued on `stream`.
+    ///
+    /// # Safety
+    /// `stream` is a live stream handle of the signal's context (or `CU_STREAM_LEGACY` /
+    /// `CU_STREAM_PER_THREAD`).
+    unsafe fn signal(
+        &self,
+        stream: driver::CUstream,
+        slot: u32,
+        seq: u64,
+    ) -> Result<(), CudaError> {
+        match self {
+            // SAFETY: the caller guarantees `stream`; the event is ours.
+            ReadySignal::Events(events) => unsafe { events[slot as usize].record_raw(stream) },
+            // SAFETY: the word is in our registered timelines, mapped for our lifetime; the
+            // caller guarantees `stream`.
+            ReadySignal::Semaphore(words) => unsafe {
+                driver::stream_write_value64_raw(stream, words.device(0, slot), seq + 1)
+            },
+        }
+    }
+
+    /// Makes `stream` wait until batch `seq` in `slot` is ready.
+    ///
+    /// # Safety
+    /// As for [`ReadySignal::signal`].
+    unsafe fn wait(&self, stream: driver::CUstream, slot: u32, seq: u64) -> Result<(), CudaError> {
+        match self {
+            // SAFETY: the caller guarantees `stream`; the event is ours, live for our life.
+            ReadySignal::Events(events) => unsafe {
+                Stream::raw_wait_event(stream, &events[slot as usize])
+            },
+            // SAFETY: the word is in our registered timelines, mapped for our lifetime; the
+            // caller guarantees `stream`.
+            ReadySignal::Semaphore(words) => unsafe {
+                driver::stream_wait_value64_raw(
+                    stream,
+                    words.device(0, slot),
+                    seq + 1,
+                    WaitCondition::Geq,
+                )
+            },
+        }
+    }
 }
 
 fn check_capabilities(
@@ -340,15 +405,8 @@ impl CudaProducer {
         seq: u64,
     ) -> Result<(), CudaError> {
         self.ctx.make_current()?;
-        match &self.ready {
-            // SAFETY: the caller guarantees `stream`; the event is ours.
-            ReadySignal::Events(events) => unsafe { events[slot as usize].record_raw(stream) },
-            // SAFETY: the word is in our registered ready timelines; the caller guarantees
-            // `stream`.
-            ReadySignal::Semaphore(words) => unsafe {
-                driver::stream_write_value64_raw(stream, words.device(0, slot), seq + 1)
-            },
-        }?;
+        // SAFETY: the caller guarantees `stream`.
+        unsafe { self.ready.signal(stream, slot, seq) }?;
         self.presignalled[slot as usize].store(seq + 1, Ordering::Release);
         Ok(())
     }
@@ -371,11 +429,8 @@ impl CudaProducer {
     /// # Safety
     /// As for [`CudaProducer::order_after`].
     pub unsafe fn join(&self, stream: driver::CUstream) -> Result<(), CudaError> {
-        self.ctx.make_current()?;
-        let ev = self.scratch.lock();
         // SAFETY: the caller guarantees `stream`.
-        unsafe { ev.record_raw(stream) }?;
-        self.stream.wait_event(&ev)
+        unsafe { join_into(&self.ctx, &self.scratch, &self.stream, stream) }
     }
 }
 
@@ -560,21 +615,8 @@ impl ProducerBackend for CudaProducer {
             // The previous batch's writes ran on a caller's stream, which nothing of ours has
             // waited for (with no holders, no consumer's `finished` orders after them either):
             // wait for its `ready`, so the next writes of the slot come after them.
-            match &self.ready {
-                ReadySignal::Events(events) => {
-                    self.stream.wait_event(&events[slot as usize]).map_err(be)?
-                }
-                // SAFETY: the word is in our registered ready timelines; the stream is ours.
-                ReadySignal::Semaphore(words) => unsafe {
-                    driver::stream_wait_value64(
-                        &self.stream,
-                        words.device(0, slot),
-                        prev_seq + 1,
-                        WaitCondition::Geq,
-                    )
-                }
-                .map_err(be)?,
-            }
+            // SAFETY: our stream is live.
+            unsafe { self.ready.wait(self.stream.raw(), slot, prev_seq) }.map_err(be)?;
         }
         if holders == 0 {
             return Ok(());
@@ -646,15 +688,8 @@ impl ProducerBackend for CudaProducer {
         if self.presignalled[slot as usize].load(Ordering::Acquire) == seq + 1 {
             return Ok(());
         }
-        match &self.ready {
-            ReadySignal::Events(events) => events[slot as usize].record(&self.stream).map_err(be),
-            // SAFETY: the word is in our registered ready timelines, mapped for our lifetime;
-            // the stream is ours.
-            ReadySignal::Semaphore(words) => unsafe {
-                driver::stream_write_value64(&self.stream, words.device(0, slot), seq + 1)
-            }
-            .map_err(be),
-        }
+        // SAFETY: our stream is live.
+        unsafe { self.ready.signal(self.stream.raw(), slot, seq) }.map_err(be)
     }
 }
 
@@ -743,42 +778,14 @@ impl CudaConsumer {
         seq: u64,
     ) -> Result<(), CudaError> {
         self.ctx.make_current()?;
-        match &self.ready {
-            // SAFETY: the caller guarantees `stream`; the event is ours, live for our life.
-            ReadySignal::Events(events) => unsafe {
-                Stream::raw_wait_event(stream, &events[slot as usize])
-            },
-            // SAFETY: the word is in our registered ready timelines, mapped for our lifetime;
-            // the caller guarantees `stream`.
-            ReadySignal::Semaphore(words) => unsafe {
-                driver::stream_wait_value64_raw(
-                    stream,
-                    words.device(0, slot),
-                    seq + 1,
-                    WaitCondition::Geq,
-                )
-            },
-        }
+        // SAFETY: the caller guarantees `stream`.
+        unsafe { self.ready.wait(stream, slot, seq) }
     }
 
     /// Makes the consumer's own stream wait for batch `seq` in `slot` to be ready.
     fn own_wait_ready(&self, slot: u32, seq: u64) -> Result<(), BackendError> {
-        match &self.ready {
-            ReadySignal::Events(events) => {
-                self.stream.wait_event(&events[slot as usize]).map_err(be)
-            }
-            // SAFETY: the word is in our registered ready timelines, mapped for our lifetime;
-            // the stream is ours.
-            ReadySignal::Semaphore(words) => unsafe {
-                driver::stream_wait_value64(
-                    &self.stream,
-                    words.device(0, slot),
-                    seq + 1,
-                    WaitCondition::Geq,
-                )
-            }
-            .map_err(be),
-        }
+        // SAFETY: our stream is live.
+        unsafe { self.ready.wait(self.stream.raw(), slot, seq) }.map_err(be)
     }
 
     /// Writes `finished` for batch `seq` in `slot` on a caller's `stream`, after the work
@@ -813,11 +820,8 @@ impl CudaConsumer {
     /// # Safety
     /// As for [`CudaConsumer::wait_ready_on`].
     pub unsafe fn join(&self, stream: driver::CUstream) -> Result<(), CudaError> {
-        self.ctx.make_current()?;
-        let ev = self.scratch.lock();
         // SAFETY: the caller guarantees `stream`.
-        unsafe { ev.record_raw(stream) }?;
-        self.stream.wait_event(&ev)
+        unsafe { join_into(&self.ctx, &self.scratch, &self.stream, stream) }
     }
 }
 
