@@ -10,6 +10,8 @@ avoided). The programs:
   iterate a `gpipe.Consumer` and use `torch.from_dlpack(batch["x"])`);
 * ``gpipe_cached``: the same, but the producer makes its torch tensor for slot k once and
   reuses it (the same declaration in slot k always has the same address);
+* ``gpipe_fast``: the same as ``gpipe`` with `gpipe.torch.as_tensor` in place of
+  `torch.from_dlpack` on both sides (the same tensor, without torch's per-call stream object);
 * ``hand``: the best ring a PyTorch expert builds by hand: the slot tensors shared once with
   every consumer through torch.multiprocessing, interprocess `torch.cuda.Event`s for ready
   (per slot) and finished (per slot and consumer), slot indices over pipes; the producer waits
@@ -46,7 +48,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-PROGRAMS = ("gpipe", "gpipe_cached", "hand", "queue", "single")
+PROGRAMS = ("gpipe", "gpipe_fast", "gpipe_cached", "hand", "queue", "single")
 
 
 def parse_size(s: str) -> int:
@@ -84,13 +86,16 @@ def consumer_main(idx: int, cmds, results, acks) -> None:
 def consumer_gpipe(idx: int, sock: str, total: int, variant: str = "full"):
     import gpipe
 
+    import gpipe.torch
+
+    conv = gpipe.torch.as_tensor if variant == "fast" else torch.from_dlpack
     c = gpipe.Consumer(sock)
     acc = torch.zeros((), dtype=torch.int64, device="cuda")
     n = 0
     for b in c:
         with b:
             if variant != "nowork":
-                acc += torch.from_dlpack(b["x"]).sum()
+                acc += conv(b["x"]).sum()
         n += 1
     torch.cuda.synchronize()
     return ("done", idx, n, time.monotonic(), int(acc.item()) != 0)
@@ -177,8 +182,8 @@ class Bench:
         words = size // 4
         if program == "single":
             return self.single(words, n, slots, batches, warmup)
-        if program == "gpipe_cached":
-            saved, self.variant = self.variant, "cached"
+        if program in ("gpipe_cached", "gpipe_fast"):
+            saved, self.variant = self.variant, program[len("gpipe_"):]
             try:
                 return self.gpipe(words, n, slots, batches, warmup, total)
             finally:
@@ -202,6 +207,7 @@ class Bench:
 
     def gpipe(self, words, n, slots, batches, warmup, total):
         import gpipe
+        import gpipe.torch
 
         self.cell_no += 1
         sock = os.path.join(self.tmp, f"c{self.cell_no}.sock")
@@ -230,6 +236,8 @@ class Bench:
                     else:
                         slot.tensor("x", torch.int32, (words,))
                     x.random_()
+                elif self.variant == "fast":
+                    gpipe.torch.as_tensor(slot.tensor("x", torch.int32, (words,))).random_()
                 else:
                     torch.from_dlpack(slot.tensor("x", torch.int32, (words,))).random_()
                 slot.publish()

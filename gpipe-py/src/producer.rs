@@ -72,19 +72,42 @@ fn cuda_options(device: usize, mode: Mode, sync: SyncMode) -> Result<CudaOptions
     })
 }
 
+/// torch's `_cuda_getCurrentRawStream`, found once torch has initialised CUDA (it stays
+/// initialised): the current stream's raw handle with no Python stream object made per call.
+static TORCH_RAW_STREAM: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
+
 /// The caller's current CUDA stream: torch's current stream on `device` when torch is
-/// loaded and has initialised CUDA, else the legacy default stream (1).
+/// loaded and has initialised CUDA, else the legacy default stream (1). Called twice per
+/// batch (acquire and publish), so the torch function is looked up once.
 fn current_stream(py: Python<'_>, device: i32) -> PyResult<u64> {
-    let modules = py.import("sys")?.getattr("modules")?;
-    let Ok(torch) = modules.get_item("torch") else {
-        return Ok(1);
+    let raw = match TORCH_RAW_STREAM.get(py) {
+        Some(f) => f.bind(py).clone(),
+        None => {
+            let modules = py.import("sys")?.getattr("modules")?;
+            let Ok(torch) = modules.get_item("torch") else {
+                return Ok(1);
+            };
+            let cuda = torch.getattr("cuda")?;
+            if !cuda.call_method0("is_initialized")?.extract::<bool>()? {
+                return Ok(1);
+            }
+            match torch
+                .getattr("_C")
+                .and_then(|c| c.getattr("_cuda_getCurrentRawStream"))
+            {
+                Ok(f) => TORCH_RAW_STREAM
+                    .get_or_init(py, || f.unbind())
+                    .bind(py)
+                    .clone(),
+                // An older or unusual torch: its public API.
+                Err(_) => {
+                    let s = cuda.call_method1("current_stream", (device,))?;
+                    return stream_handle(&s);
+                }
+            }
+        }
     };
-    let cuda = torch.getattr("cuda")?;
-    if !cuda.call_method0("is_initialized")?.extract::<bool>()? {
-        return Ok(1);
-    }
-    let s = cuda.call_method1("current_stream", (device,))?;
-    stream_handle(&s)
+    stream_handle(&raw.call1((device,))?)
 }
 
 /// The producer and what it shares with its slots' tensors: the slot memory lives until the

@@ -20,9 +20,9 @@ N = 1 << 18  # int32 words per batch (1 MiB)
 
 # A consumer child. Every batch is checked on the GPU against its sequence number with no
 # host synchronisation per batch; the mismatch count is read once at the end.
-# argv: socket, how ("default" | "side" | "record" | "hold"), delay_s
+# argv: socket, how ("default" | "side" | "record" | "fast" | "hold"), delay_s
 CONSUMER = r"""
-import json, sys, time, torch, gpipe
+import json, sys, time, torch, gpipe, gpipe.torch
 sock, how, delay = sys.argv[1], sys.argv[2], float(sys.argv[3])
 c = gpipe.Consumer(sock)
 print("attached", flush=True)
@@ -43,6 +43,11 @@ try:
                 x = torch.from_dlpack(b["x"])       # made for the default stream
                 b.record_stream(other)               # ... used on another
                 with torch.cuda.stream(other):
+                    torch.cuda._sleep(20000)
+                    bad += ((x != b.seq).sum() > 0).long()
+            elif how == "fast":
+                with torch.cuda.stream(side):        # as_tensor orders the current stream
+                    x = gpipe.torch.as_tensor(b["x"])
                     torch.cuda._sleep(20000)
                     bad += ((x != b.seq).sum() > 0).long()
             else:
@@ -66,10 +71,10 @@ print(json.dumps({"seqs": seqs, "bad": int(bad.item()), "end": end}), flush=True
 """
 
 
-def produce(p, n, start=0, images=False):
+def produce(p, n, start=0, images=False, conv=torch.from_dlpack):
     for s in range(start, start + n):
         with p.acquire(timeout=30) as slot:
-            x = torch.from_dlpack(slot.tensor("x", torch.int32, (N // 64, 64)))
+            x = conv(slot.tensor("x", torch.int32, (N // 64, 64)))
             x.zero_()
             torch.cuda._sleep(20000)  # a slow writer: a consumer reading too early shows
             x.add_(s)
@@ -115,6 +120,20 @@ def test_torch_producer_torch_consumers(sock, child, mode, consumers):
             assert r["seqs"] == list(range(300))
     else:
         assert sorted(s for r in results for s in r["seqs"]) == list(range(300))
+
+
+def test_as_tensor_keeps_the_stream_rules(sock, child):
+    import gpipe.torch
+
+    p = gpipe.Producer(sock, slots=2, batch_bytes=2 << 20, backend="cuda")
+    (k,) = start_consumers(child, sock, 1, how="fast")
+    p.wait_for_consumers(1, timeout=30)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        produce(p, 200, conv=gpipe.torch.as_tensor)
+    p.close()
+    r = result(k)
+    assert r["bad"] == 0 and r["seqs"] == list(range(200)), r
 
 
 @pytest.mark.parametrize("how", ["side", "record"])

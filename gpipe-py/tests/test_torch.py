@@ -36,6 +36,19 @@ def test_slot_tensors_are_writable_torch_tensors(make_ring):
         assert torch.from_dlpack(b).sum().item() == 120
 
 
+def test_as_tensor_is_from_dlpack_for_batches_slots_and_tensors(make_ring):
+    p, c = make_ring()
+    with p.acquire() as s:
+        x = gpipe.torch.as_tensor(s.tensor("x", torch.int16, (3, 5)))
+        x.copy_(torch.arange(15, dtype=torch.int16).reshape(3, 5))
+        s.publish()
+    with c.recv(timeout=5) as b:
+        whole, named = gpipe.torch.as_tensor(b), gpipe.torch.as_tensor(b["x"])
+        assert whole.dtype == torch.int16 and whole.shape == (3, 5)
+        assert torch.equal(whole, torch.from_dlpack(b)) and torch.equal(named, whole)
+        assert whole.data_ptr() == named.data_ptr()  # both over the slot itself
+
+
 def test_a_cuda_tensor_sent_to_a_host_ring_is_refused(make_ring):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")

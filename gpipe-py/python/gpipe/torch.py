@@ -14,6 +14,30 @@ import torch.utils.data
 
 from . import Consumer, Error
 
+try:  # what torch.from_dlpack uses inside, minus its per-call Python stream object
+    from torch._C import _cuda_getCurrentRawStream as _raw_stream
+    from torch._C import _from_dlpack
+except ImportError:  # an unusual torch: as_tensor falls back on torch.from_dlpack
+    _raw_stream = None
+    _from_dlpack = None
+
+_CUDA = 2  # DLPack's device type for CUDA
+
+
+def as_tensor(obj: Any) -> torch.Tensor:
+    """``torch.from_dlpack(obj)`` for a gpipe Batch (of one tensor), Tensor or slot tensor,
+    with the same result and the same stream rule (the current stream waits for ``ready``),
+    at less cost per call: torch's own version builds a Python stream object each time,
+    which costs several microseconds per tensor on the GPU. Falls back on
+    ``torch.from_dlpack`` where torch lacks the internals it uses."""
+    if _from_dlpack is None or _raw_stream is None:
+        return torch.from_dlpack(obj)
+    kind, index = obj.__dlpack_device__()
+    if kind == _CUDA:
+        stream = _raw_stream(index) or 1  # torch's default stream is the legacy one
+        return _from_dlpack(obj.__dlpack__(stream=stream, max_version=(1, 0)))
+    return _from_dlpack(obj.__dlpack__(max_version=(1, 0)))
+
 
 class BatchDataset(torch.utils.data.IterableDataset):
     """Yields every batch of a ring as a tensor (a batch with one tensor) or a dict of named
@@ -63,8 +87,8 @@ class BatchDataset(torch.utils.data.IterableDataset):
                 with batch:
                     names = batch.names
                     if len(names) == 1:
-                        out: Any = torch.from_dlpack(batch)
+                        out: Any = as_tensor(batch)
                     else:
-                        out = {n: torch.from_dlpack(batch[n]) for n in names}
+                        out = {n: as_tensor(batch[n]) for n in names}
                     item = (out, batch.meta) if self.with_meta else out
                 yield item
