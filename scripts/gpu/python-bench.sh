@@ -22,7 +22,7 @@ echo "== MPS"
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
 mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
 nvidia-cuda-mps-control -d && sleep 1
-limit 330 python3 benches/torch_ring_bench.py --label mps --sizes 2MiB,8MiB,64MiB --consumers 1,4 --reps 5 --seconds 0.5 --json "$O/torch.jsonl" 2>"$O/mps-stderr.log" | cut -c1-400
+limit 400 python3 benches/torch_ring_bench.py --label mps --sizes 2MiB,8MiB,64MiB --consumers 1,4 --reps 5 --seconds 0.5 --json "$O/torch.jsonl" 2>"$O/mps-stderr.log" | cut -c1-400
 for size in 2MiB 8MiB 64MiB; do for c in 1 4; do
   rust "mps $size c$c" --batch-bytes $size --consumers $c --batches 5000 --slots 8
 done; done
