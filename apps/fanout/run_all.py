@@ -1,0 +1,543 @@
+#!/usr/bin/env python3
+"""Runs the whole inference fan-out comparison (issue #19) and reports it.
+
+In order, each run in processes of its own, under a time limit:
+
+1. inproc baselines (baselines.py inproc): each model alone, eager and graph; the models one
+   after the other in one process, eager and graph; graph replays on three streams.
+2. Throughput, the source as fast as possible: gpipe fan-out (source.py + one model.py
+   process per model), eager and graph; the torch.multiprocessing baseline (baselines.py
+   mp-queue), eager and graph.
+3. Latency at a fixed rate (--rate, or 0.8× the lowest eager throughput measured above: the
+   slowest model alone, the gpipe and the mp-queue fan-outs), every model waiting for each
+   result: gpipe and mp-queue, eager and graph; then the same with the empty model in every
+   process, which is the latency the hand-off itself adds.
+
+Every run appends one JSON line to OUT/fanout.jsonl (OUT: --out, else $OUT, else
+/tmp/gpipe-fanout), tagged with --mps; each process's stderr goes to OUT/logs/. At the end a
+table on stdout, and the issue's targets: eager fan-out ≥ 0.9× the slowest model alone;
+graph fan-out ≥ 0.9× the three-stream replay; added p99 latency ≤ 100 µs.
+
+MPS is not started here: scripts/gpu/app-fanout.sh runs this once without and once with
+the MPS daemon. --backend host runs everything on CPU tensors (tests; use tiny models).
+
+    python3 apps/fanout/run_all.py --mps off
+    python3 apps/fanout/run_all.py --quick                      # a few frames per run
+    python3 apps/fanout/run_all.py --backend host --models tiny,empty --modes eager --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from typing import Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from fanout_records import MODELS, fanout_record  # noqa: E402
+
+TARGET_EAGER = 0.9
+TARGET_GRAPH = 0.9
+TARGET_ADDED_P99_US = 100.0
+
+
+@dataclasses.dataclass
+class Config:
+    """What every run shares."""
+
+    backend: str = "cuda"  # "cuda" or "host"
+    dtype: str = "float16"
+    height: int = 720
+    width: int = 1280
+    size: int = 224
+    slots: int = 8
+    warmup: int = 24
+    threads: int = 1
+    python: str = sys.executable
+    logdir: str = "/tmp/gpipe-fanout/logs"
+    run_timeout: float = 120.0
+    check: bool = False
+    spin: float = 0.0
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.backend == "cuda" else "cpu"
+
+    def shape_args(self) -> list[str]:
+        return ["--dtype", self.dtype, "--height", str(self.height), "--width", str(self.width)]
+
+
+class Proc:
+    """A child process in its own process group, stdout to a file, stderr to a log."""
+
+    def __init__(self, label: str, argv: list[str], cfg: Config):
+        os.makedirs(cfg.logdir, exist_ok=True)
+        self.label = label
+        self.err_path = os.path.join(cfg.logdir, f"{label}.err")
+        self.out = tempfile.TemporaryFile("w+")
+        with open(self.err_path, "w") as err:
+            self.p = subprocess.Popen(
+                argv, stdout=self.out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True
+            )
+
+    def wait(self, deadline: float) -> Optional[int]:
+        """The exit status, or None if it ran past the deadline (then it is killed)."""
+        try:
+            return self.p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return None
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            try:
+                os.killpg(self.p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.p.wait(timeout=10)
+
+    def json_lines(self) -> list[dict]:
+        self.out.seek(0)
+        recs = []
+        for line in self.out.read().splitlines():
+            line = line.strip()
+            if line.startswith("{"):
+                try:
+                    recs.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass
+        return recs
+
+    def err_tail(self, n: int = 600) -> str:
+        try:
+            with open(self.err_path) as f:
+                return f.read()[-n:]
+        except OSError:
+            return ""
+
+
+def _label(*parts) -> str:
+    return (
+        "-".join(str(p) for p in parts if p not in (None, "")).replace(",", "+").replace("/", "_")
+    )
+
+
+def run_gpipe(
+    cfg: Config,
+    mode: str,
+    models: list[str],
+    *,
+    rate: float = 0.0,
+    frames: int = 600,
+    duration: float = 0.0,
+    latency: bool = False,
+    tag: str = "",
+) -> dict:
+    """One gpipe fan-out: a source and one consumer process per model; returns its record."""
+    label = _label("gpipe", mode, "lat" if latency else "max", tag)
+    sock_dir = tempfile.mkdtemp(prefix="fan-", dir="/tmp")
+    sock = os.path.join(sock_dir, f"{uuid.uuid4().hex[:8]}.sock")
+    py = [cfg.python]
+    src = Proc(
+        f"{label}-source",
+        py
+        + [os.path.join(HERE, "source.py"), "--socket", sock, "--backend", cfg.backend]
+        + ["--consumers", str(len(models)), "--slots", str(cfg.slots), "--warmup", str(cfg.warmup)]
+        + ["--frames", str(frames), "--duration", str(duration), "--rate", str(rate)]
+        + ["--threads", str(cfg.threads), "--wait-timeout", str(cfg.run_timeout)]
+        + cfg.shape_args(),
+        cfg,
+    )
+    cons = []
+    for k, m in enumerate(models):
+        argv = py + [os.path.join(HERE, "model.py"), "--socket", sock, "--model", m, "--mode", mode]
+        argv += ["--device", cfg.device, "--size", str(cfg.size), "--threads", str(cfg.threads)]
+        argv += ["--attach-timeout", str(cfg.run_timeout), "--idle-timeout", str(cfg.run_timeout)]
+        argv += cfg.shape_args()
+        if latency:
+            argv.append("--latency")
+        if cfg.check:
+            argv.append("--check")
+        if cfg.spin > 0:
+            argv += ["--spin", str(cfg.spin)]
+        cons.append(Proc(f"{label}-{k}-{m}", argv, cfg))
+    deadline = time.monotonic() + cfg.run_timeout
+    t0 = time.monotonic()
+    codes = [src.wait(deadline)] + [c.wait(deadline) for c in cons]
+    for pr in [src] + cons:
+        pr.kill()
+    try:
+        os.unlink(sock)
+    except OSError:
+        pass
+    try:
+        os.rmdir(sock_dir)
+    except OSError:
+        pass
+    source = (src.json_lines() or [None])[-1]
+    consumers = [(c.json_lines() or [None])[-1] for c in cons]
+    errors = []
+    for pr, code in zip([src] + cons, codes):
+        if code != 0:
+            why = "timed out" if code is None else f"exit {code}"
+            errors.append(f"{pr.label}: {why}: {pr.err_tail(300)}")
+    if source is None or any(c is None for c in consumers):
+        rec = {"run": "gpipe", "mode": mode, "models": models, "rate": rate, "ok": False}
+    else:
+        rec = fanout_record(
+            "gpipe",
+            mode,
+            rate,
+            source["t_start_ns"],
+            source["timed"],
+            consumers,
+            {
+                "memory": source.get("memory"),
+                "late": source.get("late"),
+                "device": source.get("device"),
+                "slots": cfg.slots,
+            },
+        )
+    if errors:
+        rec["ok"] = False
+        rec["error"] = " | ".join(errors)
+    rec["latency_run"] = latency
+    rec["wall_s"] = round(time.monotonic() - t0, 1)
+    return rec
+
+
+def run_baseline(
+    cfg: Config, args: list[str], tag: str, timeout: Optional[float] = None
+) -> list[dict]:
+    """baselines.py with `args` (a subcommand first); returns its JSON lines."""
+    argv = [cfg.python, os.path.join(HERE, "baselines.py")] + args
+    argv += ["--device", cfg.device, "--size", str(cfg.size), "--slots", str(cfg.slots)]
+    argv += ["--warmup", str(cfg.warmup), "--threads", str(cfg.threads)] + cfg.shape_args()
+    t0 = time.monotonic()
+    pr = Proc(_label("base", tag), argv, cfg)
+    code = pr.wait(time.monotonic() + (timeout or cfg.run_timeout))
+    recs = pr.json_lines()
+    wall = round(time.monotonic() - t0, 1)
+    for r in recs:
+        r["wall_s"] = wall
+    if code != 0:
+        why = "timed out" if code is None else f"exit {code}"
+        err = f"{pr.label}: {why}: {pr.err_tail(300)}"
+        if not recs:
+            recs = [{"run": args[0], "ok": False}]
+        for r in recs:
+            r.setdefault("error", err)
+            if code is None:
+                r["ok"] = False
+    return recs
+
+
+# ---------------------------------------------------------------------------------------
+# the report
+
+
+def _fps(
+    recs: list[dict], run: str, mode: str, models: Optional[list] = None, latency_run: bool = False
+) -> Optional[float]:
+    for r in recs:
+        if (
+            r.get("run") == run
+            and r.get("mode") == mode
+            and bool(r.get("latency_run")) == latency_run
+        ):
+            if models is None or r.get("models") == models:
+                return r.get("fps")
+    return None
+
+
+def _lat(c: Optional[dict]) -> str:
+    lat = (c or {}).get("latency")
+    return f"{lat['p50_us']:.0f}/{lat['p99_us']:.0f}" if lat else "-"
+
+
+def summary(recs: list[dict], models: list[str], mps: str) -> list[str]:
+    """The table and the targets, as lines."""
+    out = [
+        f"== inference fan-out, MPS {mps}",
+        f"{'run':<11} {'mode':<6} {'frames/s':>9} {'ok':<3} models",
+    ]
+    for r in recs:
+        if r.get("latency_run"):
+            continue
+        fps = r.get("fps")
+        per = ""
+        if r.get("run") in ("gpipe", "mp-queue"):
+            per = ", ".join(
+                f"{c.get('model')} {c.get('fps')}" for c in r.get("consumers") or [] if c
+            )
+        else:
+            per = ",".join(r.get("models") or [])
+        out.append(
+            f"{r.get('run', '?'):<11} {r.get('mode', '?'):<6} {fps if fps is not None else '-':>9} "
+            f"{'ok' if r.get('ok') else 'NO':<3} {per}"
+        )
+    lat_recs = [r for r in recs if r.get("latency_run")]
+    if lat_recs:
+        rate = lat_recs[0].get("rate")
+        out.append(f"latency p50/p99 µs from publish to each model's result, at {rate} frames/s:")
+        for r in lat_recs:
+            per = ", ".join(f"{c.get('model')} {_lat(c)}" for c in r.get("consumers") or [] if c)
+            late = f" (source late {r['late']}x)" if r.get("late") else ""
+            ok = "ok" if r.get("ok") else "NO"
+            out.append(f"  {r.get('run', '?'):<9} {r.get('mode', '?'):<6} {ok:<3} {per}{late}")
+    out.append("targets:")
+    solo = [_fps(recs, "solo", "eager", [m]) for m in models if m != "empty"]
+    solo = [s for s in solo if s]
+    g_eager = _fps(recs, "gpipe", "eager")
+    if solo and g_eager:
+        ratio = g_eager / min(solo)
+        out.append(
+            f"  eager: gpipe fan-out {g_eager} / slowest model alone {min(solo)} = {ratio:.2f} "
+            f"(target >= {TARGET_EAGER}) {'PASS' if ratio >= TARGET_EAGER else 'MISS'}"
+        )
+    g_graph = _fps(recs, "gpipe", "graph")
+    streams = _fps(recs, "streams", "graph")
+    if g_graph and streams:
+        ratio = g_graph / streams
+        out.append(
+            f"  graph: gpipe fan-out {g_graph} / three-stream replay {streams} = {ratio:.2f} "
+            f"(target >= {TARGET_GRAPH}) {'PASS' if ratio >= TARGET_GRAPH else 'MISS'}"
+        )
+    for r in lat_recs:
+        if r.get("models") and all(m == "empty" for m in r["models"]):
+            p99s = [
+                c["latency"]["p99_us"] for c in r.get("consumers") or [] if c and c.get("latency")
+            ]
+            if p99s:
+                worst = max(p99s)
+                verdict = (
+                    ("PASS" if worst <= TARGET_ADDED_P99_US else "MISS")
+                    if r["run"] == "gpipe"
+                    else "(baseline)"
+                )
+                out.append(
+                    f"  added latency, {r['run']} ({len(p99s)} empty models): p99 worst {worst} µs "
+                    f"(target <= {TARGET_ADDED_P99_US:.0f}) {verdict}"
+                )
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--out", default=os.environ.get("OUT") or "/tmp/gpipe-fanout", help="output folder"
+    )
+    ap.add_argument(
+        "--mps", default="off", help="label of the MPS setting (this script does not start MPS)"
+    )
+    ap.add_argument("--quick", action="store_true", help="a smoke run: a few frames per run")
+    ap.add_argument("--backend", choices=("cuda", "host"), default="cuda")
+    ap.add_argument(
+        "--models", default=",".join(MODELS), help="comma-separated models (default the three)"
+    )
+    ap.add_argument("--modes", default="eager,graph")
+    ap.add_argument(
+        "--only",
+        default="inproc,gpipe,mp-queue,latency,empty",
+        help="which parts to run (default all)",
+    )
+    ap.add_argument(
+        "--frames", type=int, default=600, help="timed frames of a throughput run (default 600)"
+    )
+    ap.add_argument(
+        "--duration",
+        type=float,
+        default=3.0,
+        help="seconds cap of a throughput run's timed frames (default 3)",
+    )
+    ap.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="latency runs' frames/s (default 0.8x the lowest eager throughput)",
+    )
+    ap.add_argument(
+        "--latency-seconds", type=float, default=3.0, help="length of a latency run (default 3 s)"
+    )
+    ap.add_argument("--warmup", type=int, default=0, help="warm-up frames (default 2x slots + 8)")
+    ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--height", type=int, default=720)
+    ap.add_argument("--width", type=int, default=1280)
+    ap.add_argument("--size", type=int, default=224)
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads per process (host backend)"
+    )
+    ap.add_argument(
+        "--run-timeout", type=float, default=120.0, help="seconds one run may take in all"
+    )
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=0.0,
+        help="start no run after this many seconds (0: no limit)",
+    )
+    ap.add_argument("--check", action="store_true", help="consumers check every frame's marker")
+    ap.add_argument(
+        "--spin",
+        type=float,
+        default=0.0,
+        help="gpipe consumers busy-wait this many seconds for a frame before sleeping "
+        "(gpipe.Consumer(spin=...); 0: the package's default, 100 µs)",
+    )
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    models = [m for m in a.models.split(",") if m]
+    modes = [m for m in a.modes.split(",") if m]
+    only = set(a.only.split(","))
+    if a.backend == "host" and "graph" in modes:
+        print("-- graph mode needs CUDA: the host backend runs eager only", flush=True)
+        modes = [m for m in modes if m != "graph"]
+    if a.quick:
+        a.frames, a.duration, a.latency_seconds = (
+            min(a.frames, 12),
+            min(a.duration, 1.0),
+            min(a.latency_seconds, 0.5),
+        )
+    warmup = a.warmup or 2 * a.slots + 8
+    cfg = Config(
+        backend=a.backend,
+        dtype=a.dtype,
+        height=a.height,
+        width=a.width,
+        size=a.size,
+        slots=a.slots,
+        warmup=warmup,
+        threads=a.threads,
+        logdir=os.path.join(a.out, "logs", f"mps-{a.mps}"),
+        run_timeout=a.run_timeout,
+        check=a.check,
+        spin=a.spin,
+    )
+    os.makedirs(a.out, exist_ok=True)
+    jsonl = os.path.join(a.out, "fanout.jsonl")
+    t_begin = time.monotonic()
+    recs: list[dict] = []
+
+    def over_budget() -> bool:
+        return a.budget > 0 and time.monotonic() - t_begin > a.budget
+
+    def keep(rec: dict) -> None:
+        rec["mps"] = a.mps
+        rec["backend"] = a.backend
+        rec["quick"] = a.quick
+        rec["spin"] = a.spin
+        recs.append(rec)
+        with open(jsonl, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        status = "ok" if rec.get("ok") else f"NOT OK {rec.get('error', '')[:300]}"
+        print(
+            f"-- {rec.get('run')} {rec.get('mode')} {','.join(map(str, rec.get('models') or []))} "
+            f"rate={rec.get('rate')} fps={rec.get('fps')} ({rec.get('wall_s')}s) {status}",
+            flush=True,
+        )
+
+    tput = dict(frames=a.frames, duration=a.duration)
+    if "inproc" in only and not over_budget():
+        timeout = cfg.run_timeout * 3  # several runs in one process
+        for rec in run_baseline(
+            cfg,
+            [
+                "inproc",
+                "--models",
+                ",".join(models),
+                "--modes",
+                ",".join(modes),
+                "--frames",
+                str(a.frames),
+                "--duration",
+                str(a.duration),
+            ],
+            "inproc",
+            timeout,
+        ):
+            keep(rec)
+    for mode in modes:
+        if "gpipe" in only and not over_budget():
+            keep(run_gpipe(cfg, mode, models, **tput))
+        if "mp-queue" in only and not over_budget():
+            for rec in run_baseline(
+                cfg,
+                [
+                    "mp-queue",
+                    "--models",
+                    ",".join(models),
+                    "--mode",
+                    mode,
+                    "--frames",
+                    str(a.frames),
+                    "--duration",
+                    str(a.duration),
+                ],
+                f"mp-{mode}",
+            ):
+                rec["latency_run"] = False
+                keep(rec)
+
+    rate = a.rate
+    if not rate:
+        eager = [_fps(recs, "solo", "eager", [m]) for m in models if m != "empty"]
+        eager += [_fps(recs, "gpipe", "eager"), _fps(recs, "mp-queue", "eager")]
+        eager = [f for f in eager if f]
+        rate = round(0.8 * min(eager), 1) if eager else 30.0
+    lat_frames = max(10, int(rate * a.latency_seconds))
+    lat = dict(rate=rate, frames=lat_frames, duration=0.0)
+    lat_models = [("latency", models)] if "latency" in only else []
+    if "empty" in only:
+        lat_models.append(("empty", ["empty"] * len(models)))
+    for part, ms in lat_models:
+        for mode in modes if part == "latency" else ["eager"]:
+            if over_budget():
+                break
+            keep(run_gpipe(cfg, mode, ms, latency=True, tag=part, **lat))
+            if over_budget():
+                break
+            for rec in run_baseline(
+                cfg,
+                [
+                    "mp-queue",
+                    "--models",
+                    ",".join(ms),
+                    "--mode",
+                    mode,
+                    "--latency",
+                    "--rate",
+                    str(rate),
+                    "--frames",
+                    str(lat_frames),
+                ],
+                f"mp-{mode}-{part}",
+            ):
+                rec["latency_run"] = True
+                keep(rec)
+    if over_budget():
+        print(f"-- budget of {a.budget:.0f}s spent: later runs skipped", flush=True)
+    for line in summary(recs, models, a.mps):
+        print(line, flush=True)
+    return 0 if recs and all(r.get("ok") for r in recs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

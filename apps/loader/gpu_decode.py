@@ -1,0 +1,469 @@
+#!/usr/bin/env python3
+"""Reading, GPU decoding and batched augmentation of JPEG files: the loader's shared half.
+
+The producer (producer.py) and the in-process baseline (baselines.py inprocess) both use this
+module, so the two compare the same work:
+
+- :class:`ImageFolder` lists ``ROOT/<class>/<file>.jpg`` (the layout make_dataset.py writes).
+- :class:`EpochPlan` says which images make up each batch: one shuffle per epoch (the same for
+  every shard), an optional shard of it, and a fixed number of whole batches per epoch.
+- :class:`DecodedBatches` reads the files with a thread pool and decodes each batch with
+  ``torchvision.io.decode_jpeg(list, device=...)`` (nvJPEG, batched; the hardware decoder on an
+  A100/H100) on a thread of its own, a few batches ahead of its user.
+- :class:`Augment` turns a list of decoded images of any sizes into one ``B x 3 x S x S``
+  float16 channels_last batch with a handful of kernels: the images are copied into one padded
+  batch, ``torchvision.ops.roi_align`` cuts each one's random-resized-crop box and resizes it to
+  S x S (one kernel for the batch; it averages several samples per output pixel when it shrinks,
+  so it does not alias), a random half is flipped, and one fused multiply-add normalises and
+  writes the channels_last output, in place if given one (a gpipe slot).
+
+Everything also runs on the CPU (``device="cpu"``), which is what CI tests.
+
+Run as a script, it measures what decoding and augmenting cost per image on a device (the
+figure that decides where to place the decode: one producer per node or per GPU)::
+
+    python3 apps/loader/gpu_decode.py /tmp/loader-data --device cuda:0 --batch 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import json
+import math
+import os
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+# Header words of a published batch (gpipe carries 8 per batch).
+META_EPOCH = 0  # epoch number, from 0
+META_INDEX = 1  # batch number within the epoch, from 0
+META_PER_EPOCH = 2  # batches in each epoch (the same every epoch)
+META_GLOBAL = 3  # batch number since the start, from 0
+META_CLASSES = 4  # number of classes in the data set
+META_SHARD = 5  # this producer's shard of each epoch
+META_SHARDS = 6  # number of shards
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+JPEG_EXTENSIONS = (".jpg", ".jpeg", ".JPG", ".JPEG")
+
+
+def channels_last_strides(shape: Sequence[int]) -> tuple[int, int, int, int]:
+    """Element strides of an N x C x H x W tensor laid out channels_last (NHWC in memory)."""
+    _, c, h, w = shape
+    return (c * h * w, 1, w * c, c)
+
+
+class ImageFolder:
+    """The JPEG files of ``root/<class>/``: classes are the sub-folders in sorted order."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
+        if not self.classes:
+            raise FileNotFoundError(f"{root}: no class folders; make the data with make_dataset.py")
+        paths: list[str] = []
+        labels: list[int] = []
+        for label, name in enumerate(self.classes):
+            folder = os.path.join(root, name)
+            for f in sorted(os.listdir(folder)):
+                if f.endswith(JPEG_EXTENSIONS):
+                    paths.append(os.path.join(folder, f))
+                    labels.append(label)
+        if not paths:
+            raise FileNotFoundError(f"{root}: no .jpg files under its class folders")
+        self.paths = paths
+        self.labels = torch.tensor(labels, dtype=torch.int64)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+
+class EpochPlan:
+    """Which images each batch holds.
+
+    Every epoch is one random permutation of the data set, drawn from ``seed + epoch`` (so all
+    shards draw the same one); shard ``k`` of ``n`` takes every n-th image of it, starting at k.
+    Each epoch has ``batches_per_epoch`` whole batches (the rest is dropped), rounded down to a
+    multiple of ``multiple``: a producer that feeds W trainers taking turns (batch g to trainer
+    g % W) publishes a multiple of W per epoch, so every trainer gets the same count.
+    """
+
+    def __init__(self, count: int, batch: int, *, shard: int = 0, shards: int = 1, multiple: int = 1, seed: int = 0):
+        if not 0 <= shard < shards:
+            raise ValueError(f"shard {shard} is not in 0..{shards - 1}")
+        self.count, self.batch, self.shard, self.shards, self.seed = count, batch, shard, shards, seed
+        per_shard = count // shards
+        self.batches_per_epoch = (per_shard // batch) // multiple * multiple
+        if self.batches_per_epoch == 0:
+            raise ValueError(
+                f"{count} images in {shards} shard(s) make no whole batch of {batch} "
+                f"(times {multiple}); use a smaller batch or more images"
+            )
+
+    def epoch(self, epoch: int) -> torch.Tensor:
+        """This shard's image indices for `epoch`, batches_per_epoch x batch."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        perm = torch.randperm(self.count, generator=g)
+        mine = perm[self.shard :: self.shards][: self.batches_per_epoch * self.batch]
+        return mine.view(self.batches_per_epoch, self.batch)
+
+
+def read_file(path: str) -> torch.Tensor:
+    """The file's bytes as a 1-D uint8 CPU tensor (the input decode_jpeg takes)."""
+    with open(path, "rb") as f:
+        return torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
+
+
+def decode(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Decodes encoded JPEGs to 3 x H x W uint8 RGB images on `device`, as one batch.
+
+    On CUDA this is nvJPEG's batched decode (hardware decoder where there is one). The call
+    returns when the images are decoded (torchvision waits on its own stream) and orders the
+    caller's current stream after them.
+    """
+    from torchvision.io import ImageReadMode, decode_jpeg  # here, so importing this module is cheap
+
+    if device.type == "cuda":
+        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+    return decode_jpeg(data, mode=ImageReadMode.RGB)
+
+
+@dataclass
+class Decoded:
+    """One decoded batch, not yet augmented."""
+
+    epoch: int
+    index: int  # in the epoch
+    global_index: int
+    images: list[torch.Tensor]  # 3 x H x W uint8, on the device
+    labels: torch.Tensor  # int64, on the CPU
+    read_s: float  # seconds the decode thread waited for the files
+    decode_s: float  # seconds the decode call took
+
+
+class DecodedBatches:
+    """Iterates over decoded batches, reading and decoding on background threads.
+
+    A pool of ``read_threads`` threads reads the next batch's files while a decode thread
+    decodes the current one (torchvision's decode releases the GIL), up to ``prefetch``
+    batches ahead of the caller. On CUDA the decode thread works on a stream of its own; the
+    batch returned by ``next()`` is ordered before the caller's current stream, and
+    :class:`Augment` marks the images as used there, so their memory is reused safely.
+
+    Runs ``epochs`` epochs (None: until ``limit`` batches or ``close()``). Errors in the
+    background threads are raised by ``next()``.
+    """
+
+    _END = object()
+
+    def __init__(
+        self,
+        folder: ImageFolder,
+        plan: EpochPlan,
+        device: torch.device | str,
+        *,
+        epochs: Optional[int] = None,
+        limit: Optional[int] = None,
+        prefetch: int = 2,
+        read_threads: int = 8,
+    ):
+        self.folder, self.plan, self.device = folder, plan, torch.device(device)
+        self.epochs, self.limit = epochs, limit
+        self.read_threads = max(1, read_threads)
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.read_threads, thread_name_prefix="read")
+        self._queue: "queue.Queue[object]" = queue.Queue(maxsize=max(1, prefetch))
+        self._stop = threading.Event()
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._thread = threading.Thread(target=self._run, name="decode", daemon=True)
+        self._thread.start()
+
+    def _schedule(self) -> Iterator[tuple[int, int, int, torch.Tensor]]:
+        g = 0
+        epoch = 0
+        while self.epochs is None or epoch < self.epochs:
+            order = self.plan.epoch(epoch)
+            for i in range(order.shape[0]):
+                if self.limit is not None and g >= self.limit:
+                    return
+                yield epoch, i, g, order[i]
+                g += 1
+            epoch += 1
+
+    def _submit(self, indices: torch.Tensor) -> list[concurrent.futures.Future]:
+        paths = [self.folder.paths[i] for i in indices.tolist()]
+        step = math.ceil(len(paths) / self.read_threads)
+        chunks = [paths[k : k + step] for k in range(0, len(paths), step)]
+        return [self._pool.submit(lambda c: [read_file(p) for p in c], c) for c in chunks]
+
+    def _put(self, item: object) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        try:
+            ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+            with ctx:
+                plan = self._schedule()
+                nxt = next(plan, None)
+                pending = self._submit(nxt[3]) if nxt else None
+                while nxt is not None and not self._stop.is_set():
+                    epoch, index, g, indices = nxt
+                    nxt = next(plan, None)
+                    upcoming = self._submit(nxt[3]) if nxt else None
+                    t0 = time.perf_counter()
+                    data = [t for f in pending for t in f.result()]
+                    t1 = time.perf_counter()
+                    images = decode(data, self.device)
+                    t2 = time.perf_counter()
+                    item = Decoded(epoch, index, g, images, self.folder.labels[indices], t1 - t0, t2 - t1)
+                    if not self._put(item):
+                        return
+                    pending = upcoming
+            self._put(self._END)
+        except BaseException as e:  # handed to the caller's next()
+            self._put(e)
+
+    def __iter__(self) -> "DecodedBatches":
+        return self
+
+    def __next__(self) -> Decoded:
+        item = self._queue.get()
+        if item is self._END:
+            self._queue.put(item)  # stays at the end for further calls
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise RuntimeError("reading or decoding failed") from item
+        assert isinstance(item, Decoded)
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> "DecodedBatches":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Augment:
+    """Random-resized crop to ``size``, horizontal flip and normalisation of a whole batch.
+
+    ``scale`` and ``ratio`` are those of torchvision's RandomResizedCrop (area fraction, and
+    aspect ratio drawn log-uniformly; 10 tries, then the centre crop of the clamped ratio).
+    Calling it with a list of 3 x H x W uint8 images returns (or writes into ``out``) a
+    ``B x 3 x size x size`` float16 channels_last batch on the images' device, enqueued on the
+    current stream. Randomness comes from a CPU generator seeded with ``seed``.
+    """
+
+    def __init__(
+        self,
+        size: int = 224,
+        device: torch.device | str = "cpu",
+        *,
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
+        flip_p: float = 0.5,
+        mean: Sequence[float] = IMAGENET_MEAN,
+        std: Sequence[float] = IMAGENET_STD,
+        seed: int = 0,
+    ):
+        self.size, self.scale, self.ratio, self.flip_p = size, scale, ratio, flip_p
+        self.device = torch.device(device)
+        self.generator = torch.Generator().manual_seed(seed)
+        # (x / 255 - mean) / std  ==  x * scale + bias
+        std_t = torch.tensor(std, dtype=torch.float32)
+        mean_t = torch.tensor(mean, dtype=torch.float32)
+        self.mul = (1.0 / (255.0 * std_t)).view(1, 3, 1, 1).to(self.device)
+        self.add = (-mean_t / std_t).view(1, 3, 1, 1).to(self.device)
+
+    def boxes(self, heights: torch.Tensor, widths: torch.Tensor, tries: int = 10) -> torch.Tensor:
+        """B x 4 crop boxes (x1, y1, x2, y2) in pixel-centre coordinates, inside each image."""
+        g = self.generator
+        n = heights.numel()
+        h, w = heights.double(), widths.double()
+        area = (h * w)[:, None] * torch.empty(n, tries, dtype=torch.float64).uniform_(*self.scale, generator=g)
+        lo, hi = math.log(self.ratio[0]), math.log(self.ratio[1])
+        aspect = torch.exp(torch.empty(n, tries, dtype=torch.float64).uniform_(lo, hi, generator=g))
+        cw = torch.sqrt(area * aspect).round()
+        ch = torch.sqrt(area / aspect).round()
+        fits = (cw >= 1) & (ch >= 1) & (cw <= w[:, None]) & (ch <= h[:, None])
+        first = fits.int().argmax(dim=1, keepdim=True)  # the first try that fits
+        cw, ch = cw.gather(1, first)[:, 0], ch.gather(1, first)[:, 0]
+        # None fits: the centre crop of the whole image, its ratio clamped into range.
+        img_ratio = w / h
+        fw = torch.where(img_ratio > self.ratio[1], (h * self.ratio[1]).round(), w)
+        fh = torch.where(img_ratio < self.ratio[0], (w / self.ratio[0]).round(), h)
+        ok = fits.any(dim=1)
+        cw, ch = torch.where(ok, cw, fw), torch.where(ok, ch, fh)
+        u = torch.rand(n, 2, dtype=torch.float64, generator=g)
+        u = torch.where(ok[:, None], u, torch.full_like(u, 0.5))
+        x1 = torch.floor(u[:, 0] * (w - cw + 1)).clamp(max=w - cw)
+        y1 = torch.floor(u[:, 1] * (h - ch + 1)).clamp(max=h - ch)
+        # roi_align(aligned=False) samples [x1, x2] in pixel-centre coordinates: a crop of cw
+        # pixels starting at x1 spans centres x1 .. x1 + cw - 1, all inside the image.
+        return torch.stack([x1, y1, x1 + cw - 1, y1 + ch - 1], dim=1).float()
+
+    def __call__(self, images: list[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        from torchvision.ops import roi_align
+
+        n, s = len(images), self.size
+        dev = images[0].device
+        if dev.type == "cuda":
+            stream = torch.cuda.current_stream(dev)
+            for im in images:  # used on this stream: their memory waits for it
+                im.record_stream(stream)
+        heights = torch.tensor([im.shape[-2] for im in images])
+        widths = torch.tensor([im.shape[-1] for im in images])
+        pad = torch.zeros((n, 3, int(heights.max()), int(widths.max())), dtype=torch.float32, device=dev)
+        views = [pad[i, :, : im.shape[-2], : im.shape[-1]] for i, im in enumerate(images)]
+        if hasattr(torch, "_foreach_copy_"):
+            torch._foreach_copy_(views, images)  # one C++ loop, no Python per image
+        else:
+            for v, im in zip(views, images):
+                v.copy_(im)
+        rois = torch.empty(n, 6, dtype=torch.float32)
+        rois[:, 0] = torch.arange(n, dtype=torch.float32)
+        rois[:, 1:5] = self.boxes(heights, widths)
+        rois[:, 5] = (torch.rand(n, generator=self.generator) < self.flip_p).float()
+        if dev.type == "cuda":
+            rois = rois.pin_memory().to(dev, non_blocking=True)
+        crops = roi_align(pad, rois[:, :5], output_size=(s, s), spatial_scale=1.0, sampling_ratio=-1, aligned=False)
+        flip = rois[:, 5].view(n, 1, 1, 1) > 0.5
+        crops = torch.where(flip, crops.flip(3), crops)
+        if out is None:
+            out = torch.empty((n, 3, s, s), dtype=torch.float16, device=dev, memory_format=torch.channels_last)
+        elif tuple(out.shape) != (n, 3, s, s) or out.dtype != torch.float16:
+            raise ValueError(f"out is {tuple(out.shape)} {out.dtype}; expected {(n, 3, s, s)} float16")
+        torch.addcmul(self.add, crops, self.mul, out=out)  # normalise, cast, lay out: one kernel
+        return out
+
+
+def _bench(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("data", help="data set folder (make_dataset.py)")
+    ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--batches", type=int, default=12, help="batches to time (after 2 of warm-up)")
+    ap.add_argument("--size", type=int, default=224)
+    ap.add_argument("--read-threads", type=int, default=8)
+    ap.add_argument("--profile", action="store_true", help="also sum the GPU kernel time of decode with torch.profiler")
+    ap.add_argument("--json", action="store_true", help="print one JSON line only")
+    a = ap.parse_args(argv)
+    dev = torch.device(a.device)
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(dev)
+    folder = ImageFolder(a.data)
+    plan = EpochPlan(len(folder), a.batch)
+    n = min(a.batches + 2, plan.batches_per_epoch)
+    order = plan.epoch(0)[:n]
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    with concurrent.futures.ThreadPoolExecutor(a.read_threads) as pool:
+        t0 = time.perf_counter()
+        data = [list(pool.map(read_file, [folder.paths[i] for i in row.tolist()])) for row in order]
+        read_s = time.perf_counter() - t0
+    nbytes = sum(t.numel() for batch in data for t in batch)
+    aug = Augment(a.size, dev)
+
+    # Decode alone, then decode + augment, batch after batch on one thread.
+    for batch in data[:2]:
+        aug(decode(batch, dev))
+    sync()
+    t0 = time.perf_counter()
+    for batch in data[2:]:
+        decode(batch, dev)
+    sync()
+    decode_s = time.perf_counter() - t0
+    images = [decode(batch, dev) for batch in data[2:]]
+    sync()
+    t0 = time.perf_counter()
+    for imgs in images:
+        aug(imgs)
+    sync()
+    aug_s = time.perf_counter() - t0
+    timed = sum(len(b) for b in data[2:])
+
+    # The whole pipeline as the producer runs it: background read + decode, then augment.
+    with DecodedBatches(folder, plan, dev, limit=n, read_threads=a.read_threads) as src:
+        first = next(src)
+        aug(first.images)
+        sync()
+        t0 = time.perf_counter()
+        count = 0
+        for item in src:
+            aug(item.images)
+            count += len(item.images)
+        sync()
+        pipe_s = time.perf_counter() - t0
+
+    report = {
+        "what": "decode", "device": str(dev), "batch": a.batch, "images": timed,
+        "mean_file_kb": round(nbytes / sum(len(b) for b in data) / 1e3, 1),
+        "read_us_per_image": round(read_s / sum(len(b) for b in data) * 1e6, 1),
+        "decode_us_per_image": round(decode_s / timed * 1e6, 1),
+        "decode_images_per_s": round(timed / decode_s),
+        "augment_us_per_image": round(aug_s / timed * 1e6, 1),
+        "pipeline_images_per_s": round(count / pipe_s),
+    }
+    if cuda and a.profile:
+        report.update(_kernel_time(data[2:], dev, aug))
+    if a.json:
+        print(json.dumps(report), flush=True)
+    else:
+        for k, v in report.items():
+            print(f"{k:>28}: {v}")
+    return 0
+
+
+def _kernel_time(data: list[list[torch.Tensor]], dev: torch.device, aug: Augment) -> dict:
+    """GPU kernel time per image of decode and of augment, summed by torch.profiler (CUPTI).
+    The hardware JPEG engine's own time is not a kernel: it shows only in decode's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    try:
+        images = []
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for batch in data:
+                images.append(decode(batch, dev))
+            torch.cuda.synchronize()
+        out["decode_gpu_us_per_image"] = round(_device_us(prof) / sum(len(b) for b in data), 2)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for imgs in images:
+                aug(imgs)
+            torch.cuda.synchronize()
+        out["augment_gpu_us_per_image"] = round(_device_us(prof) / sum(len(b) for b in data), 2)
+    except Exception as e:  # the profiler is a nice-to-have here
+        out["profile_error"] = f"{type(e).__name__}: {e}"[:200]
+    return out
+
+
+def _device_us(prof) -> float:
+    """Microseconds of GPU activity (kernels, copies, memsets) the profiler recorded."""
+    from torch.autograd import DeviceType
+
+    return sum(ev.time_range.elapsed_us() for ev in prof.events() if ev.device_type == DeviceType.CUDA)
+
+
+if __name__ == "__main__":
+    sys.exit(_bench())

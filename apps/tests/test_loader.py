@@ -1,0 +1,312 @@
+"""The data loader application (apps/loader) on the host backend, at tiny sizes.
+
+The GPU runs (scripts/gpu/app-loader.sh) measure it; these check that it is right: the data
+set maker, the batched augmentation (shape, dtype, layout, normalisation, flip, crop boxes),
+the epoch plan, and the real programs as processes — a producer feeding a trainer (epoch
+marks, every batch once, in order), one producer feeding two trainers that take turns (the
+same count each), and two DDP ranks (gloo) each fed by its own producer's shard.
+
+Every child process runs under a timeout, and a watchdog ends a hung test with a traceback.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torchvision")
+pytest.importorskip("PIL")
+pytest.importorskip("gpipe")
+
+LOADER = Path(__file__).resolve().parents[1] / "loader"
+sys.path.insert(0, str(LOADER))
+
+import gpu_decode  # noqa: E402
+import make_dataset  # noqa: E402
+
+WATCHDOG_S = 90
+CHILD_TIMEOUT_S = 60
+SIZE = 32  # crop size of the process tests
+IMAGES = 24
+
+
+@pytest.fixture(autouse=True)
+def watchdog():
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> str:
+    root = str(tmp_path_factory.mktemp("loader") / "data")
+    make_dataset.make_dataset(root, count=IMAGES, classes=3, min_size=(40, 40), max_size=(64, 64),
+                              processes=1, quiet=True)
+    return root
+
+
+SOCK_DIR = Path("/tmp") / f"ld-{os.getpid()}"  # Unix socket paths are limited to 107 bytes
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sock_dir():
+    SOCK_DIR.mkdir(exist_ok=True)
+    yield
+    shutil.rmtree(SOCK_DIR, ignore_errors=True)
+
+
+def sock() -> str:
+    return str(SOCK_DIR / f"{uuid.uuid4().hex[:8]}.sock")
+
+
+class Proc:
+    """A child Python process running one of the loader's scripts, in its own session."""
+
+    def __init__(self, script: str, *args: str):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        self.p = subprocess.Popen(
+            [sys.executable, str(LOADER / script), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, start_new_session=True, env=env,
+        )
+
+    def result(self) -> dict:
+        try:
+            out, err = self.p.communicate(timeout=CHILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.p.pid, signal.SIGKILL)
+            out, err = self.p.communicate()
+            pytest.fail(f"timed out after {CHILD_TIMEOUT_S} s: {self.p.args}\n{err[-3000:]}")
+        assert self.p.returncode == 0, f"{self.p.args} exited {self.p.returncode}\n{err[-3000:]}"
+        return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            os.killpg(self.p.pid, signal.SIGKILL)
+            self.p.wait()
+
+
+@pytest.fixture
+def procs():
+    started: list[Proc] = []
+
+    def start(script: str, *args: str) -> Proc:
+        p = Proc(script, *args)
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        p.kill()
+
+
+# ---- the data set ----------------------------------------------------------------------------
+
+
+def test_dataset_layout_sizes_and_determinism(data, tmp_path):
+    from PIL import Image
+
+    folder = gpu_decode.ImageFolder(data)
+    assert folder.classes == ["class_000", "class_001", "class_002"]
+    assert len(folder) == IMAGES
+    assert folder.labels.tolist() == sorted(i % 3 for i in range(IMAGES))
+    for path in folder.paths[:6]:
+        with Image.open(path) as img:
+            assert img.format == "JPEG" and img.mode == "RGB"
+            assert 40 <= img.width <= 64 and 40 <= img.height <= 64
+            assert not img.info.get("progressive")  # baseline JPEG: the hardware decoder's kind
+    record = json.loads(Path(data, "dataset.json").read_text())
+    assert record["params"]["count"] == IMAGES and record["bytes"] > 0
+    # The same arguments give the same bytes, whatever the number of processes.
+    other = str(tmp_path / "again")
+    make_dataset.make_dataset(other, count=6, classes=3, min_size=(40, 40), max_size=(64, 64), processes=2, quiet=True)
+    for i in range(6):
+        rel = os.path.relpath(make_dataset.image_path(data, i, 3), data)
+        assert Path(data, rel).read_bytes() == Path(other, rel).read_bytes()
+    # A second run with the same arguments finds the set made and writes nothing.
+    before = os.path.getmtime(make_dataset.image_path(other, 0, 3))
+    make_dataset.make_dataset(other, count=6, classes=3, min_size=(40, 40), max_size=(64, 64), processes=2, quiet=True)
+    assert os.path.getmtime(make_dataset.image_path(other, 0, 3)) == before
+
+
+# ---- the batched augmentation ----------------------------------------------------------------
+
+
+def test_augment_shape_dtype_layout_and_normalisation():
+    mean = torch.tensor(gpu_decode.IMAGENET_MEAN).view(3, 1, 1)
+    std = torch.tensor(gpu_decode.IMAGENET_STD).view(3, 1, 1)
+    colours = [torch.tensor([10, 128, 250]), torch.tensor([0, 0, 0]), torch.tensor([255, 60, 7])]
+    sizes = [(40, 50), (64, 33), (37, 64)]
+    # Flat images: any crop of one is the colour itself, so the output is known exactly.
+    images = [c.view(3, 1, 1).expand(3, h, w).to(torch.uint8).contiguous() for c, (h, w) in zip(colours, sizes)]
+    out = gpu_decode.Augment(16, "cpu", seed=1)(images)
+    assert out.shape == (3, 3, 16, 16) and out.dtype == torch.float16
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    for i, c in enumerate(colours):
+        want = ((c.view(3, 1, 1) / 255.0 - mean) / std).expand(3, 16, 16)
+        assert torch.allclose(out[i].float(), want, atol=1e-2), (i, out[i, :, 0, 0], want[:, 0, 0])
+
+
+def test_augment_writes_into_a_given_tensor_and_flips():
+    # A horizontal ramp, cropped as a whole (scale 1, the image's own ratio): no flip keeps it
+    # rising from left to right, a flip makes it fall.
+    ramp = torch.arange(60, dtype=torch.float32).mul(4).view(1, 1, 60).expand(3, 45, 60).to(torch.uint8).contiguous()
+    for p, rising in ((0.0, True), (1.0, False)):
+        aug = gpu_decode.Augment(20, "cpu", scale=(1.0, 1.0), ratio=(60 / 45, 60 / 45), flip_p=p)
+        out = torch.empty(2, 3, 20, 20, dtype=torch.float16, memory_format=torch.channels_last)
+        got = aug([ramp, ramp], out=out)
+        assert got is out
+        row = out[0, 0, 10].float()
+        assert bool((row[1:] > row[:-1]).all()) == rising
+        assert bool((row[1:] < row[:-1]).all()) == (not rising)
+        # The whole ramp: its ends map to the first and last pixels' values.
+        first, last = (0 / 255 - 0.485) / 0.229, (236 / 255 - 0.485) / 0.229
+        ends = (row[0].item(), row[-1].item()) if rising else (row[-1].item(), row[0].item())
+        assert abs(ends[0] - first) < 0.25 and abs(ends[1] - last) < 0.25
+    with pytest.raises(ValueError):
+        gpu_decode.Augment(20, "cpu")([ramp], out=torch.empty(1, 3, 20, 20))  # float32: refused
+
+
+def test_crop_boxes_stay_inside_and_follow_scale_and_ratio():
+    aug = gpu_decode.Augment(224, "cpu", seed=3)
+    g = torch.Generator().manual_seed(0)
+    h = torch.randint(300, 481, (4000,), generator=g)  # the data set's sizes
+    w = torch.randint(400, 641, (4000,), generator=g)
+    w[:50] = 1000  # very wide images: no try fits the ratio; the clamped centre crop is taken
+    h[:50] = 30
+    boxes = aug.boxes(h, w).double()
+    x1, y1, x2, y2 = boxes.unbind(1)
+    cw, ch = x2 - x1 + 1, y2 - y1 + 1
+    assert (x1 >= 0).all() and (y1 >= 0).all()
+    assert (x2 <= w - 1).all() and (y2 <= h - 1).all()
+    assert (x1 == x1.round()).all() and (cw >= 1).all() and (ch >= 1).all()
+    frac = cw * ch / (h * w)
+    ratio = cw / ch
+    normal = slice(50, None)
+    # Rounding to whole pixels moves scale and ratio a little.
+    assert (frac[normal] > 0.075).all() and (frac[normal] <= 1.0 + 1e-9).all()
+    assert ((ratio[normal] > 0.73) & (ratio[normal] < 1.37)).all()
+    assert (ratio[:50] - 4 / 3).abs().max() < 0.05  # fallback: ratio clamped to 4/3
+    # The same distribution as torchvision's RandomResizedCrop (rejection makes big crops rarer).
+    from torchvision.transforms import RandomResizedCrop
+
+    torch.manual_seed(0)
+    ref = []
+    for hh, ww in zip(h[normal].tolist(), w[normal].tolist()):
+        _, _, rh, rw = RandomResizedCrop.get_params(torch.empty(1, hh, ww), (0.08, 1.0), (3 / 4, 4 / 3))
+        ref.append(rh * rw / (hh * ww))
+    assert frac[normal].mean().item() == pytest.approx(sum(ref) / len(ref), abs=0.02)
+
+
+def test_epoch_plan_shards_partition_each_epoch():
+    plans = [gpu_decode.EpochPlan(103, 5, shard=k, shards=3, seed=7) for k in range(3)]
+    assert {p.batches_per_epoch for p in plans} == {6}  # 103 // 3 = 34 images -> 6 whole batches
+    for epoch in (0, 1):
+        parts = [p.epoch(epoch) for p in plans]
+        assert all(part.shape == (6, 5) for part in parts)
+        every = torch.cat([part.flatten() for part in parts])
+        assert every.unique().numel() == every.numel()  # no image in two shards
+    assert not torch.equal(plans[0].epoch(0), plans[0].epoch(1))  # reshuffled each epoch
+    assert torch.equal(plans[0].epoch(1), gpu_decode.EpochPlan(103, 5, shard=0, shards=3, seed=7).epoch(1))
+    assert gpu_decode.EpochPlan(100, 7, multiple=4).batches_per_epoch == 12  # 14 rounded down
+    with pytest.raises(ValueError):
+        gpu_decode.EpochPlan(10, 20)
+
+
+def test_decoded_batches_read_decode_in_order(data):
+    folder = gpu_decode.ImageFolder(data)
+    plan = gpu_decode.EpochPlan(len(folder), 5)
+    with gpu_decode.DecodedBatches(folder, plan, "cpu", epochs=2, read_threads=2) as src:
+        items = list(src)
+    assert [(d.epoch, d.index, d.global_index) for d in items] == [(e, i, e * 4 + i) for e in (0, 1) for i in range(4)]
+    for d in items:
+        order = plan.epoch(d.epoch)[d.index]
+        assert d.labels.tolist() == folder.labels[order].tolist()
+        assert all(im.dtype == torch.uint8 and im.shape[0] == 3 for im in d.images)
+
+
+# ---- the programs, as processes --------------------------------------------------------------
+
+
+def producer_args(data: str, socket: str, *extra: str, batch: int = 4) -> list[str]:
+    return ["--data", data, "--socket", socket, "--backend", "host", "--batch", str(batch), "--size", str(SIZE),
+            "--slots", "3", "--read-threads", "2", "--warmup", "0", *extra]
+
+
+def test_producer_feeds_a_trainer_with_epoch_marks(data, procs):
+    s = sock()
+    prod = procs("producer.py", *producer_args(data, s, "--epochs", "2"))
+    train = procs("train.py", "--socket", s, "--model", "resnet18", "--steps", "0", "--warmup", "1")
+    t, p = train.result(), prod.result()
+    per_epoch = IMAGES // 4
+    assert p["end"] == "done" and p["batches"] == 2 * per_epoch and p["batches_per_epoch"] == per_epoch
+    assert t["received"] == 2 * per_epoch and t["skipped"] == 0
+    assert t["globals"] == list(range(2 * per_epoch)) and t["out_of_order"] == 0
+    assert t["epochs"] == {"0": per_epoch, "1": per_epoch}  # batches seen per epoch, warm-up included
+    assert t["steps"] == 2 * per_epoch - 1 and t["images_per_s"] > 0
+    assert t["enforced_read_only"] is True
+    assert math.isfinite(t["loss"])
+    assert len(t["timeline"]["wait_ms"]) == t["steps"]
+
+
+def test_one_producer_two_trainers_taking_turns(data, procs):
+    s = sock()
+    # Batches of 3: 8 per epoch, a multiple of 2, so both trainers get the same count.
+    args = producer_args(data, s, "--epochs", "2", "--consumers", "2", "--multiple", "2", batch=3)
+    prod = procs("producer.py", *args)
+    trainers = [procs("train.py", "--socket", s, "--model", "none", "--steps", "0", "--warmup", "0", "--take", f"{r}/2")
+                for r in range(2)]
+    ts = [t.result() for t in trainers]
+    p = prod.result()
+    assert p["batches"] == 16 and p["end"] == "done"
+    for r, t in enumerate(ts):
+        assert t["received"] == 16 and t["kept"] == 8 and t["skipped"] == 8
+        assert t["globals"] == list(range(r, 16, 2))
+        assert t["epochs"] == {"0": 4, "1": 4}
+
+
+def test_two_ddp_ranks_each_fed_by_its_own_producer(data, procs):
+    socks = [sock(), sock()]
+    pg = f"file://{SOCK_DIR / uuid.uuid4().hex[:8]}"
+    prods = [procs("producer.py", *producer_args(data, socks[r], "--epochs", "1", "--shard", f"{r}/2"))
+             for r in range(2)]
+    trainers = [procs("train.py", "--socket", socks[r], "--model", "resnet18", "--steps", "0", "--warmup", "1",
+                      "--world-size", "2", "--rank", str(r), "--dist-url", pg) for r in range(2)]
+    ts = [t.result() for t in trainers]
+    ps = [p.result() for p in prods]
+    per_rank = IMAGES // 2 // 4
+    for r in range(2):
+        assert ps[r]["batches"] == per_rank and ps[r]["shard"] == [r, 2]
+        assert ts[r]["received"] == per_rank and ts[r]["world_size"] == 2 and ts[r]["rank"] == r
+        assert ts[r]["steps"] == per_rank - 1  # the same count on every rank: all-reduce never waits
+        assert math.isfinite(ts[r]["loss"])
+
+
+def test_baselines_run_on_the_cpu(data, procs):
+    common = ["--model", "resnet18", "--device", "cpu", "--batch", "4", "--size", str(SIZE), "--steps", "2",
+              "--warmup", "1", "--workers", "1", "--read-threads", "2", "--classes", "3"]
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import baselines\n"
+        "for mode in ('ceiling', 'inprocess', 'dataloader'):\n"
+        "    baselines.main([mode, '--data', sys.argv[2], *sys.argv[3:]])\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code, str(LOADER), data, *common], capture_output=True, text=True,
+        timeout=CHILD_TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    recs = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    assert [r["mode"] for r in recs] == ["ceiling", "inprocess", "dataloader"]
+    for r in recs:
+        assert r["steps"] == 2 and r["images_per_s"] > 0 and math.isfinite(r["loss"])
+        assert len(r["timeline"]["step_ms"]) == 2

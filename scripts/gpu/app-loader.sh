@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The data loader application (apps/loader, issue #19) on the GPU host, from the repo root after
+# staging: makes the JPEG data set in /tmp, measures the decode's GPU cost per image, then runs
+# ResNet-50 and ResNet-18 fed by gpipe, by the in-process GPU decode, by a torch DataLoader and
+# by synthetic tensors (the ceiling), without MPS and then with MPS. Results under $OUT:
+# loader.jsonl (one JSON line per run), summary.txt (the table and the issue's targets),
+# profile.txt (torch.profiler tables), logs.txt (every child's stderr), loader.svg (the chart).
+#
+#   bash scripts/gpu/app-loader.sh            # the full run, one GPU, under 9 minutes on an H100
+#   bash scripts/gpu/app-loader.sh quick      # a few steps of every run, to check that all work
+#   bash scripts/gpu/app-loader.sh ddp        # the 2-GPU machine: gpipe on 1 and 2 GPUs (DDP)
+#   bash scripts/gpu/app-loader.sh ddp quick
+#
+# Every child runs under a hard limit (timeout -k 5 N setsid ...); run_all.py also bounds each
+# run and skips what would overrun its budget.
+set -u
+O=${OUT:-/tmp/o}; mkdir -p "$O"
+. .gpu/env.sh
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+limit() { local s=$1; shift; timeout -k 5 "$s" setsid "$@"; }
+mode=${1:-full}; speed=${2:-}
+[ "$mode" = quick ] && { mode=full; speed=quick; }
+DATA=/tmp/loader-data
+if [ "$speed" = quick ]; then COUNT=3072; Q=--quick; else COUNT=20000; Q=; fi
+
+mps_on() {
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d && sleep 1 && echo "MPS on"
+}
+mps_off() {
+  echo quit | nvidia-cuda-mps-control; sleep 2
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+
+nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
+python3 -c "import torch as t, torchvision as v; print('torch', t.__version__, v.__version__, t.cuda.device_count(), 'GPUs')"
+echo "== data set: $COUNT images in $DATA"
+limit 100 python3 apps/loader/make_dataset.py "$DATA" --count "$COUNT" 2>&1 | tail -3
+run() { limit "$1" python3 apps/loader/run_all.py --data "$DATA" --out "$O" --no-summary $Q "${@:2}"; }
+if [ "$mode" = ddp ]; then
+  echo "== 2 GPUs, no MPS"
+  run 170 --world-size 2 --label nomps --probe --budget 160
+  echo "== 2 GPUs, MPS"
+  mps_on; run 150 --world-size 2 --label mps --budget 140; mps_off
+else
+  if [ "$speed" = quick ]; then
+    echo "== quick, no MPS"
+    run 150 --label nomps --probe --models resnet18 --profile 2 --budget 140
+    echo "== quick, MPS"
+    mps_on; run 90 --label mps --models resnet18 --configs gpipe,producer --budget 80; mps_off
+  else
+    # One device command each (under 10 minutes): `full` runs both parts in one.
+    if [ "$mode" != mps ]; then
+      echo "== no MPS"
+      run ${NOMPS_S:-420} --label nomps --probe --profile 3 --budget $(( ${NOMPS_S:-420} - 15 ))
+    fi
+    if [ "$mode" != nomps ]; then
+      echo "== MPS (the DataLoader is CPU-bound: its no-MPS run is the reference)"
+      mps_on; run ${MPS_S:-300} --label mps --configs gpipe,inprocess,ceiling,producer --budget $(( ${MPS_S:-300} - 15 )); mps_off
+    fi
+  fi
+fi
+echo "== summary"
+limit 10 python3 apps/loader/run_all.py --out "$O" --summary-only > /dev/null
+cat "$O/summary.txt"
+limit 25 python3 apps/loader/plot.py "$O/loader.jsonl" "$O/loader.svg"
