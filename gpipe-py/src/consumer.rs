@@ -79,18 +79,32 @@ pub struct PyConsumer {
 #[pymethods]
 impl PyConsumer {
     #[new]
-    #[pyo3(signature = (socket, *, device=None, timeout=5.0))]
+    #[pyo3(signature = (socket, *, device=None, timeout=5.0, spin=None))]
     fn new(
         py: Python<'_>,
         socket: PathBuf,
         device: Option<Bound<'_, PyAny>>,
         timeout: f64,
+        spin: Option<f64>,
     ) -> PyResult<Self> {
         if !(timeout.is_finite() && timeout > 0.0) {
             return Err(PyValueError::new_err(format!(
                 "timeout must be a positive number of seconds, not {timeout}"
             )));
         }
+        let default_wait = WaitPolicy {
+            tick: TICK,
+            ..WaitPolicy::default()
+        };
+        let spin = match spin {
+            None => default_wait.spin,
+            Some(s) if s.is_finite() && (0.0..=1.0).contains(&s) => Duration::from_secs_f64(s),
+            Some(s) => {
+                return Err(PyValueError::new_err(format!(
+                    "spin must be between 0 and 1 second, not {s}"
+                )));
+            }
+        };
         let cpu_given = device
             .as_ref()
             .is_some_and(|d| d.str().is_ok_and(|s| s == "cpu"));
@@ -98,8 +112,8 @@ impl PyConsumer {
         let config = ConsumerConfig {
             handshake_timeout: Duration::from_secs_f64(timeout.min(3600.0)),
             wait: WaitPolicy {
-                tick: TICK,
-                ..WaitPolicy::default()
+                spin,
+                ..default_wait
             },
         };
         let path = socket.clone();

@@ -135,3 +135,15 @@ def test_send_of_unsupported_objects(ring):
     # The failed send gave its slot back.
     assert p.next_seq == 0
     assert p.send(np.zeros(4)) == 0
+
+
+def test_spin_is_checked_and_a_spinning_consumer_receives(ring):
+    p, _ = ring
+    for bad in (-0.1, 2.0, float("nan")):
+        with pytest.raises(ValueError, match="spin"):
+            gpipe.Consumer(p.socket, spin=bad)
+    with gpipe.Consumer(p.socket, spin=0.01) as c:
+        p.wait_for_consumers(2, timeout=5)
+        p.send(np.arange(4, dtype=np.int32))
+        with c.recv(timeout=5) as b:
+            assert np.from_dlpack(b).tolist() == [0, 1, 2, 3]

@@ -168,7 +168,14 @@ class Consumer:
     """True when a write into a batch faults in this process alone (host rings; CUDA broadcast
     rings on the VMM path)."""
     closed: bool
-    def __init__(self, socket: str, *, device: Any = None, timeout: float = 5.0) -> None: ...
+    def __init__(
+        self, socket: str, *, device: Any = None, timeout: float = 5.0, spin: Optional[float] = None
+    ) -> None:
+        """Attaches to the producer at `socket` (handshake steps time out after `timeout` s).
+        spin: seconds recv() busy-waits for a batch before it sleeps (default 100 µs). A
+        sleeping consumer is woken by the producer's publish, which costs a wake-up (tens to
+        hundreds of µs on a VM); a latency-critical consumer that receives a batch every few
+        milliseconds can spin that long instead, at the cost of a CPU core while it waits."""
     def recv(self, timeout: Optional[float] = None) -> Batch:
         """The next batch, waiting up to `timeout` seconds (None: until one comes). Raises
         Timeout, Closed at the end of the stream, ProducerDied, Detached, or Deadlock. The
