@@ -47,12 +47,10 @@
 //! ```
 
 use std::collections::VecDeque;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
-
-use memmap2::{MmapOptions, MmapRaw};
 
 use parking_lot::{Mutex, RwLock};
 use pipeline_core::wire::Reader;
@@ -60,12 +58,13 @@ use pipeline_core::{
     BackendError, BackendKind, ConsumerBackend, Export, ProducerBackend, RingLayout,
 };
 
-use crate::driver::{
-    self, CUdeviceptr, Context, CudaError, Event, HostRegistration, Stream, WaitCondition,
-};
-use crate::memory::{ConsumerSlots, ExportHeader, ProducerSlots, SlotExport, micros};
-pub use crate::memory::{HandleKind, ImportTimings, MAX_VMM_FD_SLOTS, MemoryPath, SyncMode};
+use crate::driver::{self, CUdeviceptr, Context, CudaError, Event, Stream, WaitCondition};
+use crate::export::{ExportHeader, SlotExport};
+use crate::memory::{ConsumerSlots, ProducerSlots, micros};
+pub use crate::memory::{HandleKind, ImportTimings, MAX_VMM_FD_SLOTS, MemoryPath};
 use crate::probe::Capabilities;
+pub use crate::sync::SyncMode;
+use crate::sync::{RELEASED, ReadySignal, Timelines, join_into};
 
 const REPLY_MAGIC: u32 = u32::from_le_bytes(*b"GCF1");
 const HANDLE: usize = 64;
@@ -155,144 +154,8 @@ pub struct CudaBatchRef<'a> {
     pub stream: &'a Stream,
 }
 
-fn be(e: CudaError) -> BackendError {
+pub(crate) fn be(e: CudaError) -> BackendError {
     Box::new(e)
-}
-
-/// A value past any real generation (sequences are below 2^48) that still compares as
-/// "greater or equal" in the driver's wrapping comparison: it releases every wait.
-const RELEASED: u64 = 1 << 62;
-
-/// The finished timelines: `capacity × slots` u64 words in a sealed memfd, mapped here and
-/// registered with the driver. Word `c * slots + k` holds the generation (`seq + 1`) of the
-/// last batch in slot k that consumer c finished.
-struct Timelines {
-    // Field order matters: the registration must go before the mapping.
-    reg: HostRegistration,
-    map: MmapRaw,
-    fd: OwnedFd,
-    slots: u32,
-    words: usize,
-}
-
-impl Timelines {
-    fn bytes(rows: u32, slots: u32) -> u64 {
-        (rows as u64 * slots as u64 * 8).div_ceil(4096) * 4096
-    }
-
-    /// `rows × slots` zeroed words (finished: a row per consumer; ready: one row).
-    fn create(ctx: &Arc<Context>, rows: u32, slots: u32, name: &str) -> Result<Self, BackendError> {
-        let fd = pipeline_core::sys::sealed_memfd(name, Self::bytes(rows, slots))?;
-        Self::map(ctx, rows, slots, fd)
-    }
-
-    fn map(ctx: &Arc<Context>, rows: u32, slots: u32, fd: OwnedFd) -> Result<Self, BackendError> {
-        let bytes = Self::bytes(rows, slots);
-        pipeline_core::sys::check_sealed_memfd(fd.as_fd(), bytes)
-            .map_err(|m| format!("timeline words: {m}"))?;
-        let map = MmapOptions::new().len(bytes as usize).map_raw(&fd)?;
-        // SAFETY: the mapping is page-aligned, `bytes` long (a page multiple), and owned by
-        // this struct, whose field order drops the registration before the mapping.
-        let reg =
-            unsafe { HostRegistration::new(ctx, map.as_mut_ptr(), bytes as usize) }.map_err(be)?;
-        Ok(Self {
-            reg,
-            map,
-            fd,
-            slots,
-            words: (rows * slots) as usize,
-        })
-    }
-
-    fn index(&self, consumer: u32, slot: u32) -> usize {
-        let i = consumer as usize * self.slots as usize + slot as usize;
-        assert!(i < self.words, "timeline index out of range");
-        i
-    }
-
-    fn device(&self, consumer: u32, slot: u32) -> CUdeviceptr {
-        self.reg.device_ptr() + 8 * self.index(consumer, slot) as u64
-    }
-
-    fn host(&self, consumer: u32, slot: u32) -> &AtomicU64 {
-        let i = self.index(consumer, slot);
-        // SAFETY: i < words and the mapping holds words * 8 bytes, 8-aligned (page base); the
-        // word is only ever accessed atomically (here) or by the GPU's stream memory ops.
-        unsafe { &*(self.map.as_mut_ptr().add(8 * i) as *const AtomicU64) }
-    }
-}
-
-/// Makes `into` (one of ours) wait for the work enqueued so far on a caller's `stream`,
-/// through the ordering-only event `scratch`.
-///
-/// # Safety
-/// `stream` is a live stream handle of `ctx` (or `CU_STREAM_LEGACY` / `CU_STREAM_PER_THREAD`).
-unsafe fn join_into(
-    ctx: &Context,
-    scratch: &Mutex<Event>,
-    into: &Stream,
-    stream: driver::CUstream,
-) -> Result<(), CudaError> {
-    ctx.make_current()?;
-    let ev = scratch.lock();
-    // SAFETY: the caller guarantees `stream`.
-    unsafe { ev.record_raw(stream) }?;
-    into.wait_event(&ev)
-}
-
-/// How the producer signals `ready`.
-enum ReadySignal {
-    /// One IPC event per slot.
-    Events(Vec<Event>),
-    /// One timeline word per slot (a single row).
-    Semaphore(Timelines),
-}
-
-impl ReadySignal {
-    /// Signals that batch `seq` in `slot` is ready, after the work enqueued on `stream`.
-    ///
-    /// # Safety
-    /// `stream` is a live stream handle of the signal's context (or `CU_STREAM_LEGACY` /
-    /// `CU_STREAM_PER_THREAD`).
-    unsafe fn signal(
-        &self,
-        stream: driver::CUstream,
-        slot: u32,
-        seq: u64,
-    ) -> Result<(), CudaError> {
-        match self {
-            // SAFETY: the caller guarantees `stream`; the event is ours.
-            ReadySignal::Events(events) => unsafe { events[slot as usize].record_raw(stream) },
-            // SAFETY: the word is in our registered timelines, mapped for our lifetime; the
-            // caller guarantees `stream`.
-            ReadySignal::Semaphore(words) => unsafe {
-                driver::stream_write_value64_raw(stream, words.device(0, slot), seq + 1)
-            },
-        }
-    }
-
-    /// Makes `stream` wait until batch `seq` in `slot` is ready.
-    ///
-    /// # Safety
-    /// As for [`ReadySignal::signal`].
-    unsafe fn wait(&self, stream: driver::CUstream, slot: u32, seq: u64) -> Result<(), CudaError> {
-        match self {
-            // SAFETY: the caller guarantees `stream`; the event is ours, live for our life.
-            ReadySignal::Events(events) => unsafe {
-                Stream::raw_wait_event(stream, &events[slot as usize])
-            },
-            // SAFETY: the word is in our registered timelines, mapped for our lifetime; the
-            // caller guarantees `stream`.
-            ReadySignal::Semaphore(words) => unsafe {
-                driver::stream_wait_value64_raw(
-                    stream,
-                    words.device(0, slot),
-                    seq + 1,
-                    WaitCondition::Geq,
-                )
-            },
-        }
-    }
 }
 
 fn check_capabilities(

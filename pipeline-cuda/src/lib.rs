@@ -1,11 +1,14 @@
 //! CUDA backend pieces for gpipe, on cudarc's raw driver bindings.
 //!
-//! - [`driver`]: a thin safe layer over the driver API (context, streams, events, IPC events,
-//!   exportable stream-ordered memory pools, legacy IPC memory handles, copies, stream memory
-//!   operations).
-//! - [`vmm`]: virtual memory management (`cuMemCreate`, `cuMemMap`, shareable handles).
-//! - [`memory`]: the backend's memory paths ([`memory::MemoryPath`]: pool, VMM, legacy IPC),
-//!   handle kinds and attach-cost timings.
+//! - [`driver`]: a thin safe layer over the driver API, one file per topic (context and streams,
+//!   events, exportable stream-ordered memory pools, virtual memory management, legacy IPC
+//!   memory handles, plain buffers, copies and stream memory operations).
+//! - [`memory`]: the backend's memory paths ([`memory::MemoryPath`]: pool, VMM, legacy IPC), one
+//!   file per path behind one interface, handle kinds and attach-cost timings.
+//! - [`sync`]: how `ready` and `finished` are signalled ([`sync::SyncMode`]: IPC events or
+//!   timeline words).
+//! - `export` (crate-private): the export blob a producer sends each consumer.
+//! - [`backend`]: the producer's and the consumer's halves of the CUDA backend.
 //! - [`probe`]: what each device supports, and which transport path gpipe takes on it.
 //! - [`kernels`]: NVRTC-compiled fill and verify kernels used by the examples and benchmarks.
 //!
@@ -15,7 +18,8 @@
 
 pub mod backend;
 pub mod driver;
+mod export;
 pub mod kernels;
 pub mod memory;
 pub mod probe;
-pub mod vmm;
+pub mod sync;

@@ -1,5 +1,5 @@
-//! Virtual memory management (`cuMemCreate` / `cuMemMap`), in the style of [`crate::driver`]:
-//! a [`PhysicalAllocation`] owns a generic allocation handle (created here or imported from
+//! Virtual memory management (`cuMemCreate` / `cuMemMap`), in the style of the other wrappers
+//! here: a [`PhysicalAllocation`] owns a generic allocation handle (created here or imported from
 //! another process), and a [`VmmMapping`] owns a reserved address range with that allocation
 //! mapped into it and made accessible to the context's device.
 //!
@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys;
 
-use crate::driver::{
+use super::{
     CUdeviceptr, Context, CudaError, Device, FabricHandle, PoolHandleType, check, device_location,
 };
 

@@ -1,0 +1,277 @@
+//! Devices, their primary contexts, and streams.
+
+use std::ffi::{c_char, c_int, c_uint};
+use std::ptr;
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+
+use super::{CUdevice_attribute, CUevent, CUstream, CudaError, Event, check, init, log_drop_error};
+
+/// A CUDA device, by ordinal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Device {
+    ordinal: usize,
+    raw: sys::CUdevice,
+}
+
+impl Device {
+    /// The device with this ordinal (initialising the driver if needed).
+    pub fn get(ordinal: usize) -> Result<Device, CudaError> {
+        init()?;
+        let index = c_int::try_from(ordinal)
+            .map_err(|_| CudaError::InvalidArgument(format!("device ordinal {ordinal}")))?;
+        let mut raw: sys::CUdevice = 0;
+        // SAFETY: the driver is initialised; the out-pointer is a valid local.
+        check("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut raw, index) })?;
+        Ok(Device { ordinal, raw })
+    }
+
+    /// The ordinal this device was opened with.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// The raw driver handle.
+    pub fn raw(&self) -> sys::CUdevice {
+        self.raw
+    }
+
+    /// One device attribute.
+    pub fn attribute(&self, attribute: CUdevice_attribute) -> Result<i32, CudaError> {
+        let mut value: c_int = 0;
+        // SAFETY: a Device exists only after init(); `raw` came from cuDeviceGet; the
+        // out-pointer is a valid local.
+        check("cuDeviceGetAttribute", unsafe {
+            sys::cuDeviceGetAttribute(&mut value, attribute, self.raw)
+        })?;
+        Ok(value)
+    }
+
+    /// The device's name, e.g. "NVIDIA H100 80GB HBM3".
+    pub fn name(&self) -> Result<String, CudaError> {
+        let mut buf: [c_char; 256] = [0; 256];
+        // SAFETY: the driver is initialised; the driver writes at most `len` bytes including the
+        // NUL terminator into `buf`.
+        check("cuDeviceGetName", unsafe {
+            sys::cuDeviceGetName(buf.as_mut_ptr(), buf.len() as c_int, self.raw)
+        })?;
+        let bytes: Vec<u8> = buf
+            .iter()
+            .map(|c| c.to_ne_bytes()[0])
+            .take_while(|&b| b != 0)
+            .collect();
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    /// The device's 16-byte UUID.
+    pub fn uuid(&self) -> Result<[u8; 16], CudaError> {
+        let mut uuid = sys::CUuuid { bytes: [0; 16] };
+        // SAFETY: the driver is initialised; the out-pointer is a valid local CUuuid.
+        check("cuDeviceGetUuid_v2", unsafe {
+            sys::cuDeviceGetUuid_v2(&mut uuid, self.raw)
+        })?;
+        Ok(uuid.bytes.map(|c| c.to_ne_bytes()[0]))
+    }
+
+    /// The UUID in nvidia-smi's form, `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
+    pub fn uuid_string(&self) -> Result<String, CudaError> {
+        let u = self.uuid()?;
+        let hex = |r: std::ops::Range<usize>| -> String {
+            u[r].iter().map(|b| format!("{b:02x}")).collect()
+        };
+        Ok(format!(
+            "GPU-{}-{}-{}-{}-{}",
+            hex(0..4),
+            hex(4..6),
+            hex(6..8),
+            hex(8..10),
+            hex(10..16)
+        ))
+    }
+
+    /// Compute capability as `(major, minor)`, e.g. `(9, 0)` for an H100.
+    pub fn compute_capability(&self) -> Result<(i32, i32), CudaError> {
+        Ok((
+            self.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            self.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        ))
+    }
+
+    /// Number of streaming multiprocessors.
+    pub fn multiprocessor_count(&self) -> Result<u32, CudaError> {
+        let n = self.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        Ok(u32::try_from(n).unwrap_or(1).max(1))
+    }
+
+    /// Total device memory in bytes.
+    pub fn total_memory(&self) -> Result<usize, CudaError> {
+        let mut bytes: usize = 0;
+        // SAFETY: the driver is initialised; the out-pointer is a valid local.
+        check("cuDeviceTotalMem_v2", unsafe {
+            sys::cuDeviceTotalMem_v2(&mut bytes, self.raw)
+        })?;
+        Ok(bytes)
+    }
+}
+
+/// A retained primary context of one device. Released on drop.
+///
+/// The objects below keep an `Arc<Context>`, so the context outlives everything created in it.
+#[derive(Debug)]
+pub struct Context {
+    device: Device,
+    raw: sys::CUcontext,
+}
+
+// SAFETY: a CUcontext is a handle the driver API accepts from any thread (cuCtxSetCurrent binds it
+// to the calling thread); the driver serialises access internally. `Context` holds no Rust data
+// behind the pointer.
+unsafe impl Send for Context {}
+// SAFETY: as for Send: every method takes `&self` and only passes the handle to thread-safe
+// driver calls.
+unsafe impl Sync for Context {}
+
+impl Context {
+    /// Retains the primary context of device `ordinal` and makes it current on this thread.
+    pub fn new(ordinal: usize) -> Result<Arc<Context>, CudaError> {
+        let device = Device::get(ordinal)?;
+        let mut raw: sys::CUcontext = ptr::null_mut();
+        // SAFETY: the driver is initialised and `device.raw` is valid; out-pointer is a local.
+        check("cuDevicePrimaryCtxRetain", unsafe {
+            sys::cuDevicePrimaryCtxRetain(&mut raw, device.raw)
+        })?;
+        let ctx = Arc::new(Context { device, raw });
+        ctx.make_current()?;
+        Ok(ctx)
+    }
+
+    /// The device this context belongs to.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The raw context handle.
+    pub fn raw(&self) -> sys::CUcontext {
+        self.raw
+    }
+
+    /// Blocks until all work in this context is done, on every stream (gpipe's and the
+    /// application's). For teardown only.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.make_current()?;
+        // SAFETY: the context is current on this thread.
+        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+    }
+
+    /// Binds this context to the calling thread (`cuCtxSetCurrent`).
+    pub fn make_current(&self) -> Result<(), CudaError> {
+        // SAFETY: `raw` is a retained primary context, valid until drop.
+        check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.raw) })
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: we retained the primary context once in `new`; this releases that reference.
+        let r = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device.raw) };
+        if let Err(e) = check("cuDevicePrimaryCtxRelease_v2", r) {
+            tracing::warn!(
+                device = self.device.ordinal,
+                "releasing primary context: {e}"
+            );
+        }
+    }
+}
+
+/// A non-blocking stream (`CU_STREAM_NON_BLOCKING`). Destroyed on drop.
+#[derive(Debug)]
+pub struct Stream {
+    // Read by the event, pool and memops wrappers next door.
+    pub(super) raw: sys::CUstream,
+    ctx: Arc<Context>,
+}
+
+// SAFETY: a CUstream handle may be used from any thread; the driver serialises enqueues.
+unsafe impl Send for Stream {}
+// SAFETY: all methods take `&self` and only pass the handle to thread-safe driver calls.
+unsafe impl Sync for Stream {}
+
+impl Stream {
+    /// Creates a stream that does not synchronise with the legacy default stream.
+    pub fn new(ctx: &Arc<Context>) -> Result<Stream, CudaError> {
+        ctx.make_current()?;
+        let mut raw: sys::CUstream = ptr::null_mut();
+        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as c_uint;
+        // SAFETY: the context is current; the out-pointer is a valid local.
+        check("cuStreamCreate", unsafe {
+            sys::cuStreamCreate(&mut raw, flags)
+        })?;
+        Ok(Stream {
+            raw,
+            ctx: Arc::clone(ctx),
+        })
+    }
+
+    /// The raw stream handle.
+    pub fn raw(&self) -> CUstream {
+        self.raw
+    }
+
+    /// The context the stream belongs to.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.ctx
+    }
+
+    /// Makes later work on this stream wait for the event's most recent record.
+    pub fn wait_event(&self, event: &Event) -> Result<(), CudaError> {
+        // SAFETY: `event.raw()` is a live event owned by `event`, borrowed for this call.
+        unsafe { self.wait_event_raw(event.raw()) }
+    }
+
+    /// Makes a stream given by handle wait for `event`'s most recent record.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream handle of a context on this device (or
+    /// `CU_STREAM_LEGACY` / `CU_STREAM_PER_THREAD`).
+    pub unsafe fn raw_wait_event(stream: CUstream, event: &Event) -> Result<(), CudaError> {
+        // SAFETY: the caller guarantees `stream`; `event` is live (borrowed).
+        check("cuStreamWaitEvent", unsafe {
+            sys::cuStreamWaitEvent(stream, event.raw(), 0)
+        })
+    }
+
+    /// Like [`Stream::wait_event`], for an event handle owned elsewhere.
+    ///
+    /// # Safety
+    /// `event` must be a live event handle (not destroyed) of a context on this device.
+    pub unsafe fn wait_event_raw(&self, event: CUevent) -> Result<(), CudaError> {
+        // SAFETY: `self.raw` is live; the caller guarantees `event` is live.
+        check("cuStreamWaitEvent", unsafe {
+            sys::cuStreamWaitEvent(self.raw, event, 0)
+        })
+    }
+
+    /// Blocks the host until all work on the stream is done. For setup and teardown only.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        // SAFETY: `self.raw` is a live stream.
+        check("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(self.raw)
+        })
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // SAFETY: we created the stream and destroy it once; pending work still completes.
+        let r = unsafe { sys::cuStreamDestroy_v2(self.raw) };
+        log_drop_error("stream", "cuStreamDestroy_v2", r);
+    }
+}
+
+pub(crate) fn device_location(device: &Device) -> sys::CUmemLocation {
+    sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: device.raw,
+    }
+}

@@ -1,0 +1,164 @@
+//! Work on memory ordered on a stream: copies, memset, and the stream memory operations
+//! (`cuStreamWriteValue64` / `cuStreamWaitValue64`) that gpipe's timeline words use.
+
+use std::ffi::{c_uint, c_void};
+
+use cudarc::driver::sys;
+
+use super::{CUdeviceptr, CUstream, CudaError, Stream, check};
+
+/// Copies `bytes` from device memory to host memory, ordered on `stream`.
+///
+/// # Safety
+/// `src` is valid device memory for `bytes`; `dst` is valid for `bytes` writes and stays valid,
+/// and unread by the host, until the copy completes (pinned memory makes the copy truly async).
+pub unsafe fn memcpy_dtoh_async(
+    dst: *mut u8,
+    src: CUdeviceptr,
+    bytes: usize,
+    stream: &Stream,
+) -> Result<(), CudaError> {
+    // SAFETY: the caller guarantees both ranges; the stream is live.
+    check("cuMemcpyDtoHAsync_v2", unsafe {
+        sys::cuMemcpyDtoHAsync_v2(dst.cast::<c_void>(), src, bytes, stream.raw)
+    })
+}
+
+/// Copies `bytes` from host memory to device memory, ordered on `stream`.
+///
+/// # Safety
+/// `dst` is valid device memory for `bytes` that no concurrent work uses; `src` is valid for
+/// `bytes` reads and is neither freed nor written until the copy completes.
+pub unsafe fn memcpy_htod_async(
+    dst: CUdeviceptr,
+    src: *const u8,
+    bytes: usize,
+    stream: &Stream,
+) -> Result<(), CudaError> {
+    // SAFETY: the caller guarantees both ranges; the stream is live.
+    check("cuMemcpyHtoDAsync_v2", unsafe {
+        sys::cuMemcpyHtoDAsync_v2(dst, src.cast::<c_void>(), bytes, stream.raw)
+    })
+}
+
+/// Sets `bytes` bytes at `dst` to `value`, ordered on `stream`.
+///
+/// # Safety
+/// `dst` is valid device memory for `bytes` that no concurrent work uses.
+pub unsafe fn memset_d8_async(
+    dst: CUdeviceptr,
+    value: u8,
+    bytes: usize,
+    stream: &Stream,
+) -> Result<(), CudaError> {
+    // SAFETY: the caller guarantees the range; the stream is live.
+    check("cuMemsetD8Async", unsafe {
+        sys::cuMemsetD8Async(dst, value, bytes, stream.raw)
+    })
+}
+
+/// The condition of [`stream_wait_value64`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WaitCondition {
+    /// Wait until `*ptr >= value` (unsigned; wrap-around aware comparison by the driver).
+    Geq,
+    /// Wait until `*ptr == value`.
+    Eq,
+}
+
+/// Enqueues a write of `value` to the 8-byte word at `ptr`, after prior work on `stream`
+/// (with a memory fence before the write).
+///
+/// # Safety
+/// `ptr` is valid, 8-byte aligned device (or registered host) memory, usable by stream memory
+/// operations (not memory from an IPC-capable pool, which the driver rejects).
+pub unsafe fn stream_write_value64(
+    stream: &Stream,
+    ptr: CUdeviceptr,
+    value: u64,
+) -> Result<(), CudaError> {
+    // SAFETY: `stream` is live (borrowed); the caller guarantees `ptr`.
+    unsafe { stream_write_value64_raw(stream.raw, ptr, value) }
+}
+
+/// As [`stream_write_value64`], on a stream given by handle.
+///
+/// # Safety
+/// As for [`stream_write_value64`]; `stream` is a live handle of the current context (or
+/// `CU_STREAM_LEGACY` / `CU_STREAM_PER_THREAD`).
+pub unsafe fn stream_write_value64_raw(
+    stream: CUstream,
+    ptr: CUdeviceptr,
+    value: u64,
+) -> Result<(), CudaError> {
+    let flags = sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as c_uint;
+    // SAFETY: the caller guarantees `ptr` and `stream`.
+    check("cuStreamWriteValue64_v2", unsafe {
+        sys::cuStreamWriteValue64_v2(stream, ptr, value, flags)
+    })
+}
+
+/// Makes later work on `stream` wait until the 8-byte word at `ptr` meets `condition`
+/// against `value`.
+///
+/// # Safety
+/// As for [`stream_write_value64`]; in addition `ptr` stays valid until the wait completes.
+pub unsafe fn stream_wait_value64(
+    stream: &Stream,
+    ptr: CUdeviceptr,
+    value: u64,
+    condition: WaitCondition,
+) -> Result<(), CudaError> {
+    // SAFETY: `stream` is live (borrowed); the caller guarantees `ptr`.
+    unsafe { stream_wait_value64_raw(stream.raw, ptr, value, condition) }
+}
+
+/// As [`stream_wait_value64`], on a stream given by handle.
+///
+/// # Safety
+/// As for [`stream_wait_value64`]; `stream` is a live handle of the current context (or
+/// `CU_STREAM_LEGACY` / `CU_STREAM_PER_THREAD`).
+pub unsafe fn stream_wait_value64_raw(
+    stream: CUstream,
+    ptr: CUdeviceptr,
+    value: u64,
+    condition: WaitCondition,
+) -> Result<(), CudaError> {
+    let flags = match condition {
+        WaitCondition::Geq => sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ,
+        WaitCondition::Eq => sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_EQ,
+    } as c_uint;
+    // SAFETY: the caller guarantees `ptr` and `stream`.
+    check("cuStreamWaitValue64_v2", unsafe {
+        sys::cuStreamWaitValue64_v2(stream, ptr, value, flags)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    mod gpu {
+        use super::super::*;
+        use crate::driver::{Context, DeviceBuffer, PinnedBuffer};
+
+        #[test]
+        #[ignore = "needs a CUDA GPU"]
+        fn stream_memory_operations_work_on_plain_device_memory() {
+            let ctx = Context::new(0).unwrap();
+            let s = Stream::new(&ctx).unwrap();
+            let word = DeviceBuffer::new(&ctx, 8).unwrap();
+            let host = PinnedBuffer::new(&ctx, 8).unwrap();
+            // SAFETY: `word` and `host` are live 8-byte buffers used only by stream `s`, and
+            // the host reads `host` only after synchronize.
+            unsafe {
+                memset_d8_async(word.ptr(), 0, 8, &s).unwrap();
+                stream_write_value64(&s, word.ptr(), 5).unwrap();
+                stream_wait_value64(&s, word.ptr(), 5, WaitCondition::Geq).unwrap();
+                memcpy_dtoh_async(host.as_ptr(), word.ptr(), 8, &s).unwrap();
+            }
+            s.synchronize().unwrap();
+            // SAFETY: the stream is idle, so nothing writes `host`.
+            let bytes: [u8; 8] = unsafe { host.as_slice() }.try_into().unwrap();
+            assert_eq!(u64::from_le_bytes(bytes), 5);
+        }
+    }
+}

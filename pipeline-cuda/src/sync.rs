@@ -1,0 +1,232 @@
+//! How the producer and its consumers order their GPU work across processes.
+//!
+//! * `ready` (producer → consumers), per slot, as the producer chooses ([`SyncMode`]): one IPC
+//!   event per slot, or one timeline word per slot in host-mapped shared memory.
+//! * `finished` (consumer → producer): one timeline word per slot per consumer. Why it is not an
+//!   event: see [`crate::backend`].
+//!
+//! Timeline words are written and waited on the GPU with stream memory operations
+//! (`cuStreamWriteValue64` / `cuStreamWaitValue64`); a word can be released from the host, so
+//! a dead peer never leaves a stream waiting for good. A caller's stream is joined into ours
+//! through an ordering-only event.
+
+use std::fmt;
+use std::os::fd::{AsFd, OwnedFd};
+use std::str::FromStr;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+
+use memmap2::{MmapOptions, MmapRaw};
+use parking_lot::Mutex;
+use pipeline_core::BackendError;
+use serde::Serialize;
+
+use crate::backend::be;
+use crate::driver::{
+    self, CUdeviceptr, Context, CudaError, Event, HostRegistration, Stream, WaitCondition,
+};
+
+/// How `ready` is signalled across processes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SyncMode {
+    /// One IPC event per slot, recorded by the producer, waited by consumers.
+    #[default]
+    Events,
+    /// One timeline word per slot in host-mapped shared memory: the producer's stream writes
+    /// the batch's generation (`cuStreamWriteValue64`), consumers' streams wait for
+    /// `value >= generation` (`cuStreamWaitValue64`). No event handles; a consumer whose
+    /// producer died can release its own waits.
+    Semaphore,
+}
+
+impl SyncMode {
+    /// Both modes.
+    pub const ALL: [SyncMode; 2] = [SyncMode::Events, SyncMode::Semaphore];
+
+    pub(crate) fn to_wire(self) -> u32 {
+        match self {
+            SyncMode::Events => 1,
+            SyncMode::Semaphore => 2,
+        }
+    }
+
+    pub(crate) fn from_wire(v: u32) -> Option<Self> {
+        match v {
+            1 => Some(SyncMode::Events),
+            2 => Some(SyncMode::Semaphore),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for SyncMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            SyncMode::Events => "events",
+            SyncMode::Semaphore => "semaphore",
+        })
+    }
+}
+
+impl FromStr for SyncMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "events" => Ok(SyncMode::Events),
+            "semaphore" => Ok(SyncMode::Semaphore),
+            _ => Err(format!("unknown sync mode {s:?}: use events or semaphore")),
+        }
+    }
+}
+
+/// A value past any real generation (sequences are below 2^48) that still compares as
+/// "greater or equal" in the driver's wrapping comparison: it releases every wait.
+pub(crate) const RELEASED: u64 = 1 << 62;
+
+/// The finished timelines: `capacity × slots` u64 words in a sealed memfd, mapped here and
+/// registered with the driver. Word `c * slots + k` holds the generation (`seq + 1`) of the
+/// last batch in slot k that consumer c finished.
+pub(crate) struct Timelines {
+    // Field order matters: the registration must go before the mapping.
+    reg: HostRegistration,
+    map: MmapRaw,
+    pub(crate) fd: OwnedFd,
+    pub(crate) slots: u32,
+    words: usize,
+}
+
+impl Timelines {
+    fn bytes(rows: u32, slots: u32) -> u64 {
+        (rows as u64 * slots as u64 * 8).div_ceil(4096) * 4096
+    }
+
+    /// `rows × slots` zeroed words (finished: a row per consumer; ready: one row).
+    pub(crate) fn create(
+        ctx: &Arc<Context>,
+        rows: u32,
+        slots: u32,
+        name: &str,
+    ) -> Result<Self, BackendError> {
+        let fd = pipeline_core::sys::sealed_memfd(name, Self::bytes(rows, slots))?;
+        Self::map(ctx, rows, slots, fd)
+    }
+
+    pub(crate) fn map(
+        ctx: &Arc<Context>,
+        rows: u32,
+        slots: u32,
+        fd: OwnedFd,
+    ) -> Result<Self, BackendError> {
+        let bytes = Self::bytes(rows, slots);
+        pipeline_core::sys::check_sealed_memfd(fd.as_fd(), bytes)
+            .map_err(|m| format!("timeline words: {m}"))?;
+        let map = MmapOptions::new().len(bytes as usize).map_raw(&fd)?;
+        // SAFETY: the mapping is page-aligned, `bytes` long (a page multiple), and owned by
+        // this struct, whose field order drops the registration before the mapping.
+        let reg =
+            unsafe { HostRegistration::new(ctx, map.as_mut_ptr(), bytes as usize) }.map_err(be)?;
+        Ok(Self {
+            reg,
+            map,
+            fd,
+            slots,
+            words: (rows * slots) as usize,
+        })
+    }
+
+    fn index(&self, consumer: u32, slot: u32) -> usize {
+        let i = consumer as usize * self.slots as usize + slot as usize;
+        assert!(i < self.words, "timeline index out of range");
+        i
+    }
+
+    pub(crate) fn device(&self, consumer: u32, slot: u32) -> CUdeviceptr {
+        self.reg.device_ptr() + 8 * self.index(consumer, slot) as u64
+    }
+
+    pub(crate) fn host(&self, consumer: u32, slot: u32) -> &AtomicU64 {
+        let i = self.index(consumer, slot);
+        // SAFETY: i < words and the mapping holds words * 8 bytes, 8-aligned (page base); the
+        // word is only ever accessed atomically (here) or by the GPU's stream memory ops.
+        unsafe { &*(self.map.as_mut_ptr().add(8 * i) as *const AtomicU64) }
+    }
+}
+
+/// Makes `into` (one of ours) wait for the work enqueued so far on a caller's `stream`,
+/// through the ordering-only event `scratch`.
+///
+/// # Safety
+/// `stream` is a live stream handle of `ctx` (or `CU_STREAM_LEGACY` / `CU_STREAM_PER_THREAD`).
+pub(crate) unsafe fn join_into(
+    ctx: &Context,
+    scratch: &Mutex<Event>,
+    into: &Stream,
+    stream: driver::CUstream,
+) -> Result<(), CudaError> {
+    ctx.make_current()?;
+    let ev = scratch.lock();
+    // SAFETY: the caller guarantees `stream`.
+    unsafe { ev.record_raw(stream) }?;
+    into.wait_event(&ev)
+}
+
+/// How the producer signals `ready`.
+pub(crate) enum ReadySignal {
+    /// One IPC event per slot.
+    Events(Vec<Event>),
+    /// One timeline word per slot (a single row).
+    Semaphore(Timelines),
+}
+
+impl ReadySignal {
+    /// Signals that batch `seq` in `slot` is ready, after the work enqueued on `stream`.
+    ///
+    /// # Safety
+    /// `stream` is a live stream handle of the signal's context (or `CU_STREAM_LEGACY` /
+    /// `CU_STREAM_PER_THREAD`).
+    pub(crate) unsafe fn signal(
+        &self,
+        stream: driver::CUstream,
+        slot: u32,
+        seq: u64,
+    ) -> Result<(), CudaError> {
+        match self {
+            // SAFETY: the caller guarantees `stream`; the event is ours.
+            ReadySignal::Events(events) => unsafe { events[slot as usize].record_raw(stream) },
+            // SAFETY: the word is in our registered timelines, mapped for our lifetime; the
+            // caller guarantees `stream`.
+            ReadySignal::Semaphore(words) => unsafe {
+                driver::stream_write_value64_raw(stream, words.device(0, slot), seq + 1)
+            },
+        }
+    }
+
+    /// Makes `stream` wait until batch `seq` in `slot` is ready.
+    ///
+    /// # Safety
+    /// As for [`ReadySignal::signal`].
+    pub(crate) unsafe fn wait(
+        &self,
+        stream: driver::CUstream,
+        slot: u32,
+        seq: u64,
+    ) -> Result<(), CudaError> {
+        match self {
+            // SAFETY: the caller guarantees `stream`; the event is ours, live for our life.
+            ReadySignal::Events(events) => unsafe {
+                Stream::raw_wait_event(stream, &events[slot as usize])
+            },
+            // SAFETY: the word is in our registered timelines, mapped for our lifetime; the
+            // caller guarantees `stream`.
+            ReadySignal::Semaphore(words) => unsafe {
+                driver::stream_wait_value64_raw(
+                    stream,
+                    words.device(0, slot),
+                    seq + 1,
+                    WaitCondition::Geq,
+                )
+            },
+        }
+    }
+}
