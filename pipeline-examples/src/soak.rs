@@ -3,14 +3,70 @@
 //! lost or duplicated) and watch the producer's memory and open fds for growth.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitCode, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pipeline_core::{Mode, Producer, ProducerBackend, ProducerConfig};
+use pipeline_core::{HostOptions, HostProducer, Mode, Producer, ProducerBackend, ProducerConfig};
+use pipeline_cuda::backend::CudaProducer;
 
+use crate::args::{BackendArg, CudaArgs, RingArgs, resolve_backend};
 use crate::work::{self, ConsumerReport, Fill};
+use crate::{cuda_work, duration};
+
+/// Arguments of `gpipe soak`.
+#[derive(clap::Args)]
+pub struct SoakCmd {
+    /// Which backend.
+    #[arg(long, value_enum, default_value = "auto")]
+    backend: BackendArg,
+    /// How long (30s, 10m, 1h, or seconds).
+    #[arg(long, value_parser = duration::parse, default_value = "60s")]
+    duration: Duration,
+    /// Most consumer processes at once.
+    #[arg(long, default_value_t = 6)]
+    max_consumers: u32,
+    #[command(flatten)]
+    ring: RingArgs,
+    #[command(flatten)]
+    cuda: CudaArgs,
+    /// Seed of the random schedule (replay a failing run with the same seed).
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Mean milliseconds between chaos actions (starting or killing a consumer).
+    #[arg(long, default_value_t = 150)]
+    tick_ms: u64,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Runs `gpipe soak`.
+pub fn command(cmd: SoakCmd) -> Result<ExitCode, String> {
+    let mut args = SoakArgs {
+        tick_ms: cmd.tick_ms,
+        duration: cmd.duration,
+        max_consumers: cmd.max_consumers,
+        mode: cmd.ring.mode.into(),
+        slots: cmd.ring.slots,
+        batch_bytes: cmd.ring.batch_bytes,
+        seed: cmd.seed,
+        backend: "host",
+    };
+    let report = match resolve_backend(cmd.backend)? {
+        BackendArg::Host => run::<HostProducer, _>(&args, HostOptions, &mut work::HostFill)?,
+        _ => {
+            args.backend = "cuda";
+            run::<CudaProducer, _>(
+                &args,
+                cmd.cuda.options()?,
+                &mut cuda_work::CudaFill::default(),
+            )?
+        }
+    };
+    crate::print_report(&report, cmd.json, report.problems.is_empty())
+}
 
 /// Soak settings.
 #[derive(Clone, Debug)]

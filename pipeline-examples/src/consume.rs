@@ -1,0 +1,195 @@
+//! `gpipe consume`: attach to a producer and consume batches until it closes (or Ctrl-C);
+//! also the consumer processes that `gpipe bench` and `gpipe soak` start.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use pipeline_core::{
+    BackendKind, Batch, Consumer, ConsumerBackend, ConsumerConfig, HostConsumer, HostOptions,
+    PendingAttach,
+};
+use pipeline_cuda::backend::{CudaConsumer, CudaOptions};
+
+use crate::work::{self, Check, ConsumeOptions};
+use crate::{STOP, bench, cuda_work};
+
+/// Arguments of `gpipe consume`.
+#[derive(clap::Args)]
+pub struct ConsumeCmd {
+    /// The producer's socket.
+    #[arg(long)]
+    socket: PathBuf,
+    /// Verify each batch's checksum.
+    #[arg(long)]
+    verify: bool,
+    /// Stop after this many batches.
+    #[arg(long)]
+    max_batches: Option<u64>,
+    /// Write every received sequence number here (u64 little-endian).
+    #[arg(long)]
+    seq_log: Option<PathBuf>,
+    /// Print the final report as JSON.
+    #[arg(long)]
+    json: bool,
+    /// Sleep this many microseconds per batch (simulates work).
+    #[arg(long, default_value_t = 0)]
+    work_us: u64,
+    /// Internal: run as a bench consumer (JSON report on stdout).
+    #[arg(long, hide = true)]
+    bench_child: bool,
+}
+
+/// Runs `gpipe consume`.
+pub fn command(cmd: ConsumeCmd) -> Result<ExitCode, String> {
+    let json = cmd.json || cmd.bench_child;
+    // A refused or failed attach still ends with a report when one is asked for,
+    // so that a harness (bench, soak) learns why rather than seeing silence.
+    let failed = |e: String| {
+        if json {
+            let r = work::ConsumerReport {
+                pid: std::process::id(),
+                error: Some(e.clone()),
+                attach_failed: true,
+                ..Default::default()
+            };
+            if let Ok(line) = serde_json::to_string(&r) {
+                println!("{line}");
+            }
+        }
+        e
+    };
+    let pending = PendingAttach::connect(&cmd.socket, ConsumerConfig::default())
+        .map_err(|e| failed(e.to_string()))?;
+    let opts = Settings {
+        verify: cmd.verify,
+        max_batches: cmd.max_batches,
+        seq_log: cmd.seq_log,
+        json,
+        quiet: cmd.bench_child,
+        work_us: cmd.work_us,
+    };
+    match pending.backend() {
+        BackendKind::Host => {
+            let c: Consumer<HostConsumer> = pending
+                .finish(HostOptions)
+                .map_err(|e| failed(e.to_string()))?;
+            consume(c, &mut work::HostCheck::default(), &opts, None)
+        }
+        BackendKind::Cuda => {
+            let c: Consumer<CudaConsumer> = pending
+                .finish(CudaOptions::default())
+                .map_err(|e| failed(e.to_string()))?;
+            let attach = serde_json::to_value(c.backend().import_timings()).ok();
+            consume(c, &mut cuda_work::CudaCheck::default(), &opts, attach)
+        }
+    }
+}
+
+/// What a consumer does with each batch and with its report.
+struct Settings {
+    verify: bool,
+    max_batches: Option<u64>,
+    seq_log: Option<PathBuf>,
+    json: bool,
+    quiet: bool,
+    work_us: u64,
+}
+
+/// Consumes until the ring closes, `max_batches`, Ctrl-C or an error, then reports.
+fn consume<B: ConsumerBackend, C: Check<B>>(
+    mut consumer: Consumer<B>,
+    check: &mut C,
+    opts: &Settings,
+    attach: Option<serde_json::Value>,
+) -> Result<ExitCode, String> {
+    if !opts.quiet {
+        eprintln!(
+            "gpipe: attached as consumer #{} ({} mode, {} slots); Ctrl-C stops",
+            consumer.index(),
+            consumer.layout().mode,
+            consumer.layout().slot_count
+        );
+    }
+    let mut slow;
+    let check: Option<&mut C> = if opts.verify { Some(check) } else { None };
+    let (report, seqs) = if opts.work_us > 0 {
+        slow = Slow {
+            inner: check,
+            us: opts.work_us,
+        };
+        work::consume_loop(
+            &mut consumer,
+            Some(&mut slow),
+            &ConsumeOptions {
+                max_batches: opts.max_batches,
+                stop: &STOP,
+                keep_seqs: opts.seq_log.is_some(),
+                progress: !opts.quiet,
+            },
+        )
+    } else {
+        work::consume_loop(
+            &mut consumer,
+            check,
+            &ConsumeOptions {
+                max_batches: opts.max_batches,
+                stop: &STOP,
+                keep_seqs: opts.seq_log.is_some(),
+                progress: !opts.quiet,
+            },
+        )
+    };
+    drop(consumer);
+    let mut report = report;
+    report.attach = attach;
+    if let Some(p) = &opts.seq_log {
+        bench::write_seq_log(p, &seqs).map_err(|e| format!("cannot write {}: {e}", p.display()))?;
+    }
+    if opts.json {
+        println!(
+            "{}",
+            serde_json::to_string(&report).map_err(|e| e.to_string())?
+        );
+    } else {
+        println!(
+            "consumer #{}: {} batches, {:.3} GB, {} checksum mismatches{}",
+            report.index,
+            report.received,
+            report.bytes as f64 / 1e9,
+            report.mismatches,
+            report
+                .error
+                .as_ref()
+                .map(|e| format!("; ended with: {e}"))
+                .unwrap_or_default()
+        );
+    }
+    Ok(if report.error.is_none() && report.mismatches == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// Wraps a check with a per-batch sleep (simulated work).
+struct Slow<'a, C> {
+    inner: Option<&'a mut C>,
+    us: u64,
+}
+
+impl<B: ConsumerBackend, C: Check<B>> Check<B> for Slow<'_, C> {
+    fn check(&mut self, batch: &Batch<B>) -> Result<(), String> {
+        std::thread::sleep(Duration::from_micros(self.us));
+        match self.inner.as_deref_mut() {
+            Some(c) => c.check(batch),
+            None => Ok(()),
+        }
+    }
+    fn finish(&mut self, consumer: &Consumer<B>) -> Result<Vec<u64>, String> {
+        match self.inner.as_deref_mut() {
+            Some(c) => c.finish(consumer),
+            None => Ok(Vec::new()),
+        }
+    }
+}

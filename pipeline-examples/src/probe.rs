@@ -1,0 +1,61 @@
+//! `gpipe probe`: the CUDA devices, the driver, the capabilities gpipe uses and the path
+//! `--memory auto --sync auto` takes; exits non-zero where CUDA cannot be used.
+
+use std::process::ExitCode;
+
+use pipeline_cuda::backend::HandleKind;
+
+use crate::cuda_work;
+
+/// Arguments of `gpipe probe`.
+#[derive(clap::Args)]
+pub struct ProbeCmd {
+    /// JSON output.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Runs `gpipe probe`.
+pub fn command(cmd: ProbeCmd) -> Result<ExitCode, String> {
+    let report = match pipeline_cuda::probe::probe() {
+        Ok(report) => report,
+        Err(e) => {
+            eprintln!("gpipe probe: no usable CUDA GPU: {e}");
+            return Ok(ExitCode::FAILURE);
+        }
+    };
+    // What `--memory auto --sync auto` resolves to (the paths as measured in
+    // docs/benchmarks.md), or why CUDA cannot be used.
+    let path = report
+        .auto_memory_path_for(0, HandleKind::PosixFd)
+        .map(|m| format!("memory {m}, sync {}", cuda_work::auto_sync(&report)))
+        .map_err(|e| e.to_string())
+        .and_then(|p| {
+            pipeline_cuda::kernels::ensure_nvrtc()
+                .map(|_| p)
+                .map_err(|e| format!("the benchmark kernels need NVRTC: {e}"))
+        });
+    if cmd.json {
+        let mut v = serde_json::to_value(&report).map_err(|e| e.to_string())?;
+        v["chosen_path"] = match &path {
+            Ok(p) => serde_json::Value::String(p.clone()),
+            Err(e) => serde_json::Value::String(format!("none: {e}")),
+        };
+        v["mps_active"] = serde_json::Value::Bool(report.mps_active());
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?
+        );
+    } else {
+        print!("{report}");
+        match &path {
+            Ok(p) => println!("\ngpipe will use (auto): {p}"),
+            Err(e) => println!("\ngpipe cannot use CUDA here: {e}"),
+        }
+    }
+    Ok(if path.is_ok() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
