@@ -64,7 +64,7 @@ use crate::memory::{ConsumerSlots, ProducerSlots, micros};
 pub use crate::memory::{HandleKind, ImportTimings, MAX_VMM_FD_SLOTS, MemoryPath};
 use crate::probe::Capabilities;
 pub use crate::sync::SyncMode;
-use crate::sync::{RELEASED, ReadySignal, Timelines, join_into};
+use crate::sync::{FinishedWords, RELEASED, ReadySignal, Timelines, join_into};
 
 const REPLY_MAGIC: u32 = u32::from_le_bytes(*b"GCF1");
 const HANDLE: usize = 64;
@@ -179,7 +179,7 @@ pub struct CudaProducer {
     ready: ReadySignal,
     export: Vec<u8>,
     slot_bytes: u64,
-    timelines: Timelines,
+    timelines: FinishedWords,
     /// Consumers whose timelines the producer waits on (bit c). Locked only briefly, never
     /// across a driver call, so a departure can always release a dead consumer's words.
     live: Mutex<u64>,
@@ -379,12 +379,7 @@ impl ProducerBackend for CudaProducer {
                 "gpipe-ready",
             )?),
         };
-        let timelines = Timelines::create(
-            &ctx,
-            layout.consumer_capacity,
-            layout.slot_count,
-            "gpipe-finished",
-        )?;
+        let timelines = FinishedWords::create(&ctx, layout.consumer_capacity, layout.slot_count)?;
         let watch = Watch::new(&ctx)?;
         let scratch = Event::new_plain(&ctx).map_err(be)?;
         Ok(Self {
@@ -406,12 +401,13 @@ impl ProducerBackend for CudaProducer {
         })
     }
 
-    fn export(&self, _consumer: u32) -> Result<Export, BackendError> {
+    fn export(&self, consumer: u32) -> Result<Export, BackendError> {
         let mut fds = self.slots.export_fds()?;
         if let ReadySignal::Semaphore(words) = &self.ready {
             fds.push(words.fd.try_clone()?);
         }
-        fds.push(self.timelines.fd.try_clone()?);
+        // Only this consumer's own `finished` words: it never holds another's.
+        fds.push(self.timelines.fd(consumer).try_clone()?);
         Ok(Export {
             blob: self.export.clone(),
             fds,
@@ -577,7 +573,6 @@ pub struct CudaConsumer {
     slots: ConsumerSlots,
     ready: ReadySignal,
     timelines: Timelines,
-    index: u32,
     /// The producer died: waits on its `ready` signals may never complete.
     abandoned: AtomicBool,
     slot_bytes: u64,
@@ -667,11 +662,7 @@ impl CudaConsumer {
         self.ctx.make_current()?;
         // SAFETY: the word is in our registered timelines; the caller guarantees `stream`.
         unsafe {
-            driver::stream_write_value64_raw(
-                stream,
-                self.timelines.device(self.index, slot),
-                seq + 1,
-            )
+            driver::stream_write_value64_raw(stream, self.timelines.device(0, slot), seq + 1)
         }?;
         self.presignalled[slot as usize].store(seq + 1, Ordering::Release);
         Ok(())
@@ -711,7 +702,7 @@ impl ConsumerBackend for CudaConsumer {
 
     fn import(
         layout: &RingLayout,
-        consumer: u32,
+        _consumer: u32,
         options: CudaOptions,
         blob: &[u8],
         fds: Vec<OwnedFd>,
@@ -781,12 +772,8 @@ impl ConsumerBackend for CudaConsumer {
         };
         timings.event_opens_us = micros(t);
         let t = Instant::now();
-        let timelines = Timelines::map(
-            &ctx,
-            layout.consumer_capacity,
-            layout.slot_count,
-            timeline_fd,
-        )?;
+        // Our own `finished` words only: one row, written at index 0.
+        let timelines = Timelines::map(&ctx, 1, layout.slot_count, timeline_fd)?;
         timings.timelines_us = micros(t);
         let mut reply = Vec::with_capacity(8);
         reply.extend_from_slice(&REPLY_MAGIC.to_le_bytes());
@@ -803,7 +790,6 @@ impl ConsumerBackend for CudaConsumer {
                 slots,
                 ready,
                 timelines,
-                index: consumer,
                 abandoned: AtomicBool::new(false),
                 slot_bytes,
                 timings,
@@ -864,11 +850,7 @@ impl ConsumerBackend for CudaConsumer {
         // SAFETY: the word is in our registered timelines, mapped for our lifetime; the
         // stream is ours.
         unsafe {
-            driver::stream_write_value64(
-                &self.stream,
-                self.timelines.device(self.index, slot),
-                seq + 1,
-            )
+            driver::stream_write_value64(&self.stream, self.timelines.device(0, slot), seq + 1)
         }
         .map_err(be)
     }
@@ -1033,6 +1015,43 @@ mod tests {
                     assert_eq!(unsafe { host.as_slice() }, &[k as u8 + 1; 16]);
                 }
                 drop(p);
+            }
+        }
+
+        /// The inode of an fd.
+        fn inode(fd: &OwnedFd) -> u64 {
+            rustix::fs::fstat(fd).unwrap().st_ino as u64
+        }
+
+        #[test]
+        #[ignore = "needs a CUDA GPU"]
+        fn each_consumer_is_sent_only_its_own_finished_words() {
+            for sync in SyncMode::ALL {
+                let options = CudaOptions::default().with_sync(sync);
+                let p = CudaProducer::create(&layout(3), options).unwrap();
+                let rows: Vec<u64> = (0..4).map(|c| inode(p.timelines.fd(c))).collect();
+                let distinct: std::collections::HashSet<_> = rows.iter().collect();
+                assert_eq!(distinct.len(), 4, "one memfd per consumer index ({sync})");
+                for c in 0..4u32 {
+                    let export = p.export(c).unwrap();
+                    let sent: Vec<u64> = export.fds.iter().map(inode).collect();
+                    // Its own words are the last fd; no other consumer's words are sent.
+                    assert_eq!(*sent.last().unwrap(), rows[c as usize], "{sync}");
+                    for (other, ino) in rows.iter().enumerate() {
+                        if other != c as usize {
+                            assert!(!sent.contains(ino), "consumer {c} got {other}'s words");
+                        }
+                    }
+                    // One row of 3 words (a page), not every consumer's.
+                    let size = rustix::fs::fstat(export.fds.last().unwrap())
+                        .unwrap()
+                        .st_size;
+                    assert_eq!(size, 4096, "{sync}");
+                }
+                // The producer waits on each consumer's own words.
+                p.timelines.host(2, 1).store(7, Ordering::Release);
+                assert_eq!(p.timelines.host(2, 1).load(Ordering::Acquire), 7);
+                assert_eq!(p.timelines.host(1, 1).load(Ordering::Acquire), 0);
             }
         }
 

@@ -133,8 +133,9 @@ pub(crate) struct ExportHeader {
 
 /// `"GCU1"`.
 pub(crate) const EXPORT_MAGIC: u32 = u32::from_le_bytes(*b"GCU1");
-/// Version 2 added the memory path and handle kind after the version; version 3 the sync mode.
-pub(crate) const EXPORT_VERSION: u32 = 3;
+/// Version 2 added the memory path and handle kind after the version; version 3 the sync mode;
+/// version 4 sends each consumer its own `finished` words (one row) instead of everyone's.
+pub(crate) const EXPORT_VERSION: u32 = 4;
 
 impl ExportHeader {
     pub(crate) fn write(&self, out: &mut Vec<u8>) {

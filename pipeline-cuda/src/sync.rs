@@ -2,8 +2,9 @@
 //!
 //! * `ready` (producer → consumers), per slot, as the producer chooses ([`SyncMode`]): one IPC
 //!   event per slot, or one timeline word per slot in host-mapped shared memory.
-//! * `finished` (consumer → producer): one timeline word per slot per consumer. Why it is not an
-//!   event: see [`crate::backend`].
+//! * `finished` (consumer → producer): one timeline word per slot per consumer, each consumer's
+//!   words in a memfd of its own that only it and the producer hold ([`FinishedWords`]). Why it
+//!   is not an event: see [`crate::backend`].
 //!
 //! Timeline words are written and waited on the GPU with stream memory operations
 //! (`cuStreamWriteValue64` / `cuStreamWaitValue64`); a word can be released from the host, so
@@ -84,9 +85,10 @@ impl FromStr for SyncMode {
 /// "greater or equal" in the driver's wrapping comparison: it releases every wait.
 pub(crate) const RELEASED: u64 = 1 << 62;
 
-/// The finished timelines: `capacity × slots` u64 words in a sealed memfd, mapped here and
-/// registered with the driver. Word `c * slots + k` holds the generation (`seq + 1`) of the
-/// last batch in slot k that consumer c finished.
+/// Timeline words: `rows × slots` u64 words in a sealed memfd, mapped here and registered with
+/// the driver. Word `r * slots + k` holds a generation (`seq + 1`) for slot k: the last batch
+/// ready in it (`ready` under semaphore sync, one row), or the last batch a consumer finished
+/// in it (one row, in that consumer's own memfd: [`FinishedWords`]).
 pub(crate) struct Timelines {
     // Field order matters: the registration must go before the mapping.
     reg: HostRegistration,
@@ -150,6 +152,47 @@ impl Timelines {
         // SAFETY: i < words and the mapping holds words * 8 bytes, 8-aligned (page base); the
         // word is only ever accessed atomically (here) or by the GPU's stream memory ops.
         unsafe { &*(self.map.as_mut_ptr().add(8 * i) as *const AtomicU64) }
+    }
+}
+
+/// The producer's view of every consumer index's `finished` words: one single-row
+/// [`Timelines`] per index, each in its own memfd. A consumer is sent only its own index's
+/// fd, so no consumer can write another's words (raising another consumer's word would let
+/// the producer refill a slot that consumer still reads).
+pub(crate) struct FinishedWords {
+    rows: Vec<Timelines>,
+}
+
+impl FinishedWords {
+    /// `capacity` zeroed rows of `slots` words.
+    pub(crate) fn create(
+        ctx: &Arc<Context>,
+        capacity: u32,
+        slots: u32,
+    ) -> Result<Self, BackendError> {
+        let rows = (0..capacity)
+            .map(|c| Timelines::create(ctx, 1, slots, &format!("gpipe-finished-{c}")))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self { rows })
+    }
+
+    fn row(&self, consumer: u32) -> &Timelines {
+        self.rows
+            .get(consumer as usize)
+            .expect("consumer index below the ring's capacity")
+    }
+
+    /// The memfd of consumer `consumer`'s words, the only one that consumer gets.
+    pub(crate) fn fd(&self, consumer: u32) -> &OwnedFd {
+        &self.row(consumer).fd
+    }
+
+    pub(crate) fn device(&self, consumer: u32, slot: u32) -> CUdeviceptr {
+        self.row(consumer).device(0, slot)
+    }
+
+    pub(crate) fn host(&self, consumer: u32, slot: u32) -> &AtomicU64 {
+        self.row(consumer).host(0, slot)
     }
 }
 
