@@ -159,18 +159,14 @@ impl PyConsumer {
                         pending.finish::<CudaConsumer>(CudaOptions {
                             // Each stream a tensor is made for waits `ready` itself.
                             defer_ready: true,
+                            // Another GPU than the producer's reads the slots in place by
+                            // peer access (the attach fails, naming both, where it cannot).
+                            device: device.flatten(),
                             ..CudaOptions::default()
                         })
                     })
                     .map_err(attach_error)?;
                 let ordinal = c.backend().device_ordinal();
-                if let Some(Some(want)) = device {
-                    if want != ordinal {
-                        return Err(PyValueError::new_err(format!(
-                            "device cuda:{want} given, but the producer's slots are on cuda:{ordinal}; consumers on another GPU than the producer's are not supported yet"
-                        )));
-                    }
-                }
                 // A dead producer must never leave a GPU stream of ours waiting on its
                 // `ready` signal: release such waits as soon as it dies.
                 c.watch_producer(TICK).map_err(to_py)?;

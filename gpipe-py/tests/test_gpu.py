@@ -172,8 +172,8 @@ def test_send_keeps_layouts_and_refuses_a_wrong_device(sock, child):
         assert torch.equal(got, img)
         assert torch.equal(torch.from_dlpack(b["cpu_labels"]).cpu(), torch.arange(8))
         assert b["img"].__dlpack_device__() == (2, 0)
-    with pytest.raises(ValueError, match="cuda:0"):
-        gpipe.Consumer(sock, device=5)
+    with pytest.raises(gpipe.AttachError, match="device 17 was asked for"):
+        gpipe.Consumer(sock, device=17)
     with pytest.raises(ValueError, match="CUDA memory"):
         gpipe.Consumer(sock, device="cpu")
     if torch.cuda.device_count() > 1:
@@ -181,6 +181,42 @@ def test_send_keeps_layouts_and_refuses_a_wrong_device(sock, child):
             p.send(torch.zeros(4, device="cuda:1"))
     c.close()
     p.close()
+
+
+# A consumer on GPU 1 of a producer on GPU 0: the slots are read in place by peer access.
+PEER_CONSUMER = r"""
+import json, sys, torch, gpipe
+torch.cuda.set_device(1)
+c = gpipe.Consumer(sys.argv[1], device=1)
+print("attached", flush=True)
+bad = torch.zeros((), dtype=torch.int64, device="cuda:1")
+seqs, devices = [], set()
+for b in c:
+    with b:
+        x = torch.from_dlpack(b["x"])
+        devices.add(str(x.device))
+        bad += ((x != b.seq).sum() > 0).long()
+        seqs.append(b.seq)
+        del x
+torch.cuda.synchronize(1)
+print(json.dumps({"seqs": seqs, "bad": int(bad.item()), "devices": sorted(devices),
+                  "device": c.device}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["broadcast", "shared"])
+def test_a_consumer_on_another_gpu_reads_the_slots_in_place(sock, child, mode):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    p = gpipe.Producer(sock, slots=4, batch_bytes=2 << 20, mode=mode, backend="cuda", device=0)
+    k = child(PEER_CONSUMER, sock)
+    assert k.readline(timeout=60) == "attached"
+    p.wait_for_consumers(1, timeout=30)
+    produce(p, 200)
+    p.close()
+    r = result(k)
+    assert r["bad"] == 0 and r["seqs"] == list(range(200)), r
+    assert r["devices"] == ["cuda:1"] and r["device"] == "cuda:1", r
 
 
 CUPY_CONSUMER = r"""

@@ -679,20 +679,72 @@ impl CudaConsumer {
     }
 }
 
-fn pick_device(uuid: &[u8; 16], options: &CudaOptions) -> Result<usize, BackendError> {
-    if let Some(d) = options.device {
-        return Ok(d);
-    }
+/// The ordinal of the visible device with this UUID, if any.
+fn device_with_uuid(uuid: &[u8; 16]) -> Result<Option<usize>, BackendError> {
     for d in 0..driver::device_count().map_err(be)? {
         if driver::Device::get(d).map_err(be)?.uuid().map_err(be)? == *uuid {
-            return Ok(d);
+            return Ok(Some(d));
         }
     }
-    Err(
-        "the producer's GPU is not visible to this consumer (check CUDA_VISIBLE_DEVICES), \
-         or choose a device explicitly"
-            .into(),
-    )
+    Ok(None)
+}
+
+/// `ordinal (name)` of a device, for messages.
+fn describe_device(ordinal: usize) -> String {
+    match driver::Device::get(ordinal).and_then(|d| d.name()) {
+        Ok(name) => format!("GPU {ordinal} ({name})"),
+        Err(_) => format!("GPU {ordinal}"),
+    }
+}
+
+/// The device a consumer runs on: the one it asked for, else the producer's own (by UUID).
+/// Another device than the producer's must be able to reach the producer's memory by peer
+/// access; the refusal names both devices.
+fn pick_device(uuid: &[u8; 16], options: &CudaOptions) -> Result<usize, BackendError> {
+    let producer = device_with_uuid(uuid)?;
+    let Some(want) = options.device else {
+        return producer.ok_or_else(|| {
+            "the producer's GPU is not visible to this consumer (check CUDA_VISIBLE_DEVICES), \
+             or choose a device explicitly"
+                .into()
+        });
+    };
+    let count = driver::device_count().map_err(be)?;
+    if want >= count {
+        return Err(format!(
+            "device {want} was asked for, but this process sees {count} CUDA device(s) \
+             (0..{count})"
+        )
+        .into());
+    }
+    let Some(producer) = producer else {
+        return Err(format!(
+            "the producer's GPU is not visible to this consumer, so {} cannot reach its \
+             memory: make it visible (CUDA_VISIBLE_DEVICES) alongside the device asked for",
+            describe_device(want)
+        )
+        .into());
+    };
+    if want != producer {
+        let mine = driver::Device::get(want).map_err(be)?;
+        let theirs = driver::Device::get(producer).map_err(be)?;
+        if !mine.can_access_peer(&theirs).map_err(be)? {
+            return Err(format!(
+                "{} cannot reach the memory of the producer's {} by peer access (no NVLink \
+                 or PCIe peer path between them; `gpipe probe` shows which devices can \
+                 consume from which): run this consumer on the producer's GPU or one that can",
+                describe_device(want),
+                describe_device(producer)
+            )
+            .into());
+        }
+        tracing::debug!(
+            consumer_device = want,
+            producer_device = producer,
+            "consuming from another GPU by peer access"
+        );
+    }
+    Ok(want)
 }
 
 impl ConsumerBackend for CudaConsumer {

@@ -379,6 +379,46 @@ pub struct ProbeReport {
     pub mps_control_pipe: Option<String>,
     /// One entry per visible device.
     pub devices: Vec<Capabilities>,
+    /// Every ordered pair of distinct visible devices: whether a consumer on `consumer` can
+    /// read a producer's slots on `producer` in place (peer access), and the link's rank.
+    pub peers: Vec<PeerLink>,
+}
+
+/// Whether a consumer on one device can use a producer's slots on another.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PeerLink {
+    /// The producer's device ordinal.
+    pub producer: usize,
+    /// The consumer's device ordinal.
+    pub consumer: usize,
+    /// `cuDeviceCanAccessPeer(consumer, producer)`: kernels on `consumer` can access
+    /// `producer`'s memory.
+    pub can_consume: bool,
+    /// The driver's performance rank of the link (`CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK`;
+    /// lower is better), when the devices can reach each other.
+    pub performance_rank: Option<i32>,
+}
+
+/// The peer links between every ordered pair of distinct devices among `count`.
+fn peer_links(count: usize) -> Result<Vec<PeerLink>, CudaError> {
+    let mut links = Vec::new();
+    for producer in 0..count {
+        for consumer in 0..count {
+            if producer == consumer {
+                continue;
+            }
+            let (p, c) = (Device::get(producer)?, Device::get(consumer)?);
+            // A query the driver refuses reads as "no peer access" rather than failing the
+            // whole probe (which every CUDA bench runs first).
+            links.push(PeerLink {
+                producer,
+                consumer,
+                can_consume: c.can_access_peer(&p).unwrap_or(false),
+                performance_rank: c.peer_performance_rank(&p).ok().flatten(),
+            });
+        }
+    }
+    Ok(links)
 }
 
 /// Where the MPS control pipe would be: `$CUDA_MPS_PIPE_DIRECTORY/control`, else
@@ -404,7 +444,8 @@ pub fn probe() -> Result<ProbeReport, CudaError> {
         Ok((major, minor)) => (Some([major, minor]), None),
         Err(e) => (None, Some(e.to_string())),
     };
-    let devices = (0..driver::device_count()?)
+    let count = driver::device_count()?;
+    let devices = (0..count)
         .map(|i| Capabilities::of(&Device::get(i)?))
         .collect::<Result<Vec<_>, _>>()?;
     Ok(ProbeReport {
@@ -413,6 +454,7 @@ pub fn probe() -> Result<ProbeReport, CudaError> {
         nvrtc_error,
         mps_control_pipe: mps_control_pipe().map(|p| p.display().to_string()),
         devices,
+        peers: peer_links(count)?,
     })
 }
 
@@ -567,6 +609,41 @@ impl fmt::Display for ProbeReport {
                 writeln!(f, "  note: {note}")?;
             }
         }
+        if self.devices.len() > 1 {
+            writeln!(
+                f,
+                "\nconsumers on other GPUs (rows: the producer's device; columns: the consumer's;\n\
+                 a number is the driver's link rank, lower is better; `-`: no peer access)"
+            )?;
+            write!(f, "  producer \\ consumer")?;
+            for c in &self.devices {
+                write!(f, "{:>6}", c.ordinal)?;
+            }
+            writeln!(f)?;
+            for p in &self.devices {
+                write!(f, "  {:<20}", p.ordinal)?;
+                for c in &self.devices {
+                    let cell = if p.ordinal == c.ordinal {
+                        "self".to_string()
+                    } else {
+                        match self
+                            .peers
+                            .iter()
+                            .find(|l| l.producer == p.ordinal && l.consumer == c.ordinal)
+                        {
+                            Some(PeerLink {
+                                can_consume: true,
+                                performance_rank,
+                                ..
+                            }) => performance_rank.map_or("yes".into(), |r| r.to_string()),
+                            _ => "-".to_string(),
+                        }
+                    };
+                    write!(f, "{cell:>6}")?;
+                }
+                writeln!(f)?;
+            }
+        }
         Ok(())
     }
 }
@@ -615,6 +692,7 @@ mod tests {
             nvrtc_error: None,
             mps_control_pipe: None,
             devices,
+            peers: vec![],
         }
     }
 
@@ -631,6 +709,41 @@ mod tests {
         assert!(text.contains("posix_fd, fabric (0x9)"), "{text}");
         assert!(text.contains("pool + IPC events"), "{text}");
         assert!(!r.mps_active());
+    }
+
+    #[test]
+    fn the_peer_matrix_shows_which_devices_consume_from_which() {
+        let mut second = h100();
+        second.ordinal = 1;
+        let mut r = report(vec![h100(), second]);
+        r.peers = vec![
+            PeerLink {
+                producer: 0,
+                consumer: 1,
+                can_consume: true,
+                performance_rank: Some(0),
+            },
+            PeerLink {
+                producer: 1,
+                consumer: 0,
+                can_consume: false,
+                performance_rank: None,
+            },
+        ];
+        let text = r.to_string();
+        assert!(text.contains("consumers on other GPUs"), "{text}");
+        let row = |p: &str| {
+            text.lines()
+                .find(|l| l.trim_start().starts_with(p) && l.contains("self"))
+                .unwrap_or_else(|| panic!("no row for producer {p}: {text}"))
+                .split_whitespace()
+                .skip(1)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(row("0"), ["self", "0"], "{text}");
+        assert_eq!(row("1"), ["-", "self"], "{text}");
+        // One device: no matrix.
+        assert!(!report(vec![h100()]).to_string().contains("other GPUs"));
     }
 
     #[test]

@@ -41,6 +41,10 @@ pub struct BenchCmd {
     /// --slots 1.
     #[arg(long)]
     round_trip: bool,
+    /// CUDA device of each consumer, one entry per consumer (e.g. 0,1,1); the producer runs
+    /// on device 0. A consumer on another device reads the slots in place by peer access.
+    #[arg(long, value_delimiter = ',')]
+    consumer_devices: Vec<usize>,
 }
 
 /// Runs `gpipe bench`.
@@ -56,11 +60,22 @@ pub fn command(cmd: BenchCmd) -> Result<ExitCode, String> {
         backend: "host",
         consumer_args: Vec::new(),
         round_trip: cmd.round_trip,
+        consumer_devices: cmd.consumer_devices.clone(),
     };
     if cmd.round_trip && cmd.ring.slots != 1 {
         return Err("--round-trip measures a single-slot round trip: add --slots 1".into());
     }
+    if !cmd.consumer_devices.is_empty() && cmd.consumer_devices.len() != cmd.consumers as usize {
+        return Err(format!(
+            "--consumer-devices names {} device(s) for {}: give one per consumer",
+            cmd.consumer_devices.len(),
+            duration::plural(u64::from(cmd.consumers), "consumer", "consumers")
+        ));
+    }
     let report = match resolve_backend(cmd.backend)? {
+        BackendArg::Host if !cmd.consumer_devices.is_empty() => {
+            return Err("--consumer-devices applies to the CUDA backend".into());
+        }
         BackendArg::Host => run::<HostProducer, _>(&args, HostOptions, &mut work::HostFill)?,
         _ => {
             args.backend = "cuda";
@@ -100,6 +115,13 @@ fn run_cuda(args: &BenchArgs, cuda: &CudaArgs) -> Result<BenchReport, String> {
         "two_stream_ceiling_batches_per_s": overlapped,
         "ratio_to_ceiling": report.batches_per_s / ceiling,
         "mps_active": mps,
+        "producer_device": 0,
+        "consumer_devices": if args.consumer_devices.is_empty() {
+            vec![0; args.consumers as usize]
+        } else {
+            args.consumer_devices.clone()
+        },
+        "delivery": "in-place",
     });
     if let Some(hint) = mps_hint(mps, report.batches_per_s, ceiling, report.round_trip_p50_us) {
         extra[MPS_HINT] = serde_json::Value::String(hint);
@@ -131,6 +153,8 @@ pub struct BenchArgs {
     pub consumer_args: Vec<String>,
     /// Measure each batch's round trip (publish -> consumer done -> slot free); needs 1 slot.
     pub round_trip: bool,
+    /// CUDA device of each consumer (empty: the producer's).
+    pub consumer_devices: Vec<usize>,
 }
 
 /// The bench result.
@@ -246,6 +270,13 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
             .arg("--seq-log")
             .arg(dir.join(format!("consumer-{i}.seq")))
             .args(&args.consumer_args)
+            .args(
+                args.consumer_devices
+                    .get(i as usize)
+                    .map(|d| ["--device".to_string(), d.to_string()])
+                    .into_iter()
+                    .flatten(),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

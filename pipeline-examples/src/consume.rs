@@ -38,6 +38,10 @@ pub struct ConsumeCmd {
     /// Internal: run as a bench consumer (JSON report on stdout).
     #[arg(long, hide = true)]
     bench_child: bool,
+    /// CUDA device to consume on (default: the producer's). Another device reads the slots in
+    /// place by peer access; the attach fails, naming both devices, where there is none.
+    #[arg(long)]
+    device: Option<usize>,
 }
 
 /// Runs `gpipe consume`.
@@ -70,6 +74,9 @@ pub fn command(cmd: ConsumeCmd) -> Result<ExitCode, String> {
         work_us: cmd.work_us,
     };
     match pending.backend() {
+        BackendKind::Host if cmd.device.is_some() => Err(failed(
+            "--device applies to a CUDA ring; this producer's ring is in host memory".into(),
+        )),
         BackendKind::Host => {
             let c: Consumer<HostConsumer> = pending
                 .finish(HostOptions)
@@ -78,7 +85,10 @@ pub fn command(cmd: ConsumeCmd) -> Result<ExitCode, String> {
         }
         BackendKind::Cuda => {
             let c: Consumer<CudaConsumer> = pending
-                .finish(CudaOptions::default())
+                .finish(CudaOptions {
+                    device: cmd.device,
+                    ..CudaOptions::default()
+                })
                 .map_err(|e| failed(e.to_string()))?;
             let attach = serde_json::to_value(c.backend().import_timings()).ok();
             consume(c, &mut cuda_work::CudaCheck::default(), &opts, attach)

@@ -494,3 +494,35 @@ fn failed_attach_still_reports_why() {
         let _ = std::fs::remove_dir_all(&dir);
     });
 }
+
+#[test]
+fn consumer_devices_are_checked_before_anything_starts() {
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(GPIPE)
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} should fail");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = run(&[
+        "bench",
+        "--backend",
+        "host",
+        "--consumers",
+        "1",
+        "--consumer-devices",
+        "0,1",
+    ]);
+    assert!(err.contains("names 2 device(s) for 1 consumer"), "{err}");
+    let err = run(&[
+        "bench",
+        "--backend",
+        "host",
+        "--consumers",
+        "1",
+        "--consumer-devices",
+        "0",
+    ]);
+    assert!(err.contains("applies to the CUDA backend"), "{err}");
+}

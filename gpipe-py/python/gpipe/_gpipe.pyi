@@ -146,8 +146,10 @@ class Batch:
 class Consumer:
     """Attaches to the producer listening on `socket`.
 
-    ``device``: None (or "cpu") for a ring in host memory. ``timeout``: seconds each step of
-    the attach handshake may take. Iterating yields batches until the producer closes the
+    ``device``: None (or "cpu") for a ring in host memory; on a CUDA ring None means the
+    producer's GPU, and ``"cuda:N"`` (or ``N``) consumes on GPU N, reading the slots in place
+    by peer access (the attach fails, naming both GPUs, where N cannot reach the producer's).
+    ``timeout``: seconds each step of the attach handshake may take. Iterating yields batches until the producer closes the
     ring. Several batches may be held at once and released in any order.
     """
 

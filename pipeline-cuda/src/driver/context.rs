@@ -90,6 +90,41 @@ impl Device {
         ))
     }
 
+    /// Whether kernels on this device can read and write `peer`'s memory (peer access, over
+    /// NVLink or PCIe). Always true for the device itself.
+    pub fn can_access_peer(&self, peer: &Device) -> Result<bool, CudaError> {
+        if peer.raw == self.raw {
+            return Ok(true);
+        }
+        let mut can: c_int = 0;
+        // SAFETY: both handles came from cuDeviceGet after init(); the out-pointer is a
+        // valid local.
+        check("cuDeviceCanAccessPeer", unsafe {
+            sys::cuDeviceCanAccessPeer(&mut can, self.raw, peer.raw)
+        })?;
+        Ok(can != 0)
+    }
+
+    /// The driver's performance rank of the link from this device to `peer` (lower is
+    /// better: NVLink ranks above PCIe), or None when the two cannot reach each other.
+    pub fn peer_performance_rank(&self, peer: &Device) -> Result<Option<i32>, CudaError> {
+        if peer.raw == self.raw || !self.can_access_peer(peer)? {
+            return Ok(None);
+        }
+        let mut rank: c_int = 0;
+        // SAFETY: both handles came from cuDeviceGet after init(); the out-pointer is a
+        // valid local.
+        check("cuDeviceGetP2PAttribute", unsafe {
+            sys::cuDeviceGetP2PAttribute(
+                &mut rank,
+                sys::CUdevice_P2PAttribute::CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK,
+                self.raw,
+                peer.raw,
+            )
+        })?;
+        Ok(Some(rank))
+    }
+
     /// Compute capability as `(major, minor)`, e.g. `(9, 0)` for an H100.
     pub fn compute_capability(&self) -> Result<(i32, i32), CudaError> {
         Ok((
