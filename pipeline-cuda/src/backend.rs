@@ -379,7 +379,7 @@ impl ProducerBackend for CudaProducer {
                 "gpipe-ready",
             )?),
         };
-        let timelines = FinishedWords::create(&ctx, layout.consumer_capacity, layout.slot_count)?;
+        let timelines = FinishedWords::new(&ctx, layout.consumer_capacity, layout.slot_count);
         let watch = Watch::new(&ctx)?;
         let scratch = Event::new_plain(&ctx).map_err(be)?;
         Ok(Self {
@@ -406,8 +406,9 @@ impl ProducerBackend for CudaProducer {
         if let ReadySignal::Semaphore(words) = &self.ready {
             fds.push(words.fd.try_clone()?);
         }
-        // Only this consumer's own `finished` words: it never holds another's.
-        fds.push(self.timelines.fd(consumer).try_clone()?);
+        // Fresh `finished` words for this attach alone: it never holds another consumer's,
+        // not even those of an earlier holder of its index.
+        fds.push(self.timelines.fresh(consumer)?);
         Ok(Export {
             blob: self.export.clone(),
             fds,
@@ -428,9 +429,10 @@ impl ProducerBackend for CudaProducer {
             return Err(format!("CUDA consumer imported {n} slots of {}", self.slot_count).into());
         }
         // A previous holder of this index may still have waits in our stream (released by
-        // its departure): let them pass before its words go back to zero. The gate keeps new
-        // waits from being enqueued meanwhile. `detach` never takes the gate, so a consumer
-        // that dies while we wait here still gets its waits released, and the stream drains.
+        // its departure): let them pass before its words are dropped for the new ones. The
+        // gate keeps new waits from being enqueued meanwhile. `detach` never takes the gate,
+        // so a consumer that dies while we wait here still gets its waits released, and the
+        // stream drains.
         let _gate = self.gate.write();
         self.stream.synchronize().map_err(be)?;
         // Every wait enqueued so far has passed (none is enqueued while we hold the gate).
@@ -439,10 +441,8 @@ impl ProducerBackend for CudaProducer {
             st.pending.clear();
             st.front_reached = None;
         }
+        self.timelines.install(consumer)?;
         let mut live = self.live.lock();
-        for k in 0..self.slot_count {
-            self.timelines.host(consumer, k).store(0, Ordering::Release);
-        }
         *live |= 1u64 << consumer;
         Ok(())
     }
@@ -452,11 +452,7 @@ impl ProducerBackend for CudaProducer {
         *live &= !(1u64 << consumer);
         // Release every wait on its words, now and later: a dead consumer's last writes may
         // never happen.
-        for k in 0..self.slot_count {
-            self.timelines
-                .host(consumer, k)
-                .store(RELEASED, Ordering::Release);
-        }
+        self.timelines.store_all(consumer, RELEASED);
         if died {
             tracing::debug!(
                 consumer,
@@ -489,15 +485,15 @@ impl ProducerBackend for CudaProducer {
             if targets & (1u64 << c) == 0 {
                 continue;
             }
-            // SAFETY: the word is in our registered timelines, mapped for our lifetime; the
-            // stream is ours.
+            // A live consumer has attached, so its words are installed.
+            let Some(word) = self.timelines.device(c, slot) else {
+                continue;
+            };
+            // SAFETY: the word is in the consumer's registered finished words, which stay
+            // mapped until an attach at its index has let every wait enqueued here pass (the
+            // gate is held); the stream is ours.
             unsafe {
-                driver::stream_wait_value64(
-                    &self.stream,
-                    self.timelines.device(c, slot),
-                    prev_seq + 1,
-                    WaitCondition::Geq,
-                )
+                driver::stream_wait_value64(&self.stream, word, prev_seq + 1, WaitCondition::Geq)
             }
             .map_err(be)?;
             if self.watch.on.load(Ordering::Acquire) {
@@ -704,9 +700,7 @@ fn pick_device(uuid: &[u8; 16], options: &CudaOptions) -> Result<usize, BackendE
     let producer = device_with_uuid(uuid)?;
     let Some(want) = options.device else {
         return producer.ok_or_else(|| {
-            "the producer's GPU is not visible to this consumer (check CUDA_VISIBLE_DEVICES), \
-             or choose a device explicitly"
-                .into()
+            "the producer's GPU is not visible to this consumer: check CUDA_VISIBLE_DEVICES".into()
         });
     };
     let count = driver::device_count().map_err(be)?;
@@ -1081,29 +1075,29 @@ mod tests {
             for sync in SyncMode::ALL {
                 let options = CudaOptions::default().with_sync(sync);
                 let p = CudaProducer::create(&layout(3), options).unwrap();
-                let rows: Vec<u64> = (0..4).map(|c| inode(p.timelines.fd(c))).collect();
-                let distinct: std::collections::HashSet<_> = rows.iter().collect();
-                assert_eq!(distinct.len(), 4, "one memfd per consumer index ({sync})");
-                for c in 0..4u32 {
+                // Every export (one per attach) carries fresh words of its own, last; none
+                // is ever sent twice, not even to a later holder of the same index.
+                let mut seen = std::collections::HashSet::new();
+                for c in [0u32, 1, 2, 3, 0, 0, 3] {
                     let export = p.export(c).unwrap();
-                    let sent: Vec<u64> = export.fds.iter().map(inode).collect();
-                    // Its own words are the last fd; no other consumer's words are sent.
-                    assert_eq!(*sent.last().unwrap(), rows[c as usize], "{sync}");
-                    for (other, ino) in rows.iter().enumerate() {
-                        if other != c as usize {
-                            assert!(!sent.contains(ino), "consumer {c} got {other}'s words");
-                        }
-                    }
+                    let words = export.fds.last().unwrap();
+                    assert!(seen.insert(inode(words)), "index {c} got words sent before");
                     // One row of 3 words (a page), not every consumer's.
-                    let size = rustix::fs::fstat(export.fds.last().unwrap())
-                        .unwrap()
-                        .st_size;
+                    let size = rustix::fs::fstat(words).unwrap().st_size;
                     assert_eq!(size, 4096, "{sync}");
                 }
-                // The producer waits on each consumer's own words.
-                p.timelines.host(2, 1).store(7, Ordering::Release);
-                assert_eq!(p.timelines.host(2, 1).load(Ordering::Acquire), 7);
-                assert_eq!(p.timelines.host(1, 1).load(Ordering::Acquire), 0);
+                // Nothing is waited on before an attach installs the words; after, the
+                // producer reads the installed ones, and a departure releases them.
+                assert_eq!(p.timelines.device(2, 1), None);
+                p.timelines.install(2).unwrap();
+                assert_eq!(p.timelines.load(2, 1), Some(0));
+                assert!(
+                    p.timelines.install(2).is_err(),
+                    "installed twice from one export"
+                );
+                p.timelines.store_all(2, RELEASED);
+                assert_eq!(p.timelines.load(2, 0), Some(RELEASED));
+                assert_eq!(p.timelines.load(1, 0), None);
             }
         }
 

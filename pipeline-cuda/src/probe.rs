@@ -395,7 +395,7 @@ pub struct PeerLink {
     /// `producer`'s memory.
     pub can_consume: bool,
     /// The driver's performance rank of the link (`CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK`;
-    /// lower is better), when the devices can reach each other.
+    /// a relative value), when the devices can reach each other.
     pub performance_rank: Option<i32>,
 }
 
@@ -613,9 +613,9 @@ impl fmt::Display for ProbeReport {
             writeln!(
                 f,
                 "\nconsumers on other GPUs (rows: the producer's device; columns: the consumer's;\n\
-                 a number is the driver's link rank, lower is better; `-`: no peer access)"
+                 a number is the driver's relative link rank; `-`: no peer access)"
             )?;
-            write!(f, "  producer \\ consumer")?;
+            write!(f, "  {:<20}", "producer \\ consumer")?;
             for c in &self.devices {
                 write!(f, "{:>6}", c.ordinal)?;
             }

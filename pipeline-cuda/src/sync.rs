@@ -15,10 +15,10 @@ use std::fmt;
 use std::os::fd::{AsFd, OwnedFd};
 use std::str::FromStr;
 use std::sync::Arc;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use memmap2::{MmapOptions, MmapRaw};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 use pipeline_core::BackendError;
 use serde::Serialize;
 
@@ -155,44 +155,90 @@ impl Timelines {
     }
 }
 
-/// The producer's view of every consumer index's `finished` words: one single-row
-/// [`Timelines`] per index, each in its own memfd. A consumer is sent only its own index's
-/// fd, so no consumer can write another's words (raising another consumer's word would let
-/// the producer refill a slot that consumer still reads).
+/// The producer's view of every consumer's `finished` words: one single-row [`Timelines`]
+/// per attach, in a memfd of its own. Each attach gets fresh words ([`FinishedWords::fresh`]
+/// when the producer exports to it, [`FinishedWords::install`] once it has attached), so no
+/// consumer ever holds the words of another, not even of a later holder of its index: raising
+/// another consumer's word would let the producer refill a slot that consumer still reads,
+/// and lowering it would stall the producer.
 pub(crate) struct FinishedWords {
-    rows: Vec<Timelines>,
+    ctx: Arc<Context>,
+    slots: u32,
+    /// The words of each index's current holder (None before the index's first attach). A
+    /// row is replaced only by `install`, which the producer calls with every wait on the old
+    /// row passed and no new wait being enqueued.
+    rows: RwLock<Vec<Option<Timelines>>>,
+    /// Words made for an attach in progress, per index.
+    pending: Mutex<Vec<Option<Timelines>>>,
 }
 
 impl FinishedWords {
-    /// `capacity` zeroed rows of `slots` words.
-    pub(crate) fn create(
-        ctx: &Arc<Context>,
-        capacity: u32,
-        slots: u32,
-    ) -> Result<Self, BackendError> {
-        let rows = (0..capacity)
-            .map(|c| Timelines::create(ctx, 1, slots, &format!("gpipe-finished-{c}")))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(Self { rows })
+    /// Room for `capacity` consumer indices; no words exist until an attach.
+    pub(crate) fn new(ctx: &Arc<Context>, capacity: u32, slots: u32) -> Self {
+        let none = || (0..capacity).map(|_| None).collect::<Vec<_>>();
+        Self {
+            ctx: Arc::clone(ctx),
+            slots,
+            rows: RwLock::new(none()),
+            pending: Mutex::new(none()),
+        }
     }
 
-    fn row(&self, consumer: u32) -> &Timelines {
-        self.rows
-            .get(consumer as usize)
-            .expect("consumer index below the ring's capacity")
+    /// Makes zeroed words for the consumer attaching at index `consumer` and returns the fd
+    /// to send it. Replaces words made for an earlier attempt at the index that never
+    /// attached (nothing waits on those).
+    pub(crate) fn fresh(&self, consumer: u32) -> Result<OwnedFd, BackendError> {
+        let row = Timelines::create(&self.ctx, 1, self.slots, "gpipe-finished")?;
+        let fd = row.fd.try_clone()?;
+        let mut pending = self.pending.lock();
+        let entry = pending
+            .get_mut(consumer as usize)
+            .ok_or_else(|| format!("consumer index {consumer} is past the ring's capacity"))?;
+        *entry = Some(row);
+        Ok(fd)
     }
 
-    /// The memfd of consumer `consumer`'s words, the only one that consumer gets.
-    pub(crate) fn fd(&self, consumer: u32) -> &OwnedFd {
-        &self.row(consumer).fd
+    /// Makes the words [`FinishedWords::fresh`] made for `consumer` the ones the producer
+    /// waits on, dropping its previous holder's. The caller guarantees that every wait
+    /// enqueued on the old words has passed and that none is enqueued meanwhile.
+    pub(crate) fn install(&self, consumer: u32) -> Result<(), BackendError> {
+        let row = self
+            .pending
+            .lock()
+            .get_mut(consumer as usize)
+            .and_then(Option::take)
+            .ok_or_else(|| format!("no finished words were made for consumer {consumer}"))?;
+        self.rows.write()[consumer as usize] = Some(row);
+        Ok(())
     }
 
-    pub(crate) fn device(&self, consumer: u32, slot: u32) -> CUdeviceptr {
-        self.row(consumer).device(0, slot)
+    /// The device address of `consumer`'s word for `slot`, if it has attached. Valid until
+    /// the index's next [`FinishedWords::install`].
+    pub(crate) fn device(&self, consumer: u32, slot: u32) -> Option<CUdeviceptr> {
+        let rows = self.rows.read();
+        rows.get(consumer as usize)?
+            .as_ref()
+            .map(|r| r.device(0, slot))
     }
 
-    pub(crate) fn host(&self, consumer: u32, slot: u32) -> &AtomicU64 {
-        self.row(consumer).host(0, slot)
+    /// Stores `value` into every word of `consumer` (0: none finished; RELEASED: every wait
+    /// passes), if it has attached.
+    pub(crate) fn store_all(&self, consumer: u32, value: u64) {
+        let rows = self.rows.read();
+        if let Some(Some(row)) = rows.get(consumer as usize) {
+            for k in 0..self.slots {
+                row.host(0, k).store(value, Ordering::Release);
+            }
+        }
+    }
+
+    /// The current value of `consumer`'s word for `slot`, if it has attached.
+    #[cfg(test)]
+    pub(crate) fn load(&self, consumer: u32, slot: u32) -> Option<u64> {
+        let rows = self.rows.read();
+        rows.get(consumer as usize)?
+            .as_ref()
+            .map(|r| r.host(0, slot).load(Ordering::Acquire))
     }
 }
 

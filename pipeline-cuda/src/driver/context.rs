@@ -105,8 +105,9 @@ impl Device {
         Ok(can != 0)
     }
 
-    /// The driver's performance rank of the link from this device to `peer` (lower is
-    /// better: NVLink ranks above PCIe), or None when the two cannot reach each other.
+    /// The driver's relative performance rank of the link from this device to `peer`
+    /// (`CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK`), or None when the two cannot reach each
+    /// other.
     pub fn peer_performance_rank(&self, peer: &Device) -> Result<Option<i32>, CudaError> {
         if peer.raw == self.raw || !self.can_access_peer(peer)? {
             return Ok(None);
