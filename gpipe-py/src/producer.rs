@@ -138,7 +138,7 @@ fn parse_mode(mode: &str) -> PyResult<Mode> {
 #[pymethods]
 impl PyProducer {
     #[new]
-    #[pyo3(signature = (socket, *, slots=8, batch_bytes=8 << 20, mode="broadcast", backend="auto", device=0, detach_after_ms=None, max_consumers=16, drain_timeout=5.0, sync="auto"))]
+    #[pyo3(signature = (socket, *, slots=8, batch_bytes=8 << 20, mode="broadcast", backend="auto", device=0, detach_after_ms=None, max_consumers=16, drain_timeout=5.0, sync="auto", max_lead=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -152,7 +152,13 @@ impl PyProducer {
         max_consumers: u32,
         drain_timeout: f64,
         sync: &str,
+        max_lead: Option<u32>,
     ) -> PyResult<Self> {
+        if max_lead == Some(0) {
+            return Err(PyValueError::new_err(
+                "max_lead must be at least 1 (None: the ring's own bound, slots)",
+            ));
+        }
         let mode = parse_mode(mode)?;
         // `auto`: timeline words, which a consumer can release when the producer dies (an IPC
         // event recorded by a dead process may never complete).
@@ -189,6 +195,7 @@ impl PyProducer {
                 Some(ms) => LagPolicy::DetachAfter(Duration::from_millis(ms)),
             },
             drain_timeout: Duration::from_secs_f64(drain_timeout.min(3600.0)),
+            max_lead,
             ..ProducerConfig::default()
         };
         config

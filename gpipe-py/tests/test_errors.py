@@ -147,3 +147,17 @@ def test_spin_is_checked_and_a_spinning_consumer_receives(ring):
         p.send(np.arange(4, dtype=np.int32))
         with c.recv(timeout=5) as b:
             assert np.from_dlpack(b).tolist() == [0, 1, 2, 3]
+
+
+def test_max_lead_holds_the_producer_back_before_the_ring_is_full(make_ring):
+    with pytest.raises(ValueError, match="max_lead"):
+        make_ring(max_lead=0)
+    p, c = make_ring(slots=4, max_lead=1)
+    p.send(np.zeros(4, dtype=np.int32))
+    b = c.recv(timeout=5)
+    with pytest.raises(gpipe.Timeout):  # three slots free, but batch 0 is not consumed
+        p.acquire(timeout=0.2)
+    b.release()
+    assert p.send(np.ones(4, dtype=np.int32)) == 1
+    with c.recv(timeout=5) as b:
+        assert b.seq == 1 and np.from_dlpack(b).tolist() == [1, 1, 1, 1]

@@ -59,6 +59,13 @@ pub struct ProducerConfig {
     pub lag: LagPolicy,
     /// On close, how long to wait for consumers to drain and detach.
     pub drain_timeout: Duration,
+    /// The producer never writes batch `s` before every consumer that got batch
+    /// `s - max_lead` has released it (and, on the GPU, finished with it): at most `max_lead`
+    /// batches are in flight, written but not yet consumed. `None` (the default) or a value
+    /// of at least `slots`: the ring's own bound, `slots`. A bound below `slots` keeps the
+    /// data in flight small enough to stay in a GPU's L2 cache while the ring keeps its other
+    /// slots for consumers that hold batches a while.
+    pub max_lead: Option<u32>,
 }
 
 impl Default for ProducerConfig {
@@ -74,6 +81,7 @@ impl Default for ProducerConfig {
             allowed_gids: Vec::new(),
             lag: LagPolicy::Block,
             drain_timeout: Duration::from_secs(5),
+            max_lead: None,
         }
     }
 }
@@ -682,6 +690,11 @@ impl<B: ProducerBackend> Producer<B> {
     ) -> Result<Self, Error> {
         let layout = config.layout();
         layout.validate()?;
+        if config.max_lead == Some(0) {
+            return Err(Error::InvalidArgument(
+                "max_lead must be at least 1 batch (leave it out for the ring's own bound)".into(),
+            ));
+        }
         let socket_path = socket_path.as_ref().to_path_buf();
         let seg = ControlSegment::create(layout, B::KIND.to_u32())?;
         let backend = B::create(&layout, options).map_err(Error::Backend)?;
@@ -809,6 +822,22 @@ impl<B: ProducerBackend> Producer<B> {
         }
         let n = self.shared.layout.slot_count;
         let k = ring::slot_of(s, n);
+        if let Some(early) = self.lead_bound(s) {
+            // The batch `max_lead` back must be done with first (it still sits in its slot:
+            // the lead is below the ring's size).
+            let k_early = ring::slot_of(early, n);
+            let started = match self.stalled_since {
+                Some((seq, t)) if seq == s => t,
+                _ => self.stalled_since.insert((s, Instant::now())).1,
+            };
+            self.wait_slot_free(k_early, started, deadline)?;
+            let _gate = self.shared.holders_gate.read();
+            let holders = self.holders_of(k_early, early);
+            self.shared
+                .backend
+                .wait_finished(k_early, early, holders)
+                .map_err(Error::Backend)?;
+        }
         if let Some(prev) = ring::previous_in_slot(s, n) {
             let started = match self.stalled_since {
                 Some((seq, t)) if seq == s => t,
@@ -852,6 +881,16 @@ impl<B: ProducerBackend> Producer<B> {
     }
 
     /// Waits until slot `k` is free; the lag policy counts from `started`.
+    /// The batch that must be done with before batch `s` is written, under
+    /// [`ProducerConfig::max_lead`]; None when the ring's own bound applies.
+    fn lead_bound(&self, s: u64) -> Option<u64> {
+        let lead = u64::from(self.shared.config.max_lead?);
+        if lead >= u64::from(self.shared.layout.slot_count) {
+            return None;
+        }
+        s.checked_sub(lead)
+    }
+
     fn wait_slot_free(
         &self,
         k: u32,

@@ -89,6 +89,11 @@ pub struct RingArgs {
     /// Bytes per batch (units: KiB, MiB, GiB, K, M, G); slots are rounded up to 2 MiB.
     #[arg(long, value_parser = size::parse, default_value = "4MiB")]
     pub batch_bytes: u64,
+    /// Write a batch only once the batch this many back was consumed by everyone who got it
+    /// (default: the ring's own bound, --slots). A lead below --slots keeps the data in
+    /// flight small enough to stay in a GPU's L2 cache.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_lead: Option<u32>,
 }
 
 /// Resolves `auto` to a concrete backend, saying why when it falls back to host.

@@ -54,6 +54,7 @@ pub fn command(cmd: BenchCmd) -> Result<ExitCode, String> {
         mode: cmd.ring.mode.into(),
         slots: cmd.ring.slots,
         batch_bytes: cmd.ring.batch_bytes,
+        max_lead: cmd.ring.max_lead,
         batches: cmd.batches,
         timeout: cmd.timeout,
         json: cmd.json,
@@ -141,6 +142,8 @@ pub struct BenchArgs {
     pub slots: u32,
     /// Bytes per batch.
     pub batch_bytes: u64,
+    /// The producer-lead bound (None: the ring's own).
+    pub max_lead: Option<u32>,
     /// Batches to publish.
     pub batches: u64,
     /// Whole-run limit.
@@ -168,6 +171,9 @@ pub struct BenchReport {
     pub consumers: u32,
     /// Slots.
     pub slots: u32,
+    /// The producer-lead bound, when one was set (`--max-lead`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_lead: Option<u32>,
     /// Bytes per batch.
     pub batch_bytes: u64,
     /// Batches published.
@@ -253,6 +259,7 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
         mode: args.mode,
         max_consumers: args.consumers.max(1),
         drain_timeout: Duration::from_secs(30),
+        max_lead: args.max_lead,
         ..Default::default()
     };
     let deadline = Instant::now() + args.timeout;
@@ -459,6 +466,7 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
         mode: args.mode,
         consumers: args.consumers,
         slots: args.slots,
+        max_lead: args.max_lead,
         batch_bytes: args.batch_bytes,
         published,
         elapsed_s: elapsed,
@@ -813,6 +821,7 @@ mod mps_hint_tests {
             mode: pipeline_core::Mode::Broadcast,
             consumers: 1,
             slots: 8,
+            max_lead: None,
             batch_bytes: 2 << 20,
             published: 2000,
             elapsed_s: 0.1,

@@ -53,6 +53,7 @@ pub fn command(cmd: ProduceCmd) -> Result<ExitCode, String> {
         slots: cmd.ring.slots,
         batch_bytes: cmd.ring.batch_bytes,
         mode: cmd.ring.mode.into(),
+        max_lead: cmd.ring.max_lead,
         max_consumers: cmd.max_consumers,
         allowed_uids: cmd.allow_uid,
         allowed_gids: cmd.allow_gid,

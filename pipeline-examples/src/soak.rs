@@ -51,6 +51,7 @@ pub fn command(cmd: SoakCmd) -> Result<ExitCode, String> {
         mode: cmd.ring.mode.into(),
         slots: cmd.ring.slots,
         batch_bytes: cmd.ring.batch_bytes,
+        max_lead: cmd.ring.max_lead,
         seed: cmd.seed,
         backend: "host",
     };
@@ -81,6 +82,8 @@ pub struct SoakArgs {
     pub slots: u32,
     /// Bytes per batch.
     pub batch_bytes: u64,
+    /// The producer-lead bound (None: the ring's own).
+    pub max_lead: Option<u32>,
     /// Seed of the random schedule.
     pub seed: u64,
     /// Mean time between chaos actions (start, kill) in milliseconds.
@@ -291,6 +294,7 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
         mode: args.mode,
         max_consumers: args.max_consumers.max(1),
         drain_timeout: Duration::from_secs(30),
+        max_lead: args.max_lead,
         ..Default::default()
     };
     let mut producer: Producer<B> =

@@ -526,3 +526,45 @@ fn consumer_devices_are_checked_before_anything_starts() {
     ]);
     assert!(err.contains("applies to the CUDA backend"), "{err}");
 }
+
+#[test]
+fn bench_with_a_lead_bound_verifies_every_batch_and_reports_it() {
+    let out = std::process::Command::new(GPIPE)
+        .args([
+            "bench",
+            "--backend",
+            "host",
+            "--consumers",
+            "2",
+            "--batches",
+            "300",
+        ])
+        .args([
+            "--slots",
+            "8",
+            "--max-lead",
+            "2",
+            "--batch-bytes",
+            "64KiB",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["max_lead"], 2);
+    assert_eq!(
+        (r["lost"].as_u64(), r["mismatches"].as_u64()),
+        (Some(0), Some(0))
+    );
+    let err = std::process::Command::new(GPIPE)
+        .args(["bench", "--backend", "host", "--max-lead", "0"])
+        .output()
+        .unwrap();
+    assert!(!err.status.success());
+    assert!(String::from_utf8_lossy(&err.stderr).contains("max-lead"));
+}

@@ -263,12 +263,15 @@ class Producer:
         max_consumers: int = 16,
         drain_timeout: float = 5.0,
         sync: str = "auto",
+        max_lead: Optional[int] = None,
     ) -> None:
         """Creates the ring and listens on `socket` (mode 0600). detach_after_ms: detach a
         consumer that holds a slot the producer needs for longer than this (default: wait
         for it, i.e. back-pressure). backend: "auto" (CUDA when usable, else host), "cuda" or
         "host". sync (CUDA): "auto" = timeline words, which consumers release when the
-        producer dies; "events" = IPC events."""
+        producer dies; "events" = IPC events. max_lead: write a batch only once the batch
+        this many back was consumed by everyone who got it (default: the ring's own bound,
+        slots); below slots it keeps the data in flight small enough for a GPU's L2 cache."""
     def acquire(self, timeout: Optional[float] = None, stream: Any = None) -> Slot:
         """The next slot, once every consumer that had its previous batch released it.
         One slot at a time. On CUDA, `stream` (default: torch's current stream, else the
