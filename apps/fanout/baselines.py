@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 from fanout_common import (  # noqa: E402
+    add_frame_args,
     EXTRA_MODELS,
     MODELS,
     OutputRing,
@@ -67,10 +68,6 @@ def common_args(ap: argparse.ArgumentParser) -> None:
         "--models", default=",".join(MODELS), help="comma-separated models (default: the three)"
     )
     ap.add_argument("--device", default="cuda", help="cuda or cpu")
-    ap.add_argument("--dtype", default="float16")
-    ap.add_argument("--size", type=int, default=224, help="model input size (default 224)")
-    ap.add_argument("--height", type=int, default=720)
-    ap.add_argument("--width", type=int, default=1280)
     ap.add_argument(
         "--slots",
         type=int,
@@ -85,7 +82,7 @@ def common_args(ap: argparse.ArgumentParser) -> None:
         help="stop a run's timed frames after this many seconds (0: no limit)",
     )
     ap.add_argument("--warmup", type=int, default=24, help="untimed frames first (default 24)")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (CPU runs)")
+    add_frame_args(ap)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

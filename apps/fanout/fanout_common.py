@@ -46,6 +46,17 @@ def emit(record: dict) -> None:
     print(json.dumps(record), flush=True)
 
 
+def add_frame_args(ap: Any, *, size: bool = True) -> None:
+    """The frame and torch options every fan-out program takes: element type, frame height
+    and width, the model's input size (`size`), and torch's CPU threads."""
+    ap.add_argument("--dtype", default="float16", help="frame element type (default float16)")
+    if size:
+        ap.add_argument("--size", type=int, default=224, help="the model's input size (default 224)")
+    ap.add_argument("--height", type=int, default=720, help="frame height (default 720)")
+    ap.add_argument("--width", type=int, default=1280, help="frame width (default 1280)")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (CPU runs)")
+
+
 def dtype_of(name: str) -> torch.dtype:
     """torch dtype from its name ("float16", "float32", "bfloat16")."""
     dt = getattr(torch, name, None)

@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpipe  # noqa: E402
 import torch  # noqa: E402
 from fanout_common import (  # noqa: E402
+    add_frame_args,
     EXTRA_MODELS,
     FRAME,
     MODELS,
@@ -60,13 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--socket", required=True, help="the source's ring")
     ap.add_argument("--model", required=True, choices=MODELS + EXTRA_MODELS)
     ap.add_argument("--mode", choices=("eager", "graph"), default="eager")
+    add_frame_args(ap)
     ap.add_argument(
         "--device", default="cuda", help="cuda or cpu: where the model runs; must match the ring"
     )
-    ap.add_argument("--dtype", default="float16", help="model element type (default float16)")
-    ap.add_argument("--size", type=int, default=224, help="the model's input size (default 224)")
-    ap.add_argument("--height", type=int, default=720, help="frame height (for the warm-up)")
-    ap.add_argument("--width", type=int, default=1280, help="frame width (for the warm-up)")
     ap.add_argument(
         "--latency", action="store_true", help="wait for each result and record its latency"
     )
@@ -82,7 +80,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=120.0,
         help="seconds to wait for one frame before giving up",
     )
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (CPU runs)")
     ap.add_argument(
         "--spin",
         type=float,

@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpipe  # noqa: E402
 import torch  # noqa: E402
 from fanout_common import (
+    add_frame_args,
     FRAME,
     SyntheticFrames,
     dtype_of,
@@ -65,6 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="consumers to wait for before publishing (default 3)",
     )
     ap.add_argument("--slots", type=int, default=8, help="slots in the ring (default 8)")
+    add_frame_args(ap, size=False)
     ap.add_argument("--frames", type=int, default=600, help="timed frames to publish (default 600)")
     ap.add_argument(
         "--duration",
@@ -81,9 +83,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--rate", type=float, default=0.0, help="frames per second (0: as fast as possible)"
     )
-    ap.add_argument("--height", type=int, default=720)
-    ap.add_argument("--width", type=int, default=1280)
-    ap.add_argument("--dtype", default="float16", help="frame element type (default float16)")
     ap.add_argument(
         "--wait-timeout",
         type=float,
@@ -93,7 +92,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--timeout", type=float, default=60.0, help="seconds any one acquire or flush may wait"
     )
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (host backend)")
     return ap.parse_args(argv)
 
 

@@ -14,30 +14,23 @@ fn bench(mode: &str, consumers: u32) {
 }
 
 fn bench_with(mode: &str, consumers: u32, extra: &[&str]) {
-    let out = Command::new(GPIPE)
-        .args([
-            "bench",
-            "--backend",
-            "cuda",
-            "--mode",
-            mode,
-            "--consumers",
-            &consumers.to_string(),
-            "--batches",
-            "600",
-            "--batch-bytes",
-            "8MiB",
-            "--json",
-        ])
-        .args(extra)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{mode} x{consumers}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let consumers_arg = consumers.to_string();
+    let mut args = vec![
+        "bench",
+        "--backend",
+        "cuda",
+        "--mode",
+        mode,
+        "--consumers",
+        &consumers_arg,
+        "--batches",
+        "600",
+        "--batch-bytes",
+        "8MiB",
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    let r = bench_json(&args);
     assert_eq!(r["backend"], "cuda");
     assert_eq!(r["published"], 600);
     assert_eq!(r["lost"], 0);
@@ -364,25 +357,18 @@ fn cuda_consumers_on_another_gpu_read_in_place_on_every_path() {
         }
     }
     // The report names each consumer's device and the delivery.
-    let out = Command::new(GPIPE)
-        .args([
-            "bench",
-            "--backend",
-            "cuda",
-            "--consumers",
-            "2",
-            "--batches",
-            "200",
-        ])
-        .args(["--consumer-devices", "1,0", "--json"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let r = bench_json(&[
+        "bench",
+        "--backend",
+        "cuda",
+        "--consumers",
+        "2",
+        "--batches",
+        "200",
+        "--consumer-devices",
+        "1,0",
+        "--json",
+    ]);
     assert_eq!(r["extra"]["consumer_devices"], serde_json::json!([1, 0]));
     assert_eq!(r["extra"]["delivery"], "in-place");
 }

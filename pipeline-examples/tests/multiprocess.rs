@@ -529,33 +529,22 @@ fn consumer_devices_are_checked_before_anything_starts() {
 
 #[test]
 fn bench_with_a_lead_bound_verifies_every_batch_and_reports_it() {
-    let out = std::process::Command::new(GPIPE)
-        .args([
-            "bench",
-            "--backend",
-            "host",
-            "--consumers",
-            "2",
-            "--batches",
-            "300",
-        ])
-        .args([
-            "--slots",
-            "8",
-            "--max-lead",
-            "2",
-            "--batch-bytes",
-            "64KiB",
-            "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let r = bench_json(&[
+        "bench",
+        "--backend",
+        "host",
+        "--consumers",
+        "2",
+        "--batches",
+        "300",
+        "--slots",
+        "8",
+        "--max-lead",
+        "2",
+        "--batch-bytes",
+        "64KiB",
+        "--json",
+    ]);
     assert_eq!(r["max_lead"], 2);
     assert_eq!(
         (r["lost"].as_u64(), r["mismatches"].as_u64()),

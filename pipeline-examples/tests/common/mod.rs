@@ -157,6 +157,17 @@ pub fn wait_until(timeout: Duration, what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
+/// Runs `gpipe ARGS` (a `bench ... --json`), asserts it succeeded and returns its JSON report.
+pub fn bench_json(args: &[&str]) -> serde_json::Value {
+    let out = Command::new(GPIPE).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "gpipe {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 pub fn inspect(sock: &Path) -> serde_json::Value {
     let out = Command::new(GPIPE)
         .args(["inspect", "--json", "--socket", sock.to_str().unwrap()])
