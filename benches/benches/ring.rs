@@ -64,7 +64,7 @@ fn consumer_main() -> i32 {
         eprintln!("gpipe bench consumer: {SOCKET_VAR} is not set");
         return 2;
     };
-    let mut consumer = match Consumer::<HostConsumer>::attach(&path, HostOptions) {
+    let mut consumer = match Consumer::<HostConsumer>::attach(&path, HostOptions::default()) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("gpipe bench consumer: attach failed: {e}");
@@ -106,7 +106,7 @@ impl CrossProcessRing {
             mode: Mode::Broadcast,
             ..Default::default()
         };
-        let producer = Producer::<HostProducer>::bind(&path, config, HostOptions)
+        let producer = Producer::<HostProducer>::bind(&path, config, HostOptions::default())
             .unwrap_or_else(|e| panic!("bind {}: {e}", path.display()));
         let exe = std::env::current_exe().expect("current_exe");
         let child = Command::new(exe)

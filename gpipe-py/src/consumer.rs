@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use pipeline_core::{
-    BackendKind, Batch, Consumer, ConsumerConfig, Error, HostConsumer, HostOptions, Mode,
-    PendingAttach, TensorInfo, USER_HEADER_WORDS, WaitPolicy, pattern,
+    BackendKind, Batch, Consumer, ConsumerBackend, ConsumerConfig, Delivery, Error, HostConsumer,
+    HostOptions, Mode, PendingAttach, TensorInfo, USER_HEADER_WORDS, WaitPolicy, pattern,
 };
 use pyo3::exceptions::{PyBufferError, PyKeyError, PyValueError};
 use pyo3::prelude::*;
@@ -74,19 +74,30 @@ pub struct PyConsumer {
     slots: u32,
     slot_bytes: u64,
     device: DLDevice,
+    /// Batches arrive as copies in the consumer's own memory (mirror delivery).
+    mirrored: bool,
 }
 
 #[pymethods]
 impl PyConsumer {
     #[new]
-    #[pyo3(signature = (socket, *, device=None, timeout=5.0, spin=None))]
+    #[pyo3(signature = (socket, *, device=None, timeout=5.0, spin=None, delivery="auto", mirror_buffers=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         socket: PathBuf,
         device: Option<Bound<'_, PyAny>>,
         timeout: f64,
         spin: Option<f64>,
+        delivery: &str,
+        mirror_buffers: Option<u32>,
     ) -> PyResult<Self> {
+        let delivery: Delivery = delivery.parse().map_err(PyValueError::new_err)?;
+        if mirror_buffers == Some(0) {
+            return Err(PyValueError::new_err(
+                "mirror_buffers must be at least 1 (or None: the ring's slot count)",
+            ));
+        }
         if !(timeout.is_finite() && timeout > 0.0) {
             return Err(PyValueError::new_err(format!(
                 "timeout must be a positive number of seconds, not {timeout}"
@@ -131,7 +142,12 @@ impl PyConsumer {
                     )));
                 }
                 let c = py
-                    .detach(|| pending.finish::<HostConsumer>(HostOptions))
+                    .detach(|| {
+                        pending.finish::<HostConsumer>(HostOptions {
+                            delivery,
+                            mirror_buffers,
+                        })
+                    })
                     .map_err(attach_error)?;
                 (
                     AnyConsumer::Host(c),
@@ -162,6 +178,9 @@ impl PyConsumer {
                             // Another GPU than the producer's reads the slots in place by
                             // peer access (the attach fails, naming both, where it cannot).
                             device: device.flatten(),
+                            // Auto: in place on the producer's GPU, mirrored on another.
+                            delivery,
+                            mirror_buffers,
                             ..CudaOptions::default()
                         })
                     })
@@ -183,6 +202,10 @@ impl PyConsumer {
             AnyConsumer::Host(c) => c.index(),
             AnyConsumer::Cuda(c) => c.index(),
         };
+        let mirrored = match &inner {
+            AnyConsumer::Host(c) => c.backend().placement().mirror,
+            AnyConsumer::Cuda(c) => c.backend().placement().mirror,
+        };
         Ok(Self {
             inner: Mutex::new(Some(inner)),
             socket: socket.display().to_string(),
@@ -192,6 +215,7 @@ impl PyConsumer {
             slots: layout.slot_count,
             slot_bytes: layout.slot_bytes,
             device: dl,
+            mirrored,
         })
     }
 
@@ -261,6 +285,13 @@ impl PyConsumer {
     #[getter]
     fn index(&self) -> u32 {
         self.index
+    }
+
+    /// How batches arrive: "in-place" (the producer's slot itself) or "mirror" (a copy in
+    /// the consumer's own memory, the producer's slot released as soon as it is made).
+    #[getter]
+    fn delivery(&self) -> &'static str {
+        if self.mirrored { "mirror" } else { "in-place" }
     }
 
     /// "broadcast" or "shared".

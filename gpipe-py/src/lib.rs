@@ -92,7 +92,7 @@ pub(crate) fn to_py(e: Error) -> PyErr {
         Error::Closed => Closed::new_err(msg),
         Error::Detached(_) => Detached::new_err(msg),
         Error::Timeout(_) => Timeout::new_err(msg),
-        Error::Deadlock { .. } => Deadlock::new_err(msg),
+        Error::Deadlock { .. } | Error::MirrorFull { .. } => Deadlock::new_err(msg),
         Error::Protocol(_) => ProtocolError::new_err(msg),
         Error::Backend(_) => BackendError::new_err(msg),
         Error::InvalidArgument(_) => PyValueError::new_err(msg),

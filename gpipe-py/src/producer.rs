@@ -67,8 +67,7 @@ fn cuda_options(device: usize, mode: Mode, sync: SyncMode) -> Result<CudaOptions
         memory,
         handle: HandleKind::PosixFd,
         sync,
-        writable: false,
-        defer_ready: false,
+        ..CudaOptions::default()
     })
 }
 
@@ -219,8 +218,10 @@ impl PyProducer {
         let (producer, dl) = match cuda {
             None => (
                 AnyProducer::Host(
-                    py.detach(|| Producer::<HostProducer>::bind(&path, config, HostOptions))
-                        .map_err(to_py)?,
+                    py.detach(|| {
+                        Producer::<HostProducer>::bind(&path, config, HostOptions::default())
+                    })
+                    .map_err(to_py)?,
                 ),
                 DLDevice {
                     device_type: DEVICE_CPU,

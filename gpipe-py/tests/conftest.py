@@ -155,17 +155,18 @@ def gpipe_bin() -> str:
 
 @pytest.fixture
 def make_ring(sock):
-    """`make_ring(slots=4, **producer_kwargs)` gives (producer, consumer) on one ring. Both are
+    """`make_ring(slots=4, consumer={...}, **producer_kwargs)` gives (producer, consumer) on one
+    ring. Both are
     closed after the test, once its arrays are gone (a held tensor keeps its batch, and the
     producer's close waits for consumers to let go)."""
     import gpipe
 
     made = []
 
-    def make(slots: int = 4, batch_bytes: int = 1 << 20, **kw):
+    def make(slots: int = 4, batch_bytes: int = 1 << 20, consumer=None, **kw):
         kw.setdefault("backend", "host")
         p = gpipe.Producer(sock, slots=slots, batch_bytes=batch_bytes, **kw)
-        c = gpipe.Consumer(sock)
+        c = gpipe.Consumer(sock, **(consumer or {}))
         p.wait_for_consumers(1, timeout=5)
         made.append((p, c))
         return p, c

@@ -183,11 +183,12 @@ def test_send_keeps_layouts_and_refuses_a_wrong_device(sock, child):
     p.close()
 
 
-# A consumer on GPU 1 of a producer on GPU 0: the slots are read in place by peer access.
+# A consumer on GPU 1 of a producer on GPU 0: the slots are read in place by peer access, or
+# copied into the consumer's own memory on GPU 1 first (mirror).
 PEER_CONSUMER = r"""
 import json, sys, torch, gpipe
 torch.cuda.set_device(1)
-c = gpipe.Consumer(sys.argv[1], device=1)
+c = gpipe.Consumer(sys.argv[1], device=1, delivery=sys.argv[2])
 print("attached", flush=True)
 bad = torch.zeros((), dtype=torch.int64, device="cuda:1")
 seqs, devices = [], set()
@@ -200,16 +201,17 @@ for b in c:
         del x
 torch.cuda.synchronize(1)
 print(json.dumps({"seqs": seqs, "bad": int(bad.item()), "devices": sorted(devices),
-                  "device": c.device}), flush=True)
+                  "device": c.device, "delivery": c.delivery}), flush=True)
 """
 
 
+@pytest.mark.parametrize("delivery", ["in-place", "mirror", "auto"])
 @pytest.mark.parametrize("mode", ["broadcast", "shared"])
-def test_a_consumer_on_another_gpu_reads_the_slots_in_place(sock, child, mode):
+def test_a_consumer_on_another_gpu_reads_every_batch(sock, child, mode, delivery):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
     p = gpipe.Producer(sock, slots=4, batch_bytes=2 << 20, mode=mode, backend="cuda", device=0)
-    k = child(PEER_CONSUMER, sock)
+    k = child(PEER_CONSUMER, sock, delivery)
     assert k.readline(timeout=60) == "attached"
     p.wait_for_consumers(1, timeout=30)
     produce(p, 200)
@@ -217,6 +219,8 @@ def test_a_consumer_on_another_gpu_reads_the_slots_in_place(sock, child, mode):
     r = result(k)
     assert r["bad"] == 0 and r["seqs"] == list(range(200)), r
     assert r["devices"] == ["cuda:1"] and r["device"] == "cuda:1", r
+    # auto mirrors on another GPU than the producer's.
+    assert r["delivery"] == ("mirror" if delivery == "auto" else delivery), r
 
 
 CUPY_CONSUMER = r"""

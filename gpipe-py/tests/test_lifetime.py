@@ -183,3 +183,35 @@ def test_under_detach_after_ms_a_held_tensor_gets_its_consumer_detached(make_rin
     with pytest.raises(gpipe.Detached):
         c.recv(timeout=5)
     del x
+
+
+@pytest.mark.parametrize("mode", ["broadcast", "shared"])
+def test_a_mirroring_consumer_holds_more_batches_than_the_ring_has_slots(make_ring, mode):
+    p, c = make_ring(slots=2, mode=mode, consumer={"delivery": "mirror", "mirror_buffers": 5})
+    assert c.delivery == "mirror"
+    held = []
+    for i in range(5):
+        # Each slot is released as soon as its batch is copied: the producer never waits.
+        send(p, i)
+        held.append(c.recv(timeout=5))
+    assert c.held == 5
+    assert [int(np.from_dlpack(b)[0]) for b in held] == [0, 1, 2, 3, 4]
+    send(p, 5)
+    with pytest.raises(gpipe.Deadlock, match="mirror buffers"):
+        c.recv(timeout=5)
+    # Nothing was lost: batch 5 stayed in the ring until a buffer was free.
+    held.pop(0).release()
+    b = c.recv(timeout=5)
+    assert b.seq == 5 and np.from_dlpack(b)[0] == 5
+    b.release()
+    for b in held:
+        b.release()
+
+
+def test_delivery_is_checked_and_reported(make_ring, sock):
+    p, c = make_ring()
+    assert c.delivery == "in-place"
+    with pytest.raises(ValueError, match="in-place, mirror or auto"):
+        gpipe.Consumer(sock, delivery="copy")
+    with pytest.raises(ValueError, match="mirror_buffers"):
+        gpipe.Consumer(sock, delivery="mirror", mirror_buffers=0)

@@ -15,6 +15,7 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
 use memmap2::{MmapOptions, MmapRaw};
 
+use crate::delivery::{Delivery, MirrorTable, Placement};
 use crate::error::BackendError;
 use crate::layout::RingLayout;
 use crate::sys;
@@ -136,15 +137,36 @@ pub trait ConsumerBackend: Send + Sync + Sized + 'static {
     ) -> Result<(Self, Export), BackendError>;
     /// Orders the consumer's use of batch `seq` in `slot` after the producer's writes to it.
     fn wait_ready(&self, slot: u32, seq: u64) -> Result<(), BackendError>;
-    /// The batch's memory for use in place.
+    /// The batch's memory: the slot in place, or the consumer's own copy of batch `seq` when
+    /// [`ConsumerBackend::mirror`] made one.
     ///
     /// # Safety
-    /// `slot` holds a published batch of `len` bytes (`len <= slot_bytes`) that this consumer
-    /// has not released; the reference must not outlive the release.
-    unsafe fn batch_ref(&self, slot: u32, len: u64) -> Self::BatchRef<'_>;
+    /// `slot` holds (or held, when mirrored) published batch `seq` of `len` bytes
+    /// (`len <= slot_bytes`) that this consumer has not released; the reference must not
+    /// outlive the release.
+    unsafe fn batch_ref(&self, slot: u32, seq: u64, len: u64) -> Self::BatchRef<'_>;
     /// Marks the consumer's use of batch `seq` in `slot` complete (the ring releases only
-    /// after this).
+    /// after this). For a mirrored batch, the user is done with the copy: its buffer may be
+    /// reused (the producer's slot was signalled when the copy was made).
     fn signal_finished(&self, slot: u32, seq: u64) -> Result<(), BackendError>;
+    /// Mirror delivery, called after [`ConsumerBackend::wait_ready`]: copies batch `seq`
+    /// (`len` bytes in `slot`) into a buffer of the consumer's own and signals `finished` for
+    /// the producer's slot once the copy is done, so the ring can release the slot at once.
+    /// Returns false, doing nothing, for a consumer that reads in place (the default).
+    fn mirror(&self, slot: u32, seq: u64, len: u64) -> Result<bool, BackendError> {
+        let _ = (slot, seq, len);
+        Ok(false)
+    }
+    /// Mirror delivery: `Some(buffers)` when every one of the consumer's `buffers` own
+    /// buffers holds a batch the user has not released, so a batch received now could not be
+    /// delivered. `None` otherwise, and always for in-place delivery.
+    fn mirror_full(&self) -> Option<usize> {
+        None
+    }
+    /// Where this consumer uses its batches, recorded in the control segment at attach.
+    fn placement(&self) -> Placement {
+        Placement::default()
+    }
     /// Waits until the consumer's work so far is complete, not just ordered. Used before
     /// releasing a batch the producer will not wait for (a shared-mode claim whose token
     /// could not be recorded); backends whose work is done when `signal_finished` returns
@@ -167,9 +189,27 @@ pub struct HostProducer {
     slot_count: u32,
 }
 
-/// Options of the host backend (none yet).
+/// Options of the host backend.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct HostOptions;
+pub struct HostOptions {
+    /// Consumer: [`Delivery::Mirror`] copies each batch into memory of the consumer's own and
+    /// releases the producer's slot at once; in place otherwise (`Auto` reads in place: on
+    /// the host both read the same memory).
+    pub delivery: Delivery,
+    /// Consumer, mirror delivery: how many batches it may hold at once (its own buffers,
+    /// `slot_bytes` each); default: the ring's slot count.
+    pub mirror_buffers: Option<u32>,
+}
+
+impl HostOptions {
+    /// Options for a consumer that mirrors each batch into memory of its own.
+    pub fn mirror() -> Self {
+        HostOptions {
+            delivery: Delivery::Mirror,
+            mirror_buffers: None,
+        }
+    }
+}
 
 impl HostProducer {
     /// The memfd holding the slots.
@@ -243,6 +283,29 @@ pub struct HostConsumer {
     map: MmapRaw,
     slot_bytes: u64,
     slot_count: u32,
+    /// Mirror delivery: the consumer's own buffers and which batch each holds.
+    mirror: Option<HostMirror>,
+}
+
+/// A host consumer's own buffers (anonymous memory, `slot_bytes` each).
+struct HostMirror {
+    map: MmapRaw,
+    table: MirrorTable,
+    /// The buffer after the one taken last.
+    next: std::sync::atomic::AtomicUsize,
+}
+
+impl HostConsumer {
+    fn slot_ptr(&self, slot: u32) -> *const u8 {
+        assert!(slot < self.slot_count);
+        // SAFETY: slot < slot_count keeps the offset inside the mapping of
+        // slot_count * slot_bytes bytes.
+        unsafe {
+            self.map
+                .as_ptr()
+                .add(slot as usize * self.slot_bytes as usize)
+        }
+    }
 }
 
 impl ConsumerBackend for HostConsumer {
@@ -253,7 +316,7 @@ impl ConsumerBackend for HostConsumer {
     fn import(
         layout: &RingLayout,
         _consumer: u32,
-        _: HostOptions,
+        options: HostOptions,
         blob: &[u8],
         mut fds: Vec<OwnedFd>,
     ) -> Result<(Self, Export), BackendError> {
@@ -275,11 +338,31 @@ impl ConsumerBackend for HostConsumer {
         let map = MmapOptions::new()
             .len(total as usize)
             .map_raw_read_only(&fd)?;
+        let mirror = match options.delivery {
+            Delivery::Mirror => {
+                let buffers = options.mirror_buffers.unwrap_or(layout.slot_count);
+                if buffers == 0 {
+                    return Err("mirror delivery needs at least one buffer of its own".into());
+                }
+                let bytes = layout
+                    .slot_bytes
+                    .checked_mul(u64::from(buffers))
+                    .ok_or("mirror buffers overflow")?;
+                let own = MmapOptions::new().len(bytes as usize).map_anon()?;
+                Some(HostMirror {
+                    map: MmapRaw::from(own),
+                    table: MirrorTable::new(buffers as usize),
+                    next: std::sync::atomic::AtomicUsize::new(0),
+                })
+            }
+            Delivery::InPlace | Delivery::Auto => None,
+        };
         Ok((
             Self {
                 map,
                 slot_bytes: layout.slot_bytes,
                 slot_count: layout.slot_count,
+                mirror,
             },
             Export::default(),
         ))
@@ -289,22 +372,76 @@ impl ConsumerBackend for HostConsumer {
         Ok(())
     }
 
-    unsafe fn batch_ref(&self, slot: u32, len: u64) -> &[u8] {
-        assert!(slot < self.slot_count && len <= self.slot_bytes);
-        // SAFETY: slot < slot_count and len <= slot_bytes keep the range inside the mapping;
-        // the caller guarantees the batch is published and unreleased, so the producer does
-        // not write it while the reference lives.
-        unsafe {
-            std::slice::from_raw_parts(
-                self.map
-                    .as_ptr()
-                    .add(slot as usize * self.slot_bytes as usize),
-                len as usize,
-            )
+    unsafe fn batch_ref(&self, slot: u32, seq: u64, len: u64) -> &[u8] {
+        assert!(len <= self.slot_bytes);
+        if let Some((m, k)) = self
+            .mirror
+            .as_ref()
+            .and_then(|m| m.table.find(seq).map(|k| (m, k)))
+        {
+            // SAFETY: k < buffers, so the range lies inside our own mapping; the buffer holds
+            // batch `seq` until the caller releases it, and nothing writes it meanwhile
+            // (`mirror` writes only a buffer it has just taken free).
+            return unsafe {
+                std::slice::from_raw_parts(
+                    m.map.as_ptr().add(k * self.slot_bytes as usize),
+                    len as usize,
+                )
+            };
         }
+        // SAFETY: `slot_ptr` checks slot < slot_count and len <= slot_bytes keeps the range
+        // inside the mapping; the caller guarantees the batch is published and unreleased, so
+        // the producer does not write it while the reference lives.
+        unsafe { std::slice::from_raw_parts(self.slot_ptr(slot), len as usize) }
     }
 
-    fn signal_finished(&self, _: u32, _: u64) -> Result<(), BackendError> {
+    fn signal_finished(&self, _: u32, seq: u64) -> Result<(), BackendError> {
+        if let Some(m) = &self.mirror {
+            m.table.give_back(seq);
+        }
         Ok(())
+    }
+
+    fn mirror(&self, slot: u32, seq: u64, len: u64) -> Result<bool, BackendError> {
+        let Some(m) = &self.mirror else {
+            return Ok(false);
+        };
+        if len > self.slot_bytes {
+            return Err(format!("batch {seq} of {len} bytes exceeds the slot").into());
+        }
+        let hint = m.next.load(std::sync::atomic::Ordering::Relaxed);
+        let k = m.table.take(seq, hint).ok_or_else(|| {
+            format!(
+                "every one of the consumer's {} mirror buffers holds a batch",
+                m.table.len()
+            )
+        })?;
+        m.next.store(
+            (k + 1) % m.table.len(),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        // SAFETY: the source is the published, unreleased slot (inside the read-only mapping:
+        // `slot_ptr` checks the slot, len <= slot_bytes); the destination is buffer k of our
+        // own mapping, which we just took free, so no reference to it lives.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.slot_ptr(slot),
+                m.map.as_mut_ptr().add(k * self.slot_bytes as usize),
+                len as usize,
+            );
+        }
+        Ok(true)
+    }
+
+    fn mirror_full(&self) -> Option<usize> {
+        let m = self.mirror.as_ref()?;
+        m.table.is_full().then(|| m.table.len())
+    }
+
+    fn placement(&self) -> Placement {
+        Placement {
+            device: None,
+            mirror: self.mirror.is_some(),
+        }
     }
 }

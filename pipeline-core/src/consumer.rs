@@ -5,8 +5,8 @@ use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::time::{Duration, Instant};
 
 use crate::backend::{BackendKind, ConsumerBackend};
@@ -276,6 +276,8 @@ impl PendingAttach {
             ))
             .into());
         }
+        rec.placement
+            .store(be.placement().encode(), Ordering::Release);
         let _ = conn.set_nonblocking(true);
         let head = seg.header().head.value.load(Ordering::Acquire);
         Ok(Consumer {
@@ -286,6 +288,7 @@ impl PendingAttach {
                 index,
                 layout,
                 held: (0..layout.slot_count).map(|_| AtomicU64::new(0)).collect(),
+                mirrored: AtomicUsize::new(0),
                 deferred: Mutex::new(None),
             }),
             index,
@@ -310,6 +313,8 @@ struct Link<B: ConsumerBackend> {
     layout: RingLayout,
     /// Per slot: the sequence number + 1 of the batch we hold in it, 0 when none.
     held: Box<[AtomicU64]>,
+    /// Mirrored batches held (their slots are already released).
+    mirrored: AtomicUsize,
     /// An error from releasing a dropped batch, reported by the next `recv`.
     deferred: Mutex<Option<Error>>,
 }
@@ -405,6 +410,7 @@ impl<B: ConsumerBackend> Consumer<B> {
             .iter()
             .filter(|h| h.load(Ordering::Acquire) != 0)
             .count()
+            + self.link.mirrored.load(Ordering::Acquire)
     }
 
     /// Receives the next batch. `Ok(None)` means the producer closed the ring cleanly and
@@ -430,6 +436,14 @@ impl<B: ConsumerBackend> Consumer<B> {
         // A consumer that never has to wait (batches always ready) would otherwise not look
         // at its record until then, and go on receiving after the producer detached it.
         self.check_active()?;
+        // Mirror delivery with every buffer of ours held: a batch taken now could not be
+        // delivered, and would be lost to this consumer.
+        if let Some(buffers) = self.link.backend.mirror_full() {
+            return Err(Error::MirrorFull {
+                buffers,
+                held: self.held(),
+            });
+        }
         let got = match self.layout.mode {
             Mode::Broadcast => self.next_broadcast(deadline),
             Mode::Shared => self.next_shared(deadline),
@@ -468,9 +482,40 @@ impl<B: ConsumerBackend> Consumer<B> {
             return Err(Error::Backend(e));
         }
         crate::fault::point("consumer.after_wait");
+        let mirrored = match link.backend.mirror(slot, seq, len) {
+            Ok(m) => m,
+            Err(e) => {
+                link.refuse(slot, seq);
+                return Err(Error::Backend(e));
+            }
+        };
         let rec = link.seg.consumer(self.index);
         rec.received.fetch_add(1, Ordering::Relaxed);
-        link.held[slot as usize].store(seq + 1, Ordering::Release);
+        if mirrored {
+            // The copy is ours and `finished` for the slot is signalled after it: release the
+            // slot now. A claim whose token was not recorded is one the producer will not wait
+            // for: the copy must be complete first.
+            let done = if claim_unrecorded {
+                link.backend.complete_now()
+            } else {
+                Ok(())
+            };
+            let ok = link.release_slot(slot);
+            rec.released.fetch_add(1, Ordering::Relaxed);
+            if let Err(e) = done {
+                let _ = link.backend.signal_finished(slot, seq);
+                return Err(Error::Backend(e));
+            }
+            if !ok {
+                let _ = link.backend.signal_finished(slot, seq);
+                return Err(Error::Detached(format!(
+                    "batch {seq} was taken back before we released it"
+                )));
+            }
+            link.mirrored.fetch_add(1, Ordering::AcqRel);
+        } else {
+            link.held[slot as usize].store(seq + 1, Ordering::Release);
+        }
         Ok(Some(Batch {
             link: self.link.clone(),
             seq,
@@ -479,6 +524,7 @@ impl<B: ConsumerBackend> Consumer<B> {
             header,
             tensors,
             claim_unrecorded,
+            mirrored,
             done: false,
         }))
     }
@@ -733,8 +779,20 @@ impl<B: ConsumerBackend> Link<B> {
         self.release_slot(slot);
     }
 
-    /// The backend's finished signal, then the ring's release.
-    fn release_batch(&self, seq: u64, slot: u32, claim_unrecorded: bool) -> Result<(), Error> {
+    /// The backend's finished signal, then the ring's release. A mirrored batch's slot was
+    /// released when it was copied: only the consumer's own buffer is given back.
+    fn release_batch(
+        &self,
+        seq: u64,
+        slot: u32,
+        claim_unrecorded: bool,
+        mirrored: bool,
+    ) -> Result<(), Error> {
+        if mirrored {
+            let r = self.backend.signal_finished(slot, seq);
+            self.mirrored.fetch_sub(1, Ordering::AcqRel);
+            return r.map_err(Error::Backend);
+        }
         let mut finished = self.backend.signal_finished(slot, seq);
         if claim_unrecorded {
             finished = finished.and_then(|()| self.backend.complete_now());
@@ -796,6 +854,8 @@ pub struct Batch<B: ConsumerBackend> {
     tensors: Vec<TensorInfo>,
     /// Shared mode: claimed but the token not recorded (see `next_shared`).
     claim_unrecorded: bool,
+    /// Delivered as a copy in the consumer's own memory; the slot is already released.
+    mirrored: bool,
     done: bool,
 }
 
@@ -804,9 +864,13 @@ impl<B: ConsumerBackend> Batch<B> {
     pub fn seq(&self) -> u64 {
         self.seq
     }
-    /// Slot index.
+    /// Slot index (of the producer's slot it came in; a mirrored batch no longer holds it).
     pub fn slot(&self) -> u32 {
         self.slot
+    }
+    /// True when the batch is a copy in the consumer's own memory (mirror delivery).
+    pub fn is_mirrored(&self) -> bool {
+        self.mirrored
     }
     /// Length in bytes.
     pub fn len(&self) -> u64 {
@@ -841,13 +905,13 @@ impl<B: ConsumerBackend> Batch<B> {
     pub fn data(&self) -> B::BatchRef<'_> {
         // SAFETY: the batch is published, validated (len <= slot_bytes) and not released
         // until this Batch is consumed or dropped, which the borrow on `self` outlives.
-        unsafe { self.link.backend.batch_ref(self.slot, self.len) }
+        unsafe { self.link.backend.batch_ref(self.slot, self.seq, self.len) }
     }
     /// Releases the batch: the backend's finished signal, then the ring's release.
     pub fn release(mut self) -> Result<(), Error> {
         self.done = true;
         self.link
-            .release_batch(self.seq, self.slot, self.claim_unrecorded)
+            .release_batch(self.seq, self.slot, self.claim_unrecorded, self.mirrored)
     }
 }
 
@@ -865,9 +929,9 @@ impl<B: ConsumerBackend> std::fmt::Debug for Batch<B> {
 impl<B: ConsumerBackend> Drop for Batch<B> {
     fn drop(&mut self) {
         if !self.done {
-            if let Err(e) = self
-                .link
-                .release_batch(self.seq, self.slot, self.claim_unrecorded)
+            if let Err(e) =
+                self.link
+                    .release_batch(self.seq, self.slot, self.claim_unrecorded, self.mirrored)
             {
                 tracing::warn!(seq = self.seq, "releasing a dropped batch failed: {e}");
                 *self.link.deferred.lock() = Some(e);

@@ -95,6 +95,14 @@ pub enum Error {
         /// Batches this consumer holds in all.
         held: usize,
     },
+    /// Mirror delivery: every one of the consumer's own buffers holds a batch it has not
+    /// released, so the next batch could not be delivered (it stays in the ring).
+    MirrorFull {
+        /// The consumer's own buffers.
+        buffers: usize,
+        /// Batches this consumer holds in all.
+        held: usize,
+    },
 }
 
 impl Error {
@@ -136,6 +144,10 @@ impl fmt::Display for Error {
             Error::Deadlock { seq, slot, held } => write!(
                 f,
                 "waiting for the next batch would never end: this consumer still holds batch {seq} in slot {slot} ({held} held in all), and the producer must reuse that slot before it can publish again; release batches (and drop tensors made from them) before asking for more, or give the ring more slots"
+            ),
+            Error::MirrorFull { buffers, held } => write!(
+                f,
+                "this consumer mirrors batches into {buffers} buffers of its own and all of them hold a batch not yet released ({held} held in all): release batches (and drop tensors made from them) before asking for more, or give it more mirror buffers; the next batch stays in the ring"
             ),
         }
     }

@@ -2,6 +2,7 @@
 
 use std::sync::atomic::Ordering;
 
+use crate::delivery::Placement;
 use crate::layout::{ControlSegment, Mode, consumer_state, producer_state};
 use crate::ring;
 use crate::sys;
@@ -42,6 +43,11 @@ pub struct ConsumerView {
     pub received: u64,
     /// Batches released.
     pub released: u64,
+    /// The GPU it uses its batches on (as its process numbers devices); `None` on the host
+    /// or when not recorded.
+    pub device: Option<u32>,
+    /// "in-place" or "mirror"; `None` when the consumer did not record it.
+    pub delivery: Option<&'static str>,
 }
 
 /// The whole ring.
@@ -98,6 +104,7 @@ impl Snapshot {
                 }
                 let pid = r.pid.load(Ordering::Relaxed);
                 let cursor = r.cursor.load(Ordering::Relaxed);
+                let placement = Placement::decode(r.placement.load(Ordering::Acquire));
                 Some(ConsumerView {
                     index: c,
                     state: consumer_state::name(state),
@@ -112,6 +119,8 @@ impl Snapshot {
                     },
                     received: r.received.load(Ordering::Relaxed),
                     released: r.released.load(Ordering::Relaxed),
+                    device: placement.and_then(|p| p.device),
+                    delivery: placement.map(Placement::delivery_name),
                 })
             })
             .collect();
@@ -167,9 +176,14 @@ impl std::fmt::Display for Snapshot {
             writeln!(f, "  (none yet)")?;
         }
         for c in &self.consumers {
+            let place = match (c.delivery, c.device) {
+                (None, _) => String::new(),
+                (Some(d), None) => format!("  {d}"),
+                (Some(d), Some(g)) => format!("  {d} on GPU {g}"),
+            };
             writeln!(
                 f,
-                "  #{:<2} {:<9} pid {:>7}{} cursor {:>10} lag {:>4} received {:>10} released {:>10}",
+                "  #{:<2} {:<9} pid {:>7}{} cursor {:>10} lag {:>4} received {:>10} released {:>10}{}",
                 c.index,
                 c.state,
                 c.pid,
@@ -177,7 +191,8 @@ impl std::fmt::Display for Snapshot {
                 c.cursor,
                 c.lag,
                 c.received,
-                c.released
+                c.released,
+                place
             )?;
         }
         Ok(())

@@ -290,7 +290,11 @@ pub struct ConsumerRecord {
     pub received: AtomicU64,
     /// Consumer writes: batches released.
     pub released: AtomicU64,
-    _pad1: [AtomicU64; 13],
+    /// Consumer writes, at attach: where it uses its batches
+    /// ([`crate::delivery::Placement::encode`]; 0 until written).
+    pub placement: AtomicU32,
+    _pad_placement: AtomicU32,
+    _pad1: [AtomicU64; 12],
 }
 
 /// Shared-mode claim hint and requeue count, at offset 768, each on a line of its own

@@ -14,13 +14,13 @@
 //! # fn main() -> Result<(), pipeline_core::Error> {
 //! // Process A: the producer.
 //! let mut producer: Producer<HostProducer> =
-//!     Producer::bind("/tmp/demo.sock", ProducerConfig::default(), HostOptions)?;
+//!     Producer::bind("/tmp/demo.sock", ProducerConfig::default(), HostOptions::default())?;
 //! let mut slot = producer.acquire()?;          // waits until the slot is free
 //! slot.memory()[..5].copy_from_slice(b"hello");
 //! slot.publish(5)?;                            // ready, then visible to consumers
 //!
 //! // Process B: a consumer.
-//! let mut consumer: Consumer<HostConsumer> = Consumer::attach("/tmp/demo.sock", HostOptions)?;
+//! let mut consumer: Consumer<HostConsumer> = Consumer::attach("/tmp/demo.sock", HostOptions::default())?;
 //! while let Some(batch) = consumer.recv()? {   // Ok(None): the producer closed the ring
 //!     assert_eq!(&batch.data()[..5], b"hello");
 //! }                                             // each batch is released when dropped
@@ -38,6 +38,8 @@ pub mod ring;
 pub mod backend;
 #[cfg(not(loom))]
 pub mod consumer;
+#[cfg(not(loom))]
+pub mod delivery;
 #[cfg(not(loom))]
 pub mod error;
 #[cfg(not(loom))]
@@ -65,6 +67,8 @@ pub use backend::{
 };
 #[cfg(not(loom))]
 pub use consumer::{Batch, Consumer, ConsumerConfig, PendingAttach, observe};
+#[cfg(not(loom))]
+pub use delivery::{Delivery, MirrorTable, Placement};
 #[cfg(not(loom))]
 pub use error::{BackendError, Error, ProtocolError};
 #[cfg(not(loom))]

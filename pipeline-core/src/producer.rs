@@ -446,6 +446,7 @@ impl<B: ProducerBackend> Shared<B> {
                 rec.cursor.store(start, Ordering::Relaxed);
                 rec.received.store(0, Ordering::Relaxed);
                 rec.released.store(0, Ordering::Relaxed);
+                rec.placement.store(0, Ordering::Relaxed);
                 rec.generation.fetch_add(1, Ordering::Relaxed);
                 rec.state.store(consumer_state::ACTIVE, Ordering::Release);
                 m.active |= ring::bit(idx);

@@ -31,7 +31,7 @@ impl ProducerBackend for Recording {
 
     fn create(layout: &RingLayout, (calls, overdue): Self::Options) -> Result<Self, BackendError> {
         Ok(Self {
-            inner: HostProducer::create(layout, HostOptions)?,
+            inner: HostProducer::create(layout, HostOptions::default())?,
             calls,
             overdue,
         })
@@ -92,7 +92,8 @@ fn a_reused_consumer_index_is_not_a_holder_of_batches_before_it_joined() {
         // Consumer A (index 0) takes batches 0 and 1, then leaves.
         let s2 = sock.clone();
         let a = std::thread::spawn(move || {
-            let mut c: Consumer<HostConsumer> = Consumer::attach(&s2, HostOptions).unwrap();
+            let mut c: Consumer<HostConsumer> =
+                Consumer::attach(&s2, HostOptions::default()).unwrap();
             for _ in 0..2 {
                 let b = c.recv().unwrap().unwrap();
                 b.release().unwrap();
@@ -109,7 +110,8 @@ fn a_reused_consumer_index_is_not_a_holder_of_batches_before_it_joined() {
         // Consumer B takes the same index, joining at batch 2.
         let s3 = sock.clone();
         let b = std::thread::spawn(move || {
-            let mut c: Consumer<HostConsumer> = Consumer::attach(&s3, HostOptions).unwrap();
+            let mut c: Consumer<HostConsumer> =
+                Consumer::attach(&s3, HostOptions::default()).unwrap();
             let b = c.recv().unwrap().unwrap();
             assert_eq!(b.seq(), 2);
         });
@@ -163,7 +165,7 @@ fn a_shared_consumer_is_a_holder_of_batches_published_before_it_joined() {
     let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
     let s2 = sock.clone();
     let c = std::thread::spawn(move || {
-        let mut c: Consumer<HostConsumer> = Consumer::attach(&s2, HostOptions).unwrap();
+        let mut c: Consumer<HostConsumer> = Consumer::attach(&s2, HostOptions::default()).unwrap();
         let mut seqs = Vec::new();
         for _ in 0..2 {
             let b = c.recv().unwrap().unwrap();
@@ -214,15 +216,16 @@ impl ConsumerBackend for Completing {
         blob: &[u8],
         fds: Vec<OwnedFd>,
     ) -> Result<(Self, Export), BackendError> {
-        let (inner, export) = HostConsumer::import(layout, consumer, HostOptions, blob, fds)?;
+        let (inner, export) =
+            HostConsumer::import(layout, consumer, HostOptions::default(), blob, fds)?;
         Ok((Self { inner, completions }, export))
     }
     fn wait_ready(&self, slot: u32, seq: u64) -> Result<(), BackendError> {
         self.inner.wait_ready(slot, seq)
     }
-    unsafe fn batch_ref(&self, slot: u32, len: u64) -> &[u8] {
+    unsafe fn batch_ref(&self, slot: u32, seq: u64, len: u64) -> &[u8] {
         // SAFETY: forwarded under the same contract the ring upholds for us.
-        unsafe { self.inner.batch_ref(slot, len) }
+        unsafe { self.inner.batch_ref(slot, seq, len) }
     }
     fn signal_finished(&self, slot: u32, seq: u64) -> Result<(), BackendError> {
         self.inner.signal_finished(slot, seq)
@@ -304,7 +307,8 @@ fn a_consumer_whose_work_the_backend_waits_on_too_long_is_detached_under_detach_
         };
         let mut producer: Producer<Recording> =
             Producer::bind(&sock, config, (Calls::default(), overdue.clone())).unwrap();
-        let mut c: Consumer<HostConsumer> = Consumer::attach(&sock, HostOptions).unwrap();
+        let mut c: Consumer<HostConsumer> =
+            Consumer::attach(&sock, HostOptions::default()).unwrap();
         producer
             .wait_for_consumers(1, Duration::from_secs(10))
             .unwrap();

@@ -21,7 +21,7 @@ fn bind(
         max_lead,
         ..Default::default()
     };
-    Producer::bind(&sock, config, HostOptions).map(|p| (p, sock))
+    Producer::bind(&sock, config, HostOptions::default()).map(|p| (p, sock))
 }
 
 fn publish(producer: &mut Producer<HostProducer>) -> Result<u64, Error> {
@@ -40,7 +40,8 @@ fn timed_out(r: Result<u64, Error>) -> bool {
 fn the_producer_waits_for_the_batch_max_lead_back_not_for_the_ring() {
     for mode in [Mode::Broadcast, Mode::Shared] {
         let (mut producer, sock) = bind(&format!("two-{mode}"), 6, mode, Some(2)).unwrap();
-        let mut consumer: Consumer<HostConsumer> = Consumer::attach(&sock, HostOptions).unwrap();
+        let mut consumer: Consumer<HostConsumer> =
+            Consumer::attach(&sock, HostOptions::default()).unwrap();
         producer
             .wait_for_consumers(1, Duration::from_secs(5))
             .unwrap();
@@ -77,7 +78,8 @@ fn a_lead_of_the_ring_size_or_more_changes_nothing() {
     for lead in [None, Some(3), Some(10)] {
         let (mut producer, sock) =
             bind(&format!("ring-{lead:?}"), 3, Mode::Broadcast, lead).unwrap();
-        let mut consumer: Consumer<HostConsumer> = Consumer::attach(&sock, HostOptions).unwrap();
+        let mut consumer: Consumer<HostConsumer> =
+            Consumer::attach(&sock, HostOptions::default()).unwrap();
         producer
             .wait_for_consumers(1, Duration::from_secs(5))
             .unwrap();

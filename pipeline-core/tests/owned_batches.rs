@@ -16,7 +16,10 @@ fn bind(name: &str, slots: u32, mode: Mode) -> (Producer<HostProducer>, std::pat
         mode,
         ..Default::default()
     };
-    (Producer::bind(&sock, config, HostOptions).unwrap(), sock)
+    (
+        Producer::bind(&sock, config, HostOptions::default()).unwrap(),
+        sock,
+    )
 }
 
 fn publish_n(producer: &mut Producer<HostProducer>, n: u64) {
@@ -33,7 +36,8 @@ fn publish_n(producer: &mut Producer<HostProducer>, n: u64) {
 fn batches_are_held_together_and_released_out_of_order_from_other_threads() {
     for mode in [Mode::Broadcast, Mode::Shared] {
         let (mut producer, sock) = bind(&format!("ooo-{mode}"), 4, mode);
-        let mut consumer: Consumer<HostConsumer> = Consumer::attach(&sock, HostOptions).unwrap();
+        let mut consumer: Consumer<HostConsumer> =
+            Consumer::attach(&sock, HostOptions::default()).unwrap();
         producer
             .wait_for_consumers(1, Duration::from_secs(5))
             .unwrap();
@@ -83,7 +87,8 @@ fn batches_are_held_together_and_released_out_of_order_from_other_threads() {
 fn asking_for_a_batch_whose_slot_we_hold_is_an_error_not_a_hang() {
     for mode in [Mode::Broadcast, Mode::Shared] {
         let (mut producer, sock) = bind(&format!("dl-{mode}"), 2, mode);
-        let mut consumer: Consumer<HostConsumer> = Consumer::attach(&sock, HostOptions).unwrap();
+        let mut consumer: Consumer<HostConsumer> =
+            Consumer::attach(&sock, HostOptions::default()).unwrap();
         producer
             .wait_for_consumers(1, Duration::from_secs(5))
             .unwrap();
@@ -113,7 +118,8 @@ fn asking_for_a_batch_whose_slot_we_hold_is_an_error_not_a_hang() {
 #[test]
 fn named_tensors_reach_the_consumer_with_their_layout() {
     let (mut producer, sock) = bind("tensors", 2, Mode::Broadcast);
-    let mut consumer: Consumer<HostConsumer> = Consumer::attach(&sock, HostOptions).unwrap();
+    let mut consumer: Consumer<HostConsumer> =
+        Consumer::attach(&sock, HostOptions::default()).unwrap();
     producer
         .wait_for_consumers(1, Duration::from_secs(5))
         .unwrap();
@@ -161,7 +167,8 @@ fn named_tensors_reach_the_consumer_with_their_layout() {
 #[test]
 fn a_table_that_does_not_fit_the_batch_is_refused_and_the_slot_given_back() {
     let (mut producer, sock) = bind("badtable", 2, Mode::Broadcast);
-    let mut consumer: Consumer<HostConsumer> = Consumer::attach(&sock, HostOptions).unwrap();
+    let mut consumer: Consumer<HostConsumer> =
+        Consumer::attach(&sock, HostOptions::default()).unwrap();
     producer
         .wait_for_consumers(1, Duration::from_secs(5))
         .unwrap();

@@ -16,7 +16,10 @@ fn bind(name: &str, slots: u32) -> (Producer<HostProducer>, std::path::PathBuf) 
         mode: Mode::Shared,
         ..Default::default()
     };
-    (Producer::bind(&sock, config, HostOptions).unwrap(), sock)
+    (
+        Producer::bind(&sock, config, HostOptions::default()).unwrap(),
+        sock,
+    )
 }
 
 /// A scan from the window start can claim the batch being published before the head moves
@@ -32,7 +35,8 @@ fn whole_window_scans_racing_publishes_see_no_corruption() {
             let (sock, stop, errors, received) =
                 (sock.clone(), stop.clone(), errors.clone(), received.clone());
             std::thread::spawn(move || {
-                let mut c: Consumer<HostConsumer> = Consumer::attach(&sock, HostOptions).unwrap();
+                let mut c: Consumer<HostConsumer> =
+                    Consumer::attach(&sock, HostOptions::default()).unwrap();
                 loop {
                     if i == 0 {
                         // Keep every scan a whole-window scan.
@@ -88,7 +92,7 @@ fn whole_window_scans_racing_publishes_see_no_corruption() {
 #[test]
 fn a_stale_requeue_count_is_reset() {
     let (producer, sock) = bind("stale", 4);
-    let mut c: Consumer<HostConsumer> = Consumer::attach(&sock, HostOptions).unwrap();
+    let mut c: Consumer<HostConsumer> = Consumer::attach(&sock, HostOptions::default()).unwrap();
     producer
         .wait_for_consumers(1, Duration::from_secs(5))
         .unwrap();

@@ -43,7 +43,8 @@ fn a_trickling_peer_does_not_hold_up_the_supervisor() {
         batch_bytes: 4096,
         ..Default::default()
     };
-    let producer: Producer<HostProducer> = Producer::bind(&sock, config, HostOptions).unwrap();
+    let producer: Producer<HostProducer> =
+        Producer::bind(&sock, config, HostOptions::default()).unwrap();
     let mut trickler = raw_attach(&sock);
     let victim = raw_attach(&sock);
     producer
@@ -98,7 +99,8 @@ fn close_cuts_stalled_handshakes_short() {
         handshake_timeout: Duration::from_secs(20),
         ..Default::default()
     };
-    let producer: Producer<HostProducer> = Producer::bind(&sock, config, HostOptions).unwrap();
+    let producer: Producer<HostProducer> =
+        Producer::bind(&sock, config, HostOptions::default()).unwrap();
     // One peer connects and says nothing.
     let silent = UnixStream::connect(&sock).unwrap();
     silent

@@ -55,13 +55,15 @@ use std::time::Instant;
 use parking_lot::{Mutex, RwLock};
 use pipeline_core::wire::Reader;
 use pipeline_core::{
-    BackendError, BackendKind, ConsumerBackend, Export, ProducerBackend, RingLayout,
+    BackendError, BackendKind, ConsumerBackend, Delivery, Export, Placement, ProducerBackend,
+    RingLayout,
 };
 
 use crate::driver::{self, CUdeviceptr, Context, CudaError, Event, Stream, WaitCondition};
 use crate::export::{ExportHeader, SlotExport};
 use crate::memory::{ConsumerSlots, ProducerSlots, micros};
 pub use crate::memory::{HandleKind, ImportTimings, MAX_VMM_FD_SLOTS, MemoryPath};
+use crate::mirror::{self, Mirror};
 use crate::probe::Capabilities;
 pub use crate::sync::SyncMode;
 use crate::sync::{FinishedWords, RELEASED, ReadySignal, Timelines, join_into};
@@ -97,6 +99,13 @@ pub struct CudaOptions {
     /// them with [`CudaConsumer::join`] before the batch is released (the Python package
     /// does this for the streams DLPack names). Without a wait, nothing may read the batch.
     pub defer_ready: bool,
+    /// Consumer: read the producer's slots in place, or mirror each batch into buffers of its
+    /// own on its GPU (see [`crate::mirror`]). Default [`Delivery::Auto`]: in place on the
+    /// producer's GPU, mirrored on another.
+    pub delivery: Delivery,
+    /// Consumer, mirror delivery: how many batches it may hold at once (buffers of
+    /// `slot_bytes` each on its GPU); default: the ring's slot count.
+    pub mirror_buffers: Option<u32>,
 }
 
 impl CudaOptions {
@@ -115,6 +124,18 @@ impl CudaOptions {
     /// These options with `handle` as the handle kind.
     pub fn with_handle(mut self, handle: HandleKind) -> Self {
         self.handle = handle;
+        self
+    }
+
+    /// These options with `delivery` as the consumer's delivery.
+    pub fn with_delivery(mut self, delivery: Delivery) -> Self {
+        self.delivery = delivery;
+        self
+    }
+
+    /// These options with `device` as the consumer's (or producer's) device.
+    pub fn on_device(mut self, device: usize) -> Self {
+        self.device = Some(device);
         self
     }
 }
@@ -582,6 +603,10 @@ pub struct CudaConsumer {
     presignalled: Vec<AtomicU64>,
     /// An ordering-only event for joining a caller's stream with ours.
     scratch: Mutex<Event>,
+    /// Mirror delivery: our own buffers (`None`: in place).
+    mirror: Option<Mirror>,
+    /// True when the consumer runs on the producer's GPU.
+    on_producer_gpu: bool,
 }
 
 impl CudaConsumer {
@@ -617,6 +642,26 @@ impl CudaConsumer {
         self.ctx.device().ordinal()
     }
 
+    /// How batches reach this consumer, as resolved at attach: [`Delivery::InPlace`] or
+    /// [`Delivery::Mirror`].
+    pub fn delivery(&self) -> Delivery {
+        if self.mirror.is_some() {
+            Delivery::Mirror
+        } else {
+            Delivery::InPlace
+        }
+    }
+
+    /// True when this consumer runs on the producer's GPU.
+    pub fn on_producer_gpu(&self) -> bool {
+        self.on_producer_gpu
+    }
+
+    /// Mirror delivery: the number of buffers of its own (0 in place).
+    pub fn mirror_buffers(&self) -> usize {
+        self.mirror.as_ref().map_or(0, Mirror::len)
+    }
+
     /// Makes a caller's `stream` wait until batch `seq` in `slot` is ready (the producer's
     /// writes are done), as [`ConsumerBackend::wait_ready`] does for the consumer's stream.
     /// Valid while the batch is held: the producer signals `ready[slot]` again only after the
@@ -632,6 +677,15 @@ impl CudaConsumer {
         seq: u64,
     ) -> Result<(), CudaError> {
         self.ctx.make_current()?;
+        if let Some((m, j)) = self
+            .mirror
+            .as_ref()
+            .and_then(|m| m.find(seq).map(|j| (m, j)))
+        {
+            // The batch is our copy: wait for the copy, which waited for `ready`.
+            // SAFETY: the caller guarantees `stream`.
+            return unsafe { Stream::raw_wait_event(stream, m.copied(j)) };
+        }
         // SAFETY: the caller guarantees `stream`.
         unsafe { self.ready.wait(stream, slot, seq) }
     }
@@ -656,6 +710,12 @@ impl CudaConsumer {
         seq: u64,
     ) -> Result<(), CudaError> {
         self.ctx.make_current()?;
+        if self.mirror.as_ref().is_some_and(|m| m.find(seq).is_some()) {
+            // The producer's slot was signalled after the copy. What the release must order
+            // is the reuse of our buffer, by a copy on our stream: join the caller's stream.
+            // SAFETY: the caller guarantees `stream`.
+            return unsafe { join_into(&self.ctx, &self.scratch, &self.stream, stream) };
+        }
         // SAFETY: the word is in our registered timelines; the caller guarantees `stream`.
         unsafe {
             driver::stream_write_value64_raw(stream, self.timelines.device(0, slot), seq + 1)
@@ -795,7 +855,9 @@ impl ConsumerBackend for CudaConsumer {
         };
         let t = Instant::now();
         driver::init().map_err(be)?;
-        let ctx = Context::new(pick_device(&header.uuid, &options)?).map_err(be)?;
+        let ordinal = pick_device(&header.uuid, &options)?;
+        let on_producer_gpu = device_with_uuid(&header.uuid)? == Some(ordinal);
+        let ctx = Context::new(ordinal).map_err(be)?;
         check_capabilities(&ctx, memory, handle)?;
         let stream = Stream::new(&ctx).map_err(be)?;
         timings.setup_us = micros(t);
@@ -821,6 +883,12 @@ impl ConsumerBackend for CudaConsumer {
         // Our own `finished` words only: one row, written at index 0.
         let timelines = Timelines::map(&ctx, 1, layout.slot_count, timeline_fd)?;
         timings.timelines_us = micros(t);
+        let mirror = if mirror::resolve(options.delivery, on_producer_gpu) {
+            let count = options.mirror_buffers.unwrap_or(layout.slot_count);
+            Some(Mirror::new(&ctx, count, slot_bytes)?)
+        } else {
+            None
+        };
         let mut reply = Vec::with_capacity(8);
         reply.extend_from_slice(&REPLY_MAGIC.to_le_bytes());
         reply.extend_from_slice(&n.to_le_bytes());
@@ -843,6 +911,8 @@ impl ConsumerBackend for CudaConsumer {
                 defer_ready: options.defer_ready,
                 presignalled: (0..n).map(|_| AtomicU64::new(0)).collect(),
                 scratch: Mutex::new(scratch),
+                mirror,
+                on_producer_gpu,
             },
             Export {
                 blob: reply,
@@ -852,10 +922,48 @@ impl ConsumerBackend for CudaConsumer {
     }
 
     fn wait_ready(&self, slot: u32, seq: u64) -> Result<(), BackendError> {
-        if self.defer_ready {
+        // A mirror's copy stream waits for `ready` itself (in `mirror`).
+        if self.defer_ready || self.mirror.is_some() {
             return Ok(());
         }
         self.own_wait_ready(slot, seq)
+    }
+
+    fn mirror(&self, slot: u32, seq: u64, len: u64) -> Result<bool, BackendError> {
+        let Some(m) = &self.mirror else {
+            return Ok(false);
+        };
+        debug_assert!(len <= self.slot_bytes);
+        self.ctx.make_current().map_err(be)?;
+        let j = m.copy_in(
+            seq,
+            self.slots.ptr(slot as usize),
+            len,
+            // SAFETY: the copy stream is ours and live.
+            |s| unsafe { self.ready.wait(s.raw(), slot, seq) },
+            // SAFETY: the word is in our registered timelines, mapped for our lifetime; the
+            // stream is ours, and the copy before it on this stream is all we do with the slot.
+            |s| unsafe { driver::stream_write_value64(s, self.timelines.device(0, slot), seq + 1) },
+        )?;
+        if !self.defer_ready {
+            // Our own stream (the one `batch.data()` names) uses the copy.
+            if let Err(e) = self.stream.wait_event(m.copied(j)) {
+                let _ = m.give_back(seq, &self.stream);
+                return Err(be(e));
+            }
+        }
+        Ok(true)
+    }
+
+    fn mirror_full(&self) -> Option<usize> {
+        self.mirror.as_ref().and_then(Mirror::full)
+    }
+
+    fn placement(&self) -> Placement {
+        Placement {
+            device: u32::try_from(self.device_ordinal()).ok(),
+            mirror: self.mirror.is_some(),
+        }
     }
 
     fn complete_now(&self) -> Result<(), BackendError> {
@@ -873,16 +981,40 @@ impl ConsumerBackend for CudaConsumer {
         }
     }
 
-    unsafe fn batch_ref(&self, slot: u32, len: u64) -> CudaBatchRef<'_> {
+    unsafe fn batch_ref(&self, slot: u32, seq: u64, len: u64) -> CudaBatchRef<'_> {
         debug_assert!(len <= self.slot_bytes);
+        let mirrored = self
+            .mirror
+            .as_ref()
+            .and_then(|m| m.find(seq).map(|j| m.ptr(j)));
         CudaBatchRef {
-            ptr: self.slots.ptr(slot as usize),
+            ptr: mirrored.unwrap_or_else(|| self.slots.ptr(slot as usize)),
             len,
             stream: &self.stream,
         }
     }
 
     fn signal_finished(&self, slot: u32, seq: u64) -> Result<(), BackendError> {
+        // A mirrored batch: the slot was signalled after the copy; the buffer is free again
+        // once our stream (into which its users were joined) gets here.
+        if let Some(m) = &self.mirror {
+            if m.give_back(seq, &self.stream).map_err(be)? {
+                return Ok(());
+            }
+            // A batch refused before its copy: say so on the copy stream, where this slot's
+            // earlier `finished` words were written, after the batch's `ready` (so the word
+            // never goes backwards).
+            // SAFETY: the copy stream is ours; the word is in our registered timelines.
+            unsafe {
+                self.ready.wait(m.stream().raw(), slot, seq).map_err(be)?;
+                return driver::stream_write_value64(
+                    m.stream(),
+                    self.timelines.device(0, slot),
+                    seq + 1,
+                )
+                .map_err(be);
+            }
+        }
         if self.presignalled[slot as usize].load(Ordering::Acquire) == seq + 1 {
             return Ok(());
         }

@@ -21,5 +21,6 @@ pub mod driver;
 mod export;
 pub mod kernels;
 pub mod memory;
+pub mod mirror;
 pub mod probe;
 pub mod sync;

@@ -119,7 +119,7 @@ fn attach(socket: &str) -> Result<Consumer<HostConsumer>, Error> {
     let deadline = Instant::now() + PRODUCER_WAIT;
     let mut told = false;
     loop {
-        match Consumer::attach(socket, HostOptions) {
+        match Consumer::attach(socket, HostOptions::default()) {
             Err(Error::Connect { source, .. })
                 if Instant::now() < deadline
                     && matches!(

@@ -70,7 +70,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         mode: Mode::Broadcast,
         ..Default::default()
     };
-    let mut producer: Producer<HostProducer> = Producer::bind(&socket, config, HostOptions)?;
+    let mut producer: Producer<HostProducer> =
+        Producer::bind(&socket, config, HostOptions::default())?;
     println!("producer: listening on {socket}, waiting for a consumer");
 
     // A consumer that attaches later starts at the batch being published then, so wait for

@@ -7,7 +7,9 @@ use std::process::{Child, Command, ExitCode, Stdio};
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
-use pipeline_core::{HostOptions, HostProducer, Mode, Producer, ProducerBackend, ProducerConfig};
+use pipeline_core::{
+    Delivery, HostOptions, HostProducer, Mode, Producer, ProducerBackend, ProducerConfig,
+};
 use pipeline_cuda::backend::CudaProducer;
 
 use crate::args::{BackendArg, CudaArgs, RingArgs, resolve_backend};
@@ -42,9 +44,16 @@ pub struct BenchCmd {
     #[arg(long)]
     round_trip: bool,
     /// CUDA device of each consumer, one entry per consumer (e.g. 0,1,1); the producer runs
-    /// on device 0. A consumer on another device reads the slots in place by peer access.
+    /// on device 0. A consumer on another device reaches the slots by peer access.
     #[arg(long, value_delimiter = ',')]
     consumer_devices: Vec<usize>,
+    /// How batches reach the consumers: in-place, mirror or auto (in place on the producer's
+    /// GPU, mirrored on another); one value for all, or one per consumer (auto,mirror).
+    #[arg(long, value_delimiter = ',', default_value = "auto")]
+    delivery: Vec<Delivery>,
+    /// Mirroring consumers: batches each may hold at once (default: the ring's slot count).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    mirror_buffers: Option<u32>,
 }
 
 /// Runs `gpipe bench`.
@@ -59,12 +68,23 @@ pub fn command(cmd: BenchCmd) -> Result<ExitCode, String> {
         timeout: cmd.timeout,
         json: cmd.json,
         backend: "host",
-        consumer_args: Vec::new(),
+        consumer_args: cmd
+            .mirror_buffers
+            .map(|n| vec!["--mirror-buffers".to_string(), n.to_string()])
+            .unwrap_or_default(),
         round_trip: cmd.round_trip,
         consumer_devices: cmd.consumer_devices.clone(),
+        delivery: cmd.delivery.clone(),
     };
     if cmd.round_trip && cmd.ring.slots != 1 {
         return Err("--round-trip measures a single-slot round trip: add --slots 1".into());
+    }
+    if cmd.delivery.len() != 1 && cmd.delivery.len() != cmd.consumers as usize {
+        return Err(format!(
+            "--delivery names {} choices for {}: give one for all, or one per consumer",
+            cmd.delivery.len(),
+            duration::plural(u64::from(cmd.consumers), "consumer", "consumers")
+        ));
     }
     if !cmd.consumer_devices.is_empty() && cmd.consumer_devices.len() != cmd.consumers as usize {
         return Err(format!(
@@ -77,7 +97,9 @@ pub fn command(cmd: BenchCmd) -> Result<ExitCode, String> {
         BackendArg::Host if !cmd.consumer_devices.is_empty() => {
             return Err("--consumer-devices applies to the CUDA backend".into());
         }
-        BackendArg::Host => run::<HostProducer, _>(&args, HostOptions, &mut work::HostFill)?,
+        BackendArg::Host => {
+            run::<HostProducer, _>(&args, HostOptions::default(), &mut work::HostFill)?
+        }
         _ => {
             args.backend = "cuda";
             run_cuda(&args, &cmd.cuda)?
@@ -122,8 +144,38 @@ fn run_cuda(args: &BenchArgs, cuda: &CudaArgs) -> Result<BenchReport, String> {
         } else {
             args.consumer_devices.clone()
         },
-        "delivery": "in-place",
+        "delivery": report
+            .per_consumer
+            .iter()
+            .map(|c| c.delivery.clone().unwrap_or_default())
+            .collect::<Vec<_>>(),
     });
+    // Consumers on other GPUs: the same-run single-process ceilings of the link, per device.
+    let mut others: Vec<usize> = args
+        .consumer_devices
+        .iter()
+        .copied()
+        .filter(|&d| d != 0)
+        .collect();
+    others.sort_unstable();
+    others.dedup();
+    let mut peers = Vec::new();
+    for d in others {
+        let copy = cuda_work::peer_copy_ceiling(bytes, 0, d, slots, batches)
+            .map_err(|e| format!("measuring the peer-copy ceiling 0 -> {d}: {e}"))?;
+        let read = cuda_work::remote_read_ceiling(bytes, 0, d, slots, batches)
+            .map_err(|e| format!("measuring the remote-read ceiling 0 -> {d}: {e}"))?;
+        peers.push(serde_json::json!({
+            "device": d,
+            "peer_copy_ceiling_batches_per_s": copy,
+            "peer_copy_ceiling_gb_per_s": copy * bytes as f64 / 1e9,
+            "remote_read_ceiling_batches_per_s": read,
+            "remote_read_ceiling_gb_per_s": read * bytes as f64 / 1e9,
+        }));
+    }
+    if !peers.is_empty() {
+        extra["peer_ceilings"] = serde_json::Value::Array(peers);
+    }
     if let Some(hint) = mps_hint(mps, report.batches_per_s, ceiling, report.round_trip_p50_us) {
         extra[MPS_HINT] = serde_json::Value::String(hint);
     }
@@ -158,6 +210,8 @@ pub struct BenchArgs {
     pub round_trip: bool,
     /// CUDA device of each consumer (empty: the producer's).
     pub consumer_devices: Vec<usize>,
+    /// Delivery of each consumer (one entry: all of them).
+    pub delivery: Vec<Delivery>,
 }
 
 /// The bench result.
@@ -281,6 +335,14 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
                 args.consumer_devices
                     .get(i as usize)
                     .map(|d| ["--device".to_string(), d.to_string()])
+                    .into_iter()
+                    .flatten(),
+            )
+            .args(
+                args.delivery
+                    .get(i as usize)
+                    .or(args.delivery.first())
+                    .map(|d| ["--delivery".to_string(), d.to_string()])
                     .into_iter()
                     .flatten(),
             )

@@ -6,8 +6,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use pipeline_core::{
-    BackendKind, Batch, Consumer, ConsumerBackend, ConsumerConfig, HostConsumer, HostOptions,
-    PendingAttach,
+    BackendKind, Batch, Consumer, ConsumerBackend, ConsumerConfig, Delivery, HostConsumer,
+    HostOptions, PendingAttach,
 };
 use pipeline_cuda::backend::{CudaConsumer, CudaOptions};
 
@@ -38,10 +38,19 @@ pub struct ConsumeCmd {
     /// Internal: run as a bench consumer (JSON report on stdout).
     #[arg(long, hide = true)]
     bench_child: bool,
-    /// CUDA device to consume on (default: the producer's). Another device reads the slots in
-    /// place by peer access; the attach fails, naming both devices, where there is none.
+    /// CUDA device to consume on (default: the producer's). Another device reaches the slots
+    /// by peer access; the attach fails, naming both devices, where there is none.
     #[arg(long)]
     device: Option<usize>,
+    /// in-place: read the producer's slots; mirror: copy each batch into buffers of this
+    /// consumer's own (on its GPU) and free the producer's slot at once; auto: in place on
+    /// the producer's GPU, mirrored on another (docs/multi-gpu.md).
+    #[arg(long, default_value = "auto")]
+    delivery: Delivery,
+    /// With mirror delivery: batches this consumer may hold at once (its own buffers; default:
+    /// the ring's slot count).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    mirror_buffers: Option<u32>,
 }
 
 /// Runs `gpipe consume`.
@@ -79,7 +88,10 @@ pub fn command(cmd: ConsumeCmd) -> Result<ExitCode, String> {
         )),
         BackendKind::Host => {
             let c: Consumer<HostConsumer> = pending
-                .finish(HostOptions)
+                .finish(HostOptions {
+                    delivery: cmd.delivery,
+                    mirror_buffers: cmd.mirror_buffers,
+                })
                 .map_err(|e| failed(e.to_string()))?;
             consume(c, &mut work::HostCheck::default(), &opts, None)
         }
@@ -87,6 +99,8 @@ pub fn command(cmd: ConsumeCmd) -> Result<ExitCode, String> {
             let c: Consumer<CudaConsumer> = pending
                 .finish(CudaOptions {
                     device: cmd.device,
+                    delivery: cmd.delivery,
+                    mirror_buffers: cmd.mirror_buffers,
                     ..CudaOptions::default()
                 })
                 .map_err(|e| failed(e.to_string()))?;
@@ -113,12 +127,18 @@ fn consume<B: ConsumerBackend, C: Check<B>>(
     opts: &Settings,
     attach: Option<serde_json::Value>,
 ) -> Result<ExitCode, String> {
+    let placement = consumer.backend().placement();
     if !opts.quiet {
         eprintln!(
-            "gpipe: attached as consumer #{} ({} mode, {} slots); Ctrl-C stops",
+            "gpipe: attached as consumer #{} ({} mode, {} slots, {}{}); Ctrl-C stops",
             consumer.index(),
             consumer.layout().mode,
-            consumer.layout().slot_count
+            consumer.layout().slot_count,
+            placement.delivery_name(),
+            placement
+                .device
+                .map(|d| format!(" on GPU {d}"))
+                .unwrap_or_default()
         );
     }
     let mut slow;
@@ -153,6 +173,8 @@ fn consume<B: ConsumerBackend, C: Check<B>>(
     drop(consumer);
     let mut report = report;
     report.attach = attach;
+    report.device = placement.device;
+    report.delivery = Some(placement.delivery_name().to_string());
     if let Some(p) = &opts.seq_log {
         bench::write_seq_log(p, &seqs).map_err(|e| format!("cannot write {}: {e}", p.display()))?;
     }

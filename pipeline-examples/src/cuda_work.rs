@@ -323,3 +323,96 @@ pub fn two_stream_ceiling(bytes: u64, buffers: u32, batches: u64) -> Result<f64,
     vs.synchronize()?;
     Ok(batches as f64 / t.elapsed().as_secs_f64())
 }
+
+/// Two contexts with `dst`'s able to reach `src`'s `cuMemAlloc` memory.
+fn peer_pair(src: usize, dst: usize) -> Result<(Arc<Context>, Arc<Context>), CudaError> {
+    let (s, d) = (Context::new(src)?, Context::new(dst)?);
+    if src != dst {
+        d.enable_peer_access(&s)?;
+    }
+    Ok((s, d))
+}
+
+/// The link's single-process copy ceiling: `batches` copies of `bytes` from buffers on GPU
+/// `src` into buffers on GPU `dst` by `dst`'s copy engine (`cuMemcpyAsync` on a `dst`
+/// stream, peer access enabled), as a mirroring consumer's copies are. Batches per second.
+pub fn peer_copy_ceiling(
+    bytes: u64,
+    src: usize,
+    dst: usize,
+    buffers: u32,
+    batches: u64,
+) -> Result<f64, CudaError> {
+    let (sc, dc) = peer_pair(src, dst)?;
+    let n = buffers.max(1) as usize;
+    let from: Vec<DeviceBuffer> = (0..n)
+        .map(|_| DeviceBuffer::new(&sc, bytes as usize))
+        .collect::<Result<_, _>>()?;
+    let to: Vec<DeviceBuffer> = (0..n)
+        .map(|_| DeviceBuffer::new(&dc, bytes as usize))
+        .collect::<Result<_, _>>()?;
+    let stream = Stream::new(&dc)?;
+    let run = |count: u64| -> Result<(), CudaError> {
+        for s in 0..count {
+            let i = (s % n as u64) as usize;
+            // SAFETY: our own buffers of `bytes` each, used in stream order only; dst's
+            // context has peer access to src's memory.
+            unsafe { driver::memcpy_async(to[i].ptr(), from[i].ptr(), bytes as usize, &stream)? };
+        }
+        Ok(())
+    };
+    timed(&dc, &stream, batches, run)
+}
+
+/// The link's single-process read ceiling: the verify kernel on GPU `dst` reading buffers on
+/// GPU `src` in place (peer access), as an in-place consumer on `dst` does. Batches per second.
+pub fn remote_read_ceiling(
+    bytes: u64,
+    src: usize,
+    dst: usize,
+    buffers: u32,
+    batches: u64,
+) -> Result<f64, CudaError> {
+    let (sc, dc) = peer_pair(src, dst)?;
+    let n = buffers.max(1) as usize;
+    let from: Vec<DeviceBuffer> = (0..n)
+        .map(|_| DeviceBuffer::new(&sc, bytes as usize))
+        .collect::<Result<_, _>>()?;
+    let k = Kernels::load(&dc)?;
+    let results = DeviceBuffer::new(&dc, VERIFY_RESULT_BYTES)?;
+    let stream = Stream::new(&dc)?;
+    let run = |count: u64| -> Result<(), CudaError> {
+        for s in 0..count {
+            let b = &from[(s % n as u64) as usize];
+            // SAFETY: buffers of `bytes` on src, readable from dst by peer access, not written
+            // meanwhile; `results` is ours (the counts are not read: only the time matters).
+            unsafe { k.verify(&stream, b.ptr(), bytes as usize, s, results.ptr())? };
+        }
+        Ok(())
+    };
+    timed(&dc, &stream, batches, run)
+}
+
+/// Runs `run(batches.min(64))` to warm up, then times `run(batches)` with events on `stream`.
+fn timed(
+    ctx: &Arc<Context>,
+    stream: &Stream,
+    batches: u64,
+    run: impl Fn(u64) -> Result<(), CudaError>,
+) -> Result<f64, CudaError> {
+    run(batches.min(64))?;
+    stream.synchronize()?;
+    let (start, end) = (Event::new_timing(ctx)?, Event::new_timing(ctx)?);
+    let t = Instant::now();
+    start.record(stream)?;
+    run(batches)?;
+    end.record(stream)?;
+    end.synchronize()?;
+    let ms = Event::elapsed_ms(&start, &end)? as f64;
+    let secs = if ms > 0.0 {
+        ms / 1e3
+    } else {
+        t.elapsed().as_secs_f64()
+    };
+    Ok(batches as f64 / secs)
+}

@@ -70,7 +70,7 @@ pub fn command(cmd: ProduceCmd) -> Result<ExitCode, String> {
         BackendArg::Host => produce::<HostProducer, _>(
             &cmd.socket,
             config,
-            HostOptions,
+            HostOptions::default(),
             &mut work::HostFill,
             cmd.batches,
             cmd.rate,

@@ -56,7 +56,9 @@ pub fn command(cmd: SoakCmd) -> Result<ExitCode, String> {
         backend: "host",
     };
     let report = match resolve_backend(cmd.backend)? {
-        BackendArg::Host => run::<HostProducer, _>(&args, HostOptions, &mut work::HostFill)?,
+        BackendArg::Host => {
+            run::<HostProducer, _>(&args, HostOptions::default(), &mut work::HostFill)?
+        }
         _ => {
             args.backend = "cuda";
             run::<CudaProducer, _>(

@@ -107,6 +107,12 @@ pub struct ConsumerReport {
     /// The backend's attach cost, per step (CUDA: import timings in µs).
     #[serde(default)]
     pub attach: Option<serde_json::Value>,
+    /// The GPU it consumed on (CUDA).
+    #[serde(default)]
+    pub device: Option<u32>,
+    /// "in-place" or "mirror".
+    #[serde(default)]
+    pub delivery: Option<String>,
     /// How the run ended, if not cleanly.
     pub error: Option<String>,
     /// It never joined the ring: the attach itself failed (see `error`).

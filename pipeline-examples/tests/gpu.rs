@@ -323,56 +323,6 @@ fn cuda_forged_claim_token_is_bounded_by_the_lag_policy() {
     });
 }
 
-/// Visible CUDA devices, from `gpipe probe --json`.
-fn cuda_devices() -> usize {
-    let out = Command::new(GPIPE)
-        .args(["probe", "--json"])
-        .output()
-        .unwrap();
-    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
-    r["devices"].as_array().map_or(0, Vec::len)
-}
-
-#[test]
-#[ignore = "needs 2 CUDA GPUs"]
-fn cuda_consumers_on_another_gpu_read_in_place_on_every_path() {
-    let n = cuda_devices();
-    if n < 2 {
-        eprintln!("skipped: needs 2 CUDA GPUs, this machine has {n}");
-        return;
-    }
-    for memory in ["pool", "vmm", "legacy"] {
-        for sync in ["events", "semaphore"] {
-            for mode in ["broadcast", "shared"] {
-                let extra = [
-                    "--consumer-devices",
-                    "0,1,1",
-                    "--memory",
-                    memory,
-                    "--sync",
-                    sync,
-                ];
-                bench_with(mode, 3, &extra);
-            }
-        }
-    }
-    // The report names each consumer's device and the delivery.
-    let r = bench_json(&[
-        "bench",
-        "--backend",
-        "cuda",
-        "--consumers",
-        "2",
-        "--batches",
-        "200",
-        "--consumer-devices",
-        "1,0",
-        "--json",
-    ]);
-    assert_eq!(r["extra"]["consumer_devices"], serde_json::json!([1, 0]));
-    assert_eq!(r["extra"]["delivery"], "in-place");
-}
-
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_a_consumer_device_that_does_not_exist_is_refused_naming_it() {

@@ -266,7 +266,7 @@ fn scribbled_control_segment_gives_clear_errors_not_hangs() {
         wait_until(Duration::from_secs(10), "batches", || head(&sock) > 20);
         // A hostile consumer attaches like any other, then scribbles on the shared head.
         let hostile: pipeline_core::Consumer<pipeline_core::HostConsumer> =
-            pipeline_core::Consumer::attach(&sock, pipeline_core::HostOptions).unwrap();
+            pipeline_core::Consumer::attach(&sock, pipeline_core::HostOptions::default()).unwrap();
         // It keeps scribbling (the producer rewrites the head at every publish) until the
         // victim has stopped.
         let h = &hostile.segment().header().head.value;

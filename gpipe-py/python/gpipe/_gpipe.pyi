@@ -169,15 +169,30 @@ class Consumer:
     enforced_read_only: bool
     """True when a write into a batch faults in this process alone (host rings; CUDA broadcast
     rings on the VMM path)."""
+    delivery: str
+    """"in-place" (batches are the producer's slots) or "mirror" (copies in this consumer's
+    own memory; the producer's slot is released as soon as the copy is made)."""
     closed: bool
     def __init__(
-        self, socket: str, *, device: Any = None, timeout: float = 5.0, spin: Optional[float] = None
+        self,
+        socket: str,
+        *,
+        device: Any = None,
+        timeout: float = 5.0,
+        spin: Optional[float] = None,
+        delivery: str = "auto",
+        mirror_buffers: Optional[int] = None,
     ) -> None:
         """Attaches to the producer at `socket` (handshake steps time out after `timeout` s).
         spin: seconds recv() busy-waits for a batch before it sleeps (default 100 µs). A
         sleeping consumer is woken by the producer's publish, which costs a wake-up (tens to
         hundreds of µs on a VM); a latency-critical consumer that receives a batch every few
-        milliseconds can spin that long instead, at the cost of a CPU core while it waits."""
+        milliseconds can spin that long instead, at the cost of a CPU core while it waits.
+        delivery: "in-place", "mirror" or "auto" (in place on the producer's GPU, mirrored on
+        another; host rings: in place). A mirroring consumer may hold up to `mirror_buffers`
+        batches (default: the ring's slot count) and raises Deadlock when it asks for more.
+        On another GPU, mirror copies each batch over the link once with the copy engine,
+        overlapped with your kernels; in place reads the link on every access."""
     def recv(self, timeout: Optional[float] = None) -> Batch:
         """The next batch, waiting up to `timeout` seconds (None: until one comes). Raises
         Timeout, Closed at the end of the stream, ProducerDied, Detached, or Deadlock. The

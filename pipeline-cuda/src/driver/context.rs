@@ -200,6 +200,19 @@ impl Context {
         check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
     }
 
+    /// Lets this context's kernels and copies reach `peer`'s `cuMemAlloc` memory
+    /// (`cuCtxEnablePeerAccess`); already enabled is not an error. Pool and VMM memory need
+    /// their own access settings instead.
+    pub fn enable_peer_access(&self, peer: &Context) -> Result<(), CudaError> {
+        self.make_current()?;
+        // SAFETY: both contexts are retained primary contexts; flags must be 0.
+        let r = unsafe { sys::cuCtxEnablePeerAccess(peer.raw, 0) };
+        if r == sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+            return Ok(());
+        }
+        check("cuCtxEnablePeerAccess", r)
+    }
+
     /// Binds this context to the calling thread (`cuCtxSetCurrent`).
     pub fn make_current(&self) -> Result<(), CudaError> {
         // SAFETY: `raw` is a retained primary context, valid until drop.

@@ -41,6 +41,24 @@ pub unsafe fn memcpy_htod_async(
     })
 }
 
+/// Copies `bytes` between device allocations (possibly of two GPUs, by unified addressing;
+/// the source must be accessible from the stream's device), ordered on `stream`.
+///
+/// # Safety
+/// `src` is valid device memory for `bytes` reads that nothing writes until the copy
+/// completes; `dst` is valid device memory for `bytes` that no concurrent work uses.
+pub unsafe fn memcpy_async(
+    dst: CUdeviceptr,
+    src: CUdeviceptr,
+    bytes: usize,
+    stream: &Stream,
+) -> Result<(), CudaError> {
+    // SAFETY: the caller guarantees both ranges; the stream is live.
+    check("cuMemcpyAsync", unsafe {
+        sys::cuMemcpyAsync(dst, src, bytes, stream.raw)
+    })
+}
+
 /// Sets `bytes` bytes at `dst` to `value`, ordered on `stream`.
 ///
 /// # Safety

@@ -48,8 +48,8 @@ pub use context::{Context, Device, Stream};
 pub use event::Event;
 pub use ipc::{IpcMapping, IpcMemHandle};
 pub use memops::{
-    WaitCondition, memcpy_dtoh_async, memcpy_htod_async, memset_d8_async, stream_wait_value64,
-    stream_wait_value64_raw, stream_write_value64, stream_write_value64_raw,
+    WaitCondition, memcpy_async, memcpy_dtoh_async, memcpy_htod_async, memset_d8_async,
+    stream_wait_value64, stream_wait_value64_raw, stream_write_value64, stream_write_value64_raw,
 };
 pub use pool::{FabricHandle, MemPool, PointerExport, PoolHandleType};
 pub use vmm::{PhysicalAllocation, VmmMapping, allocation_granularity};

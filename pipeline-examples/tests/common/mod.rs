@@ -134,19 +134,28 @@ pub fn consumer(procs: &Procs, sock: &Path, log: &Path) -> Child {
 }
 
 pub fn consumer_env(procs: &Procs, sock: &Path, log: &Path, env: &[(&str, &str)]) -> Child {
-    spawn_env(
-        procs,
-        &[
-            "consume",
-            "--socket",
-            sock.to_str().unwrap(),
-            "--verify",
-            "--json",
-            "--seq-log",
-            log.to_str().unwrap(),
-        ],
-        env,
-    )
+    consumer_with(procs, sock, log, &[], env)
+}
+
+/// A verifying consumer with extra arguments (e.g. `--device 1 --delivery mirror`).
+pub fn consumer_with(
+    procs: &Procs,
+    sock: &Path,
+    log: &Path,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Child {
+    let mut args = vec![
+        "consume",
+        "--socket",
+        sock.to_str().unwrap(),
+        "--verify",
+        "--json",
+        "--seq-log",
+        log.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    spawn_env(procs, &args, env)
 }
 
 pub fn wait_until(timeout: Duration, what: &str, mut f: impl FnMut() -> bool) {
@@ -335,6 +344,17 @@ pub fn consumer_death_case_with(
     fault: Option<&'static str>,
     extra: &[&'static str],
 ) {
+    consumer_death_case_placed(backend, fault, extra, [&[], &[], &[]]);
+}
+
+/// As [`consumer_death_case_with`], with extra arguments for each consumer: the survivors
+/// a and c, then the victim (e.g. `--device 1 --delivery mirror`).
+pub fn consumer_death_case_placed(
+    backend: &'static str,
+    fault: Option<&'static str>,
+    extra: &[&'static str],
+    consumers: [&'static [&'static str]; 3],
+) {
     for mode in ["broadcast", "shared"] {
         let extra = extra.to_vec();
         watchdog(60, move |procs| {
@@ -343,8 +363,8 @@ pub fn consumer_death_case_with(
             let mut args = vec!["--mode", mode];
             args.extend(extra);
             let p = producer_on(&procs, &sock, backend, &args);
-            let a = consumer(&procs, &sock, &dir.join("a.seq"));
-            let c = consumer(&procs, &sock, &dir.join("c.seq"));
+            let a = consumer_with(&procs, &sock, &dir.join("a.seq"), consumers[0], &[]);
+            let c = consumer_with(&procs, &sock, &dir.join("c.seq"), consumers[1], &[]);
             wait_until(Duration::from_secs(10), "two consumers", || {
                 active_consumers(&sock) >= 2
             });
@@ -355,7 +375,7 @@ pub fn consumer_death_case_with(
                 .as_deref()
                 .map(|f| vec![("GPIPE_FAULT", f)])
                 .unwrap_or_default();
-            let mut victim = consumer_env(&procs, &sock, &dir.join("v.seq"), &env);
+            let mut victim = consumer_with(&procs, &sock, &dir.join("v.seq"), consumers[2], &env);
             wait_until(Duration::from_secs(10), "batches flowing", || {
                 head(&sock) > 200
             });

@@ -1,0 +1,182 @@
+//! Mirror delivery on the CUDA backend: a copy stream of the consumer's copies each batch
+//! with the copy engine into a buffer of its own, on its own GPU, and writes `finished` for
+//! the producer's slot right after the copy, so the slot frees as soon as the copy is done.
+//! The user reads the local copy.
+//!
+//! Ordering: the copy stream waits `ready[k]` (and, for a buffer used before, `freed[j]`),
+//! copies slot k into buffer j, records `copied[j]` and writes `finished[k] = seq + 1`. A
+//! stream that uses the copy waits `copied[j]` (the consumer's own stream does, unless the
+//! caller defers that to its streams). The release records `freed[j]` on the consumer's
+//! stream, after the streams the batch was used on were joined into it (as the in-place
+//! release does before `finished`), so the next copy into buffer j comes after that work.
+//! The copy of the next batch overlaps the user's kernels on this one: copy engine and SMs
+//! run side by side.
+//!
+//! The rule of [`Delivery::Auto`] (measured on 2×H200, NVLink, docs/multi-gpu.md): in place
+//! on the producer's GPU (a copy there only costs bandwidth), mirrored on another.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use pipeline_core::{BackendError, Delivery, MirrorTable};
+
+use crate::driver::{self, CUdeviceptr, Context, CudaError, DeviceBuffer, Event, Stream};
+
+/// Resolves a consumer's delivery choice: true to mirror.
+pub fn resolve(delivery: Delivery, on_producer_gpu: bool) -> bool {
+    match delivery {
+        Delivery::InPlace => false,
+        Delivery::Mirror => true,
+        Delivery::Auto => !on_producer_gpu,
+    }
+}
+
+/// A consumer's own buffers, its copy stream, per buffer the events that mark its copy done
+/// and its last user's work done, and which batch each buffer holds.
+pub(crate) struct Mirror {
+    buffers: Vec<DeviceBuffer>,
+    copy: Stream,
+    copied: Vec<Event>,
+    freed: Vec<Event>,
+    /// Per buffer: `freed` was recorded (the buffer held a batch before).
+    used: Vec<AtomicBool>,
+    table: MirrorTable,
+    next: AtomicUsize,
+}
+
+impl Mirror {
+    /// Allocates `count` buffers of `bytes` on the consumer's device.
+    pub(crate) fn new(ctx: &Arc<Context>, count: u32, bytes: u64) -> Result<Mirror, BackendError> {
+        if count == 0 {
+            return Err("mirror delivery needs at least one buffer of its own".into());
+        }
+        let len = usize::try_from(bytes).map_err(|_| "slot size overflows usize")?;
+        let be = crate::backend::be;
+        let mut buffers = Vec::with_capacity(count as usize);
+        let (mut copied, mut freed) = (Vec::new(), Vec::new());
+        for j in 0..count {
+            buffers.push(DeviceBuffer::new(ctx, len).map_err(|e| {
+                format!(
+                    "allocating mirror buffer {j} of {count} ({bytes} bytes each) on GPU {}: \
+                     {e}; ask for fewer mirror buffers, or deliver in place",
+                    ctx.device().ordinal()
+                )
+            })?);
+            copied.push(Event::new_plain(ctx).map_err(be)?);
+            freed.push(Event::new_plain(ctx).map_err(be)?);
+        }
+        Ok(Mirror {
+            buffers,
+            copy: Stream::new(ctx).map_err(be)?,
+            copied,
+            freed,
+            used: (0..count).map(|_| AtomicBool::new(false)).collect(),
+            table: MirrorTable::new(count as usize),
+            next: AtomicUsize::new(0),
+        })
+    }
+
+    /// The copy stream (copies and the `finished` writes of mirrored batches run on it).
+    pub(crate) fn stream(&self) -> &Stream {
+        &self.copy
+    }
+
+    /// The number of buffers.
+    pub(crate) fn len(&self) -> usize {
+        self.buffers.len()
+    }
+
+    /// `Some(buffers)` when every buffer holds a batch.
+    pub(crate) fn full(&self) -> Option<usize> {
+        self.table.is_full().then(|| self.len())
+    }
+
+    /// The buffer holding batch `seq`, if it was mirrored and not yet released.
+    pub(crate) fn find(&self, seq: u64) -> Option<usize> {
+        self.table.find(seq)
+    }
+
+    /// The device address of buffer `j`.
+    pub(crate) fn ptr(&self, j: usize) -> CUdeviceptr {
+        self.buffers[j].ptr()
+    }
+
+    /// The event recorded after the copy into buffer `j`.
+    pub(crate) fn copied(&self, j: usize) -> &Event {
+        &self.copied[j]
+    }
+
+    /// Gives back the buffer of batch `seq`, recording on `after` (the consumer's stream,
+    /// into which the batch's users were joined) the point its next copy must wait for.
+    /// Returns false when no buffer held the batch.
+    pub(crate) fn give_back(&self, seq: u64, after: &Stream) -> Result<bool, CudaError> {
+        let Some(j) = self.table.find(seq) else {
+            return Ok(false);
+        };
+        // Recorded before the buffer is free: the next `copy_in` that takes it sees it.
+        let r = self.freed[j].record(after);
+        self.used[j].store(true, Ordering::Release);
+        self.table.give_back(seq);
+        r.map(|()| true)
+    }
+
+    /// For batch `seq` in the producer's slot at `src` (`len` bytes): takes a free buffer and
+    /// enqueues on the copy stream, after `wait_ready` (which makes a stream wait for the
+    /// batch's `ready`) and the buffer's last release, the copy, the `copied` event and then
+    /// `finished` (`write_finished`). On failure the buffer is free again.
+    pub(crate) fn copy_in(
+        &self,
+        seq: u64,
+        src: CUdeviceptr,
+        len: u64,
+        wait_ready: impl FnOnce(&Stream) -> Result<(), CudaError>,
+        write_finished: impl FnOnce(&Stream) -> Result<(), CudaError>,
+    ) -> Result<usize, BackendError> {
+        let hint = self.next.load(Ordering::Relaxed);
+        let j = self.table.take(seq, hint).ok_or_else(|| {
+            format!(
+                "every one of the consumer's {} mirror buffers holds a batch",
+                self.len()
+            )
+        })?;
+        self.next.store((j + 1) % self.len(), Ordering::Relaxed);
+        let s = &self.copy;
+        let r = (|| {
+            wait_ready(s)?;
+            if self.used[j].load(Ordering::Acquire) {
+                s.wait_event(&self.freed[j])?;
+            }
+            if len > 0 {
+                let bytes = usize::try_from(len).map_err(|_| {
+                    CudaError::InvalidArgument("batch length overflows usize".into())
+                })?;
+                // SAFETY: `src` is the published batch, `len <= slot_bytes` (the ring checked
+                // it), readable from this device (the import set access), and the producer
+                // does not write it before our `finished`, written after this copy on the
+                // same stream. Buffer j was free, and this stream waits for the work of its
+                // last batch's users (`freed[j]`).
+                unsafe { driver::memcpy_async(self.buffers[j].ptr(), src, bytes, s) }?;
+            }
+            self.copied[j].record(s)?;
+            write_finished(s)
+        })();
+        if let Err(e) = r {
+            self.table.give_back(seq);
+            return Err(crate::backend::be(e));
+        }
+        Ok(j)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_mirrors_only_on_another_gpu() {
+        assert!(!resolve(Delivery::Auto, true));
+        assert!(resolve(Delivery::Auto, false));
+        assert!(resolve(Delivery::Mirror, true));
+        assert!(!resolve(Delivery::InPlace, false));
+    }
+}

@@ -1,0 +1,230 @@
+//! Consumers on another GPU than the producer's (device 0): every memory path and sync mode,
+//! in place and mirrored, broadcast and shared, mixed with same-GPU consumers, and a
+//! SIGKILLed other-GPU consumer. Every batch is checked by the GPU verify kernel on the
+//! consumer's device. On the GPU machine with one GPU, run the suite with `--skip two_gpu`
+//! (scripts/gpu/suite.sh does): these tests fail on fewer than 2 GPUs rather than pass.
+
+mod common;
+
+use std::process::Command;
+
+use common::*;
+
+/// Visible CUDA devices, from `gpipe probe --json`.
+fn cuda_devices() -> usize {
+    let out = Command::new(GPIPE)
+        .args(["probe", "--json"])
+        .output()
+        .unwrap();
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    r["devices"].as_array().map_or(0, Vec::len)
+}
+
+fn need_two_gpus() {
+    let n = cuda_devices();
+    assert!(n >= 2, "needs 2 CUDA GPUs; this machine has {n}");
+}
+
+/// A verified bench run: nothing lost, duplicated or corrupted, every consumer on the device
+/// and with the delivery asked for. Returns the report.
+fn bench_checked(
+    mode: &str,
+    devices: &[u32],
+    delivery: &[&str],
+    batches: u64,
+    extra: &[&str],
+) -> serde_json::Value {
+    let n = devices.len();
+    let (consumers, batches_arg) = (n.to_string(), batches.to_string());
+    let devices_arg = devices
+        .iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    let delivery_arg = delivery.join(",");
+    let mut args = vec![
+        "bench",
+        "--backend",
+        "cuda",
+        "--mode",
+        mode,
+        "--consumers",
+        &consumers,
+        "--batches",
+        &batches_arg,
+        "--consumer-devices",
+        &devices_arg,
+        "--delivery",
+        &delivery_arg,
+        "--json",
+    ];
+    if !extra.contains(&"--batch-bytes") {
+        args.extend_from_slice(&["--batch-bytes", "8MiB"]);
+    }
+    args.extend_from_slice(extra);
+    let r = bench_json(&args);
+    let what = format!("{mode} {devices:?} {delivery:?} {extra:?}");
+    assert_eq!(r["published"], batches, "{what}");
+    assert_eq!(r["lost"], 0, "{what}");
+    assert_eq!(r["duplicated"], 0, "{what}");
+    assert_eq!(r["mismatches"], 0, "{what}");
+    let per = r["per_consumer"].as_array().unwrap();
+    assert_eq!(per.len(), n, "{what}");
+    assert!(per.iter().all(|c| c["verified"] == true), "{what}");
+    let total: u64 = per.iter().map(|c| c["received"].as_u64().unwrap()).sum();
+    let expected = if mode == "broadcast" {
+        batches * n as u64
+    } else {
+        batches
+    };
+    assert_eq!(total, expected, "{what}: every batch checked on the GPU");
+    let mut seen_devices: Vec<u64> = per.iter().map(|c| c["device"].as_u64().unwrap()).collect();
+    let mut want: Vec<u64> = devices.iter().map(|&d| u64::from(d)).collect();
+    seen_devices.sort_unstable();
+    want.sort_unstable();
+    assert_eq!(seen_devices, want, "{what}");
+    for c in per {
+        // auto: in place on the producer's GPU (0), mirrored on another.
+        let d = c["device"].as_u64().unwrap();
+        let got = c["delivery"].as_str().unwrap();
+        assert!(got == "in-place" || got == "mirror", "{what}: {got}");
+        if delivery.iter().all(|&x| x == "auto") {
+            assert_eq!(
+                got == "mirror",
+                d != 0,
+                "{what}: auto on GPU {d} gave {got}"
+            );
+        }
+    }
+    r
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn two_gpu_consumers_read_in_place_and_mirrored_on_every_path() {
+    need_two_gpus();
+    for memory in ["pool", "vmm", "legacy"] {
+        for sync in ["events", "semaphore"] {
+            for mode in ["broadcast", "shared"] {
+                // A same-GPU consumer, one on GPU 1 in place and one on GPU 1 mirrored.
+                let extra = ["--memory", memory, "--sync", sync];
+                let r = bench_checked(
+                    mode,
+                    &[0, 1, 1],
+                    &["auto", "in-place", "mirror"],
+                    400,
+                    &extra,
+                );
+                let deliveries = &r["extra"]["delivery"];
+                let mut d: Vec<&str> = deliveries
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_str().unwrap())
+                    .collect();
+                d.sort_unstable();
+                assert_eq!(
+                    d,
+                    ["in-place", "in-place", "mirror"],
+                    "{memory} {sync} {mode}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn two_gpu_auto_mirrors_on_the_other_gpu_and_the_report_names_the_link_ceilings() {
+    need_two_gpus();
+    for mode in ["broadcast", "shared"] {
+        let r = bench_checked(mode, &[1, 0], &["auto"], 300, &[]);
+        assert_eq!(r["extra"]["consumer_devices"], serde_json::json!([1, 0]));
+        let peers = r["extra"]["peer_ceilings"].as_array().unwrap();
+        assert_eq!(peers.len(), 1);
+        assert_eq!(peers[0]["device"], 1);
+        for k in ["peer_copy_ceiling_gb_per_s", "remote_read_ceiling_gb_per_s"] {
+            let v = peers[0][k].as_f64().unwrap();
+            assert!(v > 1.0, "{k} = {v} GB/s");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn two_gpu_mirrored_consumer_holding_few_buffers_still_gets_every_batch() {
+    need_two_gpus();
+    // Two mirror buffers for an 8-slot ring: the producer runs ahead on slots freed by the
+    // copies while the consumer recycles its own two buffers.
+    let r = bench_checked(
+        "broadcast",
+        &[1],
+        &["mirror"],
+        500,
+        &[
+            "--slots",
+            "8",
+            "--batch-bytes",
+            "2MiB",
+            "--mirror-buffers",
+            "2",
+        ],
+    );
+    assert_eq!(r["per_consumer"][0]["delivery"], "mirror");
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn two_gpu_consumer_sigkilled_mid_stream_in_place_and_mirrored() {
+    need_two_gpus();
+    // Survivors on GPU 0 (in place) and GPU 1 (mirrored); the victim on GPU 1, each way.
+    const SURVIVOR_0: &[&str] = &["--device", "0"];
+    const SURVIVOR_1: &[&str] = &["--device", "1", "--delivery", "mirror"];
+    const VICTIM_IN_PLACE: &[&str] = &["--device", "1", "--delivery", "in-place"];
+    const VICTIM_MIRROR: &[&str] = &["--device", "1", "--delivery", "mirror"];
+    for victim in [VICTIM_IN_PLACE, VICTIM_MIRROR] {
+        consumer_death_case_placed("cuda", None, &[], [SURVIVOR_0, SURVIVOR_1, victim]);
+    }
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn two_gpu_inspect_shows_each_consumers_gpu_and_delivery() {
+    need_two_gpus();
+    watchdog(60, |procs| {
+        let dir = tmpdir("mgpu-inspect");
+        let sock = dir.join("ring.sock");
+        let p = producer_on(&procs, &sock, "cuda", &[]);
+        let a = consumer_with(&procs, &sock, &dir.join("a.seq"), &["--device", "1"], &[]);
+        let b = consumer_with(&procs, &sock, &dir.join("b.seq"), &[], &[]);
+        wait_until(std::time::Duration::from_secs(20), "two consumers", || {
+            active_consumers(&sock) >= 2
+        });
+        let snap = inspect(&sock);
+        let mut seen: Vec<(u64, String)> = snap["consumers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| {
+                (
+                    c["device"].as_u64().unwrap(),
+                    c["delivery"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect();
+        seen.sort();
+        assert_eq!(
+            seen,
+            [(0, "in-place".to_string()), (1, "mirror".to_string())]
+        );
+        signal(p.id(), libc::SIGINT);
+        let pe = finish(p, std::time::Duration::from_secs(15));
+        assert_eq!(pe.code, Some(0), "producer: {}", pe.stderr);
+        for c in [a, b] {
+            let e = finish(c, std::time::Duration::from_secs(10));
+            assert_eq!(e.code, Some(0), "{}", e.stderr);
+            assert_eq!(report(&e)["mismatches"], 0);
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}
