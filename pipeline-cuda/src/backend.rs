@@ -101,7 +101,7 @@ pub struct CudaOptions {
     pub defer_ready: bool,
     /// Consumer: read the producer's slots in place, or mirror each batch into buffers of its
     /// own on its GPU (see [`crate::mirror`]). Default [`Delivery::Auto`]: in place on the
-    /// producer's GPU, mirrored on another.
+    /// producer's GPU; on another, mirrored for slots of 64 MiB or more, else in place.
     pub delivery: Delivery,
     /// Consumer, mirror delivery: how many batches it may hold at once (buffers of
     /// `slot_bytes` each on its GPU); default: the ring's slot count.
@@ -506,6 +506,11 @@ impl ProducerBackend for CudaProducer {
             if targets & (1u64 << c) == 0 {
                 continue;
             }
+            // Done already (the usual case when the producer is the faster side): no stream
+            // wait, which would cost stream time per batch and consumer.
+            if self.timelines.reached(c, slot, prev_seq + 1) {
+                continue;
+            }
             // A live consumer has attached, so its words are installed.
             let Some(word) = self.timelines.device(c, slot) else {
                 continue;
@@ -883,7 +888,7 @@ impl ConsumerBackend for CudaConsumer {
         // Our own `finished` words only: one row, written at index 0.
         let timelines = Timelines::map(&ctx, 1, layout.slot_count, timeline_fd)?;
         timings.timelines_us = micros(t);
-        let mirror = if mirror::resolve(options.delivery, on_producer_gpu) {
+        let mirror = if mirror::resolve(options.delivery, on_producer_gpu, slot_bytes) {
             let count = options.mirror_buffers.unwrap_or(layout.slot_count);
             Some(Mirror::new(&ctx, count, slot_bytes)?)
         } else {

@@ -83,15 +83,17 @@ fn bench_checked(
     seen_devices.sort_unstable();
     want.sort_unstable();
     assert_eq!(seen_devices, want, "{what}");
+    let slot_bytes = r["batch_bytes"].as_u64().unwrap();
     for c in per {
-        // auto: in place on the producer's GPU (0), mirrored on another.
+        // auto: in place on the producer's GPU (0); on another, mirrored for slots of 64 MiB
+        // or more.
         let d = c["device"].as_u64().unwrap();
         let got = c["delivery"].as_str().unwrap();
         assert!(got == "in-place" || got == "mirror", "{what}: {got}");
         if delivery.iter().all(|&x| x == "auto") {
             assert_eq!(
                 got == "mirror",
-                d != 0,
+                d != 0 && slot_bytes >= 64 << 20,
                 "{what}: auto on GPU {d} gave {got}"
             );
         }
@@ -135,10 +137,10 @@ fn two_gpu_consumers_read_in_place_and_mirrored_on_every_path() {
 
 #[test]
 #[ignore = "needs 2 CUDA GPUs"]
-fn two_gpu_auto_mirrors_on_the_other_gpu_and_the_report_names_the_link_ceilings() {
+fn two_gpu_auto_mirrors_large_slots_on_the_other_gpu_and_names_the_link_ceilings() {
     need_two_gpus();
-    for mode in ["broadcast", "shared"] {
-        let r = bench_checked(mode, &[1, 0], &["auto"], 300, &[]);
+    for (mode, size) in [("broadcast", "64MiB"), ("shared", "8MiB")] {
+        let r = bench_checked(mode, &[1, 0], &["auto"], 300, &["--batch-bytes", size]);
         assert_eq!(r["extra"]["consumer_devices"], serde_json::json!([1, 0]));
         let peers = r["extra"]["peer_ceilings"].as_array().unwrap();
         assert_eq!(peers.len(), 1);
@@ -195,7 +197,13 @@ fn two_gpu_inspect_shows_each_consumers_gpu_and_delivery() {
         let dir = tmpdir("mgpu-inspect");
         let sock = dir.join("ring.sock");
         let p = producer_on(&procs, &sock, "cuda", &[]);
-        let a = consumer_with(&procs, &sock, &dir.join("a.seq"), &["--device", "1"], &[]);
+        let a = consumer_with(
+            &procs,
+            &sock,
+            &dir.join("a.seq"),
+            &["--device", "1", "--delivery", "mirror"],
+            &[],
+        );
         let b = consumer_with(&procs, &sock, &dir.join("b.seq"), &[], &[]);
         wait_until(std::time::Duration::from_secs(20), "two consumers", || {
             active_consumers(&sock) >= 2

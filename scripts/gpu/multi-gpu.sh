@@ -3,8 +3,10 @@
 # Results under $OUT: tests.log (the 2-GPU Rust tests), pytest.log (the Python ones),
 # bench.jsonl (one `gpipe bench --json` report per line, tagged), summary.txt.
 #
-#   bash scripts/gpu/multi-gpu.sh          # tests, then the benchmark (about 8 minutes)
-#   bash scripts/gpu/multi-gpu.sh bench    # the benchmark alone
+#   bash scripts/gpu/multi-gpu.sh          # the 2-GPU tests, then the benchmark
+#   bash scripts/gpu/multi-gpu.sh tests    # the 2-GPU tests alone (Rust and Python)
+#   bash scripts/gpu/multi-gpu.sh suite    # the whole Rust suite + the 2-GPU Python tests
+#   bash scripts/gpu/multi-gpu.sh bench    # the benchmark alone (about 4 minutes)
 #   REPS=5 bash scripts/gpu/multi-gpu.sh bench
 #
 # Every child runs under a hard limit that kills its process group.
@@ -17,13 +19,20 @@ what=${1:-all}; REPS=${REPS:-3}
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | tee "$O/gpus.txt"
 nvidia-smi topo -m > "$O/topo.txt" 2>&1
 gpipe probe > "$O/probe.txt" 2>&1; cat "$O/probe.txt" | tail -12
-if [ "$what" = all ]; then
-  echo "== 2-GPU Rust tests"
-  limit 330 .gpu/tests/multi_gpu --include-ignored --test-threads=1 > "$O/tests.log" 2>&1
-  echo "multi_gpu tests rc=$?"; grep -E "^test |test result" "$O/tests.log"
+if [ "$what" = all ] || [ "$what" = tests ] || [ "$what" = suite ]; then
+  if [ "$what" = suite ]; then
+    echo "== the whole Rust suite, GPU and 2-GPU tests included"
+    limit 420 bash scripts/gpu/suite.sh > "$O/tests.log" 2>&1
+    echo "suite rc=$?"; grep -E "FAILED|panicked|test executables" "$O/tests.log"; grep -E "^test two_gpu" "$O/tests.log"
+  else
+    echo "== 2-GPU Rust tests"
+    limit 330 .gpu/tests/multi_gpu --include-ignored --test-threads=1 > "$O/tests.log" 2>&1
+    echo "multi_gpu tests rc=$?"; grep -E "^test |test result" "$O/tests.log"
+  fi
   echo "== 2-GPU Python tests"
   limit 150 python3 -m pytest -q -p no:cacheprovider gpipe-py/tests/test_gpu.py -k another_gpu > "$O/pytest.log" 2>&1
   echo "pytest rc=$?"; tail -3 "$O/pytest.log"
+  [ "$what" = all ] || exit 0
 fi
 echo "== benchmark: one consumer on GPU 1, in place and mirrored, x$REPS interleaved"
 bench() { # tag, then gpipe bench arguments
@@ -33,15 +42,26 @@ bench() { # tag, then gpipe bench arguments
   [ -n "$line" ] && echo "{\"tag\": \"$tag\", \"report\": $line}" >> "$O/bench.jsonl" || echo "FAILED: $tag $*"
 }
 for rep in $(seq "$REPS"); do
-  for size in 2MiB:4000 64MiB:1000 256MiB:300; do
+  echo "-- repetition $rep of $REPS"
+  for size in 2MiB:20000 8MiB:8000 64MiB:3000 256MiB:800; do
     b=${size%%:*}; n=${size##*:}
     for d in in-place mirror; do
       bench "gpu1-$d-$b" --consumers 1 --consumer-devices 1 --delivery $d --batch-bytes $b --batches $n --slots 8
     done
     bench "gpu0-$b" --consumers 1 --batch-bytes $b --batches $n --slots 8
   done
+  # The memory path's effect on the link (the ceilings use cuMemAlloc memory).
+  for m in vmm legacy; do
+    for d in in-place mirror; do
+      bench "path-$m-gpu1-$d-64MiB" --memory $m --consumers 1 --consumer-devices 1 --delivery $d --batch-bytes 64MiB --batches 3000 --slots 8
+    done
+  done
+  # Egress: two consumers on GPU 1 share GPU 0's link; one on each GPU in broadcast.
+  bench "egress-2x-gpu1-in-place-64MiB" --consumers 2 --consumer-devices 1,1 --delivery in-place --batch-bytes 64MiB --batches 3000 --slots 8
+  bench "egress-2x-gpu1-mirror-64MiB" --consumers 2 --consumer-devices 1,1 --delivery mirror --batch-bytes 64MiB --batches 3000 --slots 8
+  bench "bcast-gpu0-gpu1-64MiB" --consumers 2 --consumer-devices 0,1 --batch-bytes 64MiB --batches 3000 --slots 8
   # Does a consumer on GPU 0 lose anything to one on GPU 1? Shared mode, each at its own pace.
-  bench "shared-gpu0-alone-64MiB" --mode shared --consumers 1 --consumer-devices 0 --batch-bytes 64MiB --batches 1500 --slots 8
-  bench "shared-gpu0-with-gpu1-64MiB" --mode shared --consumers 2 --consumer-devices 0,1 --batch-bytes 64MiB --batches 1500 --slots 8
+  bench "shared-gpu0-alone-64MiB" --mode shared --consumers 1 --consumer-devices 0 --batch-bytes 64MiB --batches 3000 --slots 8
+  bench "shared-gpu0-with-gpu1-64MiB" --mode shared --consumers 2 --consumer-devices 0,1 --batch-bytes 64MiB --batches 3000 --slots 8
 done
 python3 scripts/gpu/multi_gpu_summary.py "$O/bench.jsonl" | tee "$O/summary.txt"

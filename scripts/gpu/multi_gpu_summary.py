@@ -34,19 +34,23 @@ def main(path):
         bps = [r["batches_per_s"] for r in rs]
         gbs = [r["gb_per_s"] for r in rs]
         note = ""
-        if tag.startswith("gpu1-"):
+        if tag.startswith("gpu1-") or tag.startswith("path-"):
             mirror = "-mirror-" in tag
             key = "peer_copy_ceiling_batches_per_s" if mirror else "remote_read_ceiling_batches_per_s"
             ratios = [r["batches_per_s"] / r["extra"]["peer_ceilings"][0][key] for r in rs]
             ceil_gb = med([r["extra"]["peer_ceilings"][0][key.replace("batches_per_s", "gb_per_s")] for r in rs])
             name = "peer copy" if mirror else "remote read"
             note = f"{med(ratios):.2f}x ({span(ratios)}) of {name} {ceil_gb:.0f} GB/s"
-            if "64MiB" in tag or (not mirror):
-                goal = 0.9
-                if mirror and "64MiB" in tag:
-                    targets.append(("mirror at 64 MiB >= 0.9x peer copy", med(ratios), goal))
-                if not mirror:
-                    targets.append((f"in place {tag.split('-')[-1]} >= 0.9x remote read", med(ratios), goal))
+            if tag.startswith("gpu1-") and mirror and "-64MiB" in tag:
+                targets.append(("mirror at 64 MiB >= 0.9x peer copy", med(ratios), 0.9))
+            if tag.startswith("gpu1-") and not mirror:
+                targets.append((f"in place {tag.split('-')[-1]} >= 0.9x remote read", med(ratios), 0.9))
+        elif tag.startswith("egress-") or tag.startswith("bcast-"):
+            per = [[consumer_gbps(c, r["batch_bytes"]) for c in r["per_consumer"]] for r in rs]
+            tot = [sum(p) for p in per]
+            copy = med([r["extra"]["peer_ceilings"][0]["peer_copy_ceiling_gb_per_s"] for r in rs])
+            note = (f"per consumer {', '.join(f'{med([p[i] for p in per]):.0f}' for i in range(len(per[0])))} GB/s, "
+                    f"sum {med(tot):.0f} GB/s (peer copy ceiling {copy:.0f} GB/s)")
         elif tag.startswith("gpu0-"):
             ratios = [r["extra"]["ratio_to_ceiling"] for r in rs]
             note = f"{med(ratios):.2f}x ({span(ratios)}) of the one-GPU ceiling"
