@@ -128,6 +128,7 @@ pub struct PyProducer {
     slots: u32,
     slot_bytes: u64,
     device: DLDevice,
+    max_lead: Option<u32>,
 }
 
 fn parse_mode(mode: &str) -> PyResult<Mode> {
@@ -151,13 +152,22 @@ impl PyProducer {
         max_consumers: u32,
         drain_timeout: f64,
         sync: &str,
-        max_lead: Option<u32>,
+        max_lead: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        if max_lead == Some(0) {
-            return Err(PyValueError::new_err(
-                "max_lead must be at least 1 (None: the ring's own bound, slots)",
-            ));
-        }
+        // None: the ring's own bound; Some(None): "auto", resolved once the backend is known.
+        let lead_err = || {
+            PyValueError::new_err(
+                "max_lead must be a number of batches (1 or more), \"auto\" (from the GPU's L2 size), or None (the ring's own bound, slots)",
+            )
+        };
+        let max_lead: Option<Option<u32>> = match &max_lead {
+            None => None,
+            Some(v) if v.extract::<String>().is_ok_and(|s| s == "auto") => Some(None),
+            Some(v) => match v.extract::<u32>() {
+                Ok(n) if n >= 1 => Some(Some(n)),
+                _ => return Err(lead_err()),
+            },
+        };
         let mode = parse_mode(mode)?;
         // `auto`: timeline words, which a consumer can release when the producer dies (an IPC
         // event recorded by a dead process may never complete).
@@ -180,7 +190,7 @@ impl PyProducer {
                 "device must be a CUDA device index >= 0, not {device}"
             )));
         }
-        let config = ProducerConfig {
+        let mut config = ProducerConfig {
             slots,
             batch_bytes,
             mode,
@@ -194,7 +204,7 @@ impl PyProducer {
                 Some(ms) => LagPolicy::DetachAfter(Duration::from_millis(ms)),
             },
             drain_timeout: Duration::from_secs_f64(drain_timeout.min(3600.0)),
-            max_lead,
+            max_lead: max_lead.flatten(),
             ..ProducerConfig::default()
         };
         config
@@ -214,6 +224,14 @@ impl PyProducer {
                 )));
             }
         };
+        if max_lead == Some(None) && cuda.is_some() {
+            // auto on a GPU: as many batches as fit in its L2 (pipeline_cuda::probe::l2_max_lead).
+            let (lead, _l2) =
+                pipeline_cuda::probe::auto_max_lead(device as usize, batch_bytes, slots)
+                    .map_err(|e| crate::BackendError::new_err(format!("max_lead=\"auto\": {e}")))?;
+            config.max_lead = lead;
+        }
+        let resolved_lead = config.max_lead;
         let path = socket.clone();
         let (producer, dl) = match cuda {
             None => (
@@ -256,6 +274,7 @@ impl PyProducer {
             slots: layout.slot_count,
             slot_bytes: layout.slot_bytes,
             device: dl,
+            max_lead: resolved_lead,
         })
     }
 
@@ -378,6 +397,12 @@ impl PyProducer {
         d.set_item("refused", stats.refused)?;
         d.set_item("requeued", stats.requeued)?;
         Ok(d)
+    }
+
+    /// The producer-lead bound in batches (None: the ring's own, slots); "auto" resolved.
+    #[getter]
+    fn max_lead(&self) -> Option<u32> {
+        self.max_lead
     }
 
     /// True after close().

@@ -150,9 +150,11 @@ def test_spin_is_checked_and_a_spinning_consumer_receives(ring):
 
 
 def test_max_lead_holds_the_producer_back_before_the_ring_is_full(make_ring):
-    with pytest.raises(ValueError, match="max_lead"):
-        make_ring(max_lead=0)
+    for bad in (0, -1, "fast", 1.5):
+        with pytest.raises(ValueError, match="max_lead"):
+            make_ring(max_lead=bad)
     p, c = make_ring(slots=4, max_lead=1)
+    assert p.max_lead == 1
     p.send(np.zeros(4, dtype=np.int32))
     b = c.recv(timeout=5)
     with pytest.raises(gpipe.Timeout):  # three slots free, but batch 0 is not consumed
@@ -161,3 +163,12 @@ def test_max_lead_holds_the_producer_back_before_the_ring_is_full(make_ring):
     assert p.send(np.ones(4, dtype=np.int32)) == 1
     with c.recv(timeout=5) as b:
         assert b.seq == 1 and np.from_dlpack(b).tolist() == [1, 1, 1, 1]
+
+
+def test_max_lead_auto_on_a_host_ring_is_the_rings_own_bound(make_ring):
+    p, c = make_ring(slots=2, max_lead="auto")
+    assert p.max_lead is None
+    for i in range(2):  # both slots may be in flight
+        p.send(np.full(4, i, dtype=np.int32))
+    with c.recv(timeout=5) as b:
+        assert b.seq == 0

@@ -91,9 +91,78 @@ pub struct RingArgs {
     pub batch_bytes: u64,
     /// Write a batch only once the batch this many back was consumed by everyone who got it
     /// (default: the ring's own bound, --slots). A lead below --slots keeps the data in
-    /// flight small enough to stay in a GPU's L2 cache.
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    /// flight small enough to stay in a GPU's L2 cache; `auto` derives it from the GPU's L2
+    /// size and the batch size (on the host backend: the ring's own bound).
+    #[arg(long, value_parser = parse_lead)]
+    pub max_lead: Option<LeadArg>,
+}
+
+/// `--max-lead`: a number of batches, or `auto`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LeadArg {
+    /// From the GPU's L2 size and the batch size.
+    Auto,
+    /// This many batches.
+    Batches(u32),
+}
+
+fn parse_lead(s: &str) -> Result<LeadArg, String> {
+    if s == "auto" {
+        return Ok(LeadArg::Auto);
+    }
+    match s.parse::<u32>() {
+        Ok(n) if n >= 1 => Ok(LeadArg::Batches(n)),
+        _ => Err(format!(
+            "{s:?} is not a lead: give a number of batches (1 or more) or auto"
+        )),
+    }
+}
+
+/// How `--max-lead` was resolved: the bound, and for `auto` what it came from.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct LeadChoice {
+    /// The producer-lead bound (None: the ring's own, --slots).
     pub max_lead: Option<u32>,
+    /// It came from `auto`.
+    pub auto: bool,
+    /// The L2 size `auto` used (CUDA).
+    pub l2_bytes: Option<u64>,
+}
+
+impl RingArgs {
+    /// Resolves `--max-lead` for the backend the ring runs on (CUDA: the producer's device 0).
+    pub fn lead(&self, cuda: bool) -> Result<LeadChoice, String> {
+        match self.max_lead {
+            None => Ok(LeadChoice::default()),
+            Some(LeadArg::Batches(n)) => Ok(LeadChoice {
+                max_lead: Some(n),
+                ..LeadChoice::default()
+            }),
+            Some(LeadArg::Auto) if !cuda => Ok(LeadChoice {
+                auto: true,
+                ..LeadChoice::default()
+            }),
+            Some(LeadArg::Auto) => {
+                let (lead, l2) =
+                    pipeline_cuda::probe::auto_max_lead(0, self.batch_bytes, self.slots)
+                        .map_err(|e| format!("--max-lead auto: reading the L2 size: {e}"))?;
+                eprintln!(
+                    "gpipe: --max-lead auto: {} ({} MiB L2, {} per batch, {} slots)",
+                    lead.map_or("the ring's own bound".to_string(), |n| format!(
+                        "{n} batches"
+                    )),
+                    l2 >> 20,
+                    crate::size::format(self.batch_bytes),
+                    self.slots
+                );
+                Ok(LeadChoice {
+                    max_lead: lead,
+                    auto: true,
+                    l2_bytes: Some(l2),
+                })
+            }
+        }
+    }
 }
 
 /// Resolves `auto` to a concrete backend, saying why when it falls back to host.

@@ -39,6 +39,10 @@ pub struct BenchCmd {
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
+    /// Run the whole bench this many times (fresh consumers each time) and report the median
+    /// repetition, the spread, and every repetition in the JSON.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
+    repeat: u32,
     /// Measure each batch's round trip (publish -> consumer done -> slot free); use with
     /// --slots 1.
     #[arg(long)]
@@ -64,7 +68,7 @@ pub fn command(cmd: BenchCmd) -> Result<ExitCode, String> {
         mode: cmd.ring.mode.into(),
         slots: cmd.ring.slots,
         batch_bytes: cmd.ring.batch_bytes,
-        max_lead: cmd.ring.max_lead,
+        max_lead: None,
         batches: cmd.batches,
         timeout: cmd.timeout,
         json: cmd.json,
@@ -94,18 +98,36 @@ pub fn command(cmd: BenchCmd) -> Result<ExitCode, String> {
             duration::plural(u64::from(cmd.consumers), "consumer", "consumers")
         ));
     }
-    let report = match resolve_backend(cmd.backend)? {
-        BackendArg::Host if !cmd.consumer_devices.is_empty() => {
-            return Err("--consumer-devices applies to the CUDA backend".into());
+    let backend = resolve_backend(cmd.backend)?;
+    let lead = cmd.ring.lead(backend == BackendArg::Cuda)?;
+    args.max_lead = lead.max_lead;
+    if backend == BackendArg::Host && !cmd.consumer_devices.is_empty() {
+        return Err("--consumer-devices applies to the CUDA backend".into());
+    }
+    let mut reports = Vec::new();
+    for i in 0..cmd.repeat {
+        if cmd.repeat > 1 && !cmd.json {
+            eprintln!("gpipe bench: repetition {} of {}", i + 1, cmd.repeat);
         }
-        BackendArg::Host => {
-            run::<HostProducer, _>(&args, HostOptions::default(), &mut work::HostFill)?
+        let report = match backend {
+            BackendArg::Host => {
+                run::<HostProducer, _>(&args, HostOptions::default(), &mut work::HostFill)?
+            }
+            _ => {
+                args.backend = "cuda";
+                let mut r = run_cuda(&args, &cmd.cuda)?;
+                if lead.auto {
+                    r.extra["max_lead_auto"] = serde_json::to_value(lead).unwrap_or_default();
+                }
+                r
+            }
+        };
+        reports.push(report);
+        if crate::STOP.load(std::sync::atomic::Ordering::Relaxed) {
+            break;
         }
-        _ => {
-            args.backend = "cuda";
-            run_cuda(&args, &cmd.cuda)?
-        }
-    };
+    }
+    let report = fold_repetitions(reports);
     crate::print_report(&report, cmd.json, report.problems.is_empty())
 }
 
@@ -127,6 +149,17 @@ fn run_cuda(args: &BenchArgs, cuda: &CudaArgs) -> Result<BenchReport, String> {
         .map_err(|e| format!("measuring the lagged ceiling: {e}"))?;
     let pool = cuda_work::pool_ceiling(bytes, slots, batches)
         .map_err(|e| format!("measuring the pool ceiling: {e}"))?;
+    // The fair ceiling: the run's own work per batch (1 fill + N verifies in broadcast with N
+    // consumers, 1 + 1 in shared), on one stream and spread over streams; the better counts.
+    let verifies = match args.mode {
+        Mode::Broadcast => args.consumers.max(1),
+        Mode::Shared => 1,
+    };
+    let fair_one = cuda_work::fair_ceiling(bytes, slots, batches, verifies, false)
+        .map_err(|e| format!("measuring the fair ceiling on one stream: {e}"))?;
+    let fair_spread = cuda_work::fair_ceiling(bytes, slots, batches, verifies, true)
+        .map_err(|e| format!("measuring the fair ceiling over streams: {e}"))?;
+    let fair = fair_one.max(fair_spread);
     let mut extra = serde_json::json!({
         "memory": options.memory.to_string(),
         "handle": options.handle.to_string(),
@@ -138,6 +171,11 @@ fn run_cuda(args: &BenchArgs, cuda: &CudaArgs) -> Result<BenchReport, String> {
         "lag": lag,
         "two_stream_ceiling_batches_per_s": overlapped,
         "ratio_to_ceiling": report.batches_per_s / ceiling,
+        "fair_ceiling_batches_per_s": fair,
+        "fair_ceiling_one_stream_batches_per_s": fair_one,
+        "fair_ceiling_spread_batches_per_s": fair_spread,
+        "fair_ceiling_verifies_per_batch": verifies,
+        "ratio_to_fair_ceiling": report.batches_per_s / fair,
         "mps_active": mps,
         "producer_device": 0,
         "consumer_devices": if args.consumer_devices.is_empty() {
@@ -261,6 +299,98 @@ pub struct BenchReport {
     pub problems: Vec<String>,
     /// Extra measurements the backend adds (e.g. the CUDA single-process ceiling).
     pub extra: serde_json::Value,
+    /// With `--repeat N` (N > 1): every repetition and the spread; the rest of the report is
+    /// the repetition with the median rate.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub repetitions: Option<Repetitions>,
+}
+
+/// The repetitions of a `--repeat` run.
+#[derive(Debug, serde::Serialize)]
+pub struct Repetitions {
+    /// Batches per second over the repetitions.
+    pub batches_per_s: Spread,
+    /// The ratio to the fair ceiling (CUDA), each repetition against its own.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ratio_to_fair_ceiling: Option<Spread>,
+    /// Each repetition's figures, in the order they ran.
+    pub runs: Vec<serde_json::Value>,
+}
+
+/// Median, minimum and maximum of a figure over repetitions.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct Spread {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+}
+
+impl Spread {
+    /// The spread of `xs` (non-empty; NaNs sort last).
+    pub fn of(xs: &[f64]) -> Spread {
+        let mut v = xs.to_vec();
+        v.sort_by(|a, b| a.total_cmp(b));
+        let n = v.len();
+        let median = if n % 2 == 1 {
+            v[n / 2]
+        } else {
+            (v[n / 2 - 1] + v[n / 2]) / 2.0
+        };
+        Spread {
+            median,
+            min: v[0],
+            max: v[n - 1],
+        }
+    }
+}
+
+/// Folds the reports of `--repeat` runs into one: the repetition with the median rate, every
+/// problem of every repetition, and the spread.
+fn fold_repetitions(mut reports: Vec<BenchReport>) -> BenchReport {
+    if reports.len() == 1 {
+        return reports.remove(0);
+    }
+    let rates: Vec<f64> = reports.iter().map(|r| r.batches_per_s).collect();
+    let fair: Vec<f64> = reports
+        .iter()
+        .filter_map(|r| r.extra["ratio_to_fair_ceiling"].as_f64())
+        .collect();
+    let runs = reports
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            serde_json::json!({
+                "repetition": i + 1,
+                "batches_per_s": r.batches_per_s,
+                "gb_per_s": r.gb_per_s,
+                "elapsed_s": r.elapsed_s,
+                "ratio_to_fair_ceiling": r.extra["ratio_to_fair_ceiling"],
+                "fair_ceiling_batches_per_s": r.extra["fair_ceiling_batches_per_s"],
+                "round_trip_p50_us": r.round_trip_p50_us,
+                "problems": r.problems,
+            })
+        })
+        .collect();
+    let mut order: Vec<usize> = (0..reports.len()).collect();
+    order.sort_by(|&a, &b| rates[a].total_cmp(&rates[b]));
+    let mid = order[(order.len() - 1) / 2];
+    let problems: Vec<String> = reports
+        .iter()
+        .enumerate()
+        .flat_map(|(i, r)| {
+            r.problems
+                .iter()
+                .map(move |p| format!("repetition {}: {p}", i + 1))
+        })
+        .collect();
+    let mut report = reports.swap_remove(mid);
+    report.problems = problems;
+    report.repetitions = Some(Repetitions {
+        batches_per_s: Spread::of(&rates),
+        ratio_to_fair_ceiling: (fair.len() == rates.len()).then(|| Spread::of(&fair)),
+        runs,
+    });
+    report
 }
 
 struct Children(Vec<Child>);
@@ -546,6 +676,7 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
         round_trip_p99_us: pct(0.99),
         problems,
         extra: serde_json::Value::Null,
+        repetitions: None,
     })
 }
 
@@ -630,6 +761,25 @@ impl std::fmt::Display for BenchReport {
             self.gb_per_s,
             self.delivered_gb_per_s
         )?;
+        if let Some(rep) = &self.repetitions {
+            let b = rep.batches_per_s;
+            write!(
+                f,
+                "  {} repetitions: {:.0} batches/s median ({:.0}..{:.0}); figures below are the median one's",
+                rep.runs.len(),
+                b.median,
+                b.min,
+                b.max
+            )?;
+            if let Some(r) = rep.ratio_to_fair_ceiling {
+                write!(
+                    f,
+                    "; ratio to fair ceiling {:.3} median ({:.3}..{:.3})",
+                    r.median, r.min, r.max
+                )?;
+            }
+            writeln!(f)?;
+        }
         for r in &self.per_consumer {
             writeln!(
                 f,
@@ -785,7 +935,7 @@ mod report_tests {
 
 #[cfg(test)]
 mod mps_hint_tests {
-    use super::{BenchReport, MPS_HINT, compact_rate, mps_hint};
+    use super::{BenchReport, MPS_HINT, Spread, compact_rate, fold_repetitions, mps_hint};
 
     #[test]
     fn no_hint_when_mps_is_running() {
@@ -878,6 +1028,45 @@ mod mps_hint_tests {
         assert_eq!(compact_rate(143_196.0), "143k");
     }
 
+    #[test]
+    fn repetitions_fold_into_the_median_one_with_every_problem() {
+        let mk = |rate: f64, fair: f64, problem: Option<&str>| {
+            let mut r = report(serde_json::json!({ "ratio_to_fair_ceiling": fair }));
+            r.batches_per_s = rate;
+            r.problems = problem.map(|p| vec![p.to_string()]).unwrap_or_default();
+            r
+        };
+        let folded = fold_repetitions(vec![
+            mk(300.0, 0.9, None),
+            mk(100.0, 0.3, Some("lost 1")),
+            mk(200.0, 0.6, None),
+        ]);
+        assert_eq!(folded.batches_per_s, 200.0);
+        assert_eq!(folded.problems, ["repetition 2: lost 1"]);
+        let rep = folded.repetitions.as_ref().unwrap();
+        assert_eq!(
+            (
+                rep.batches_per_s.median,
+                rep.batches_per_s.min,
+                rep.batches_per_s.max
+            ),
+            (200.0, 100.0, 300.0)
+        );
+        assert_eq!(rep.ratio_to_fair_ceiling.unwrap().median, 0.6);
+        assert_eq!(rep.runs.len(), 3);
+        assert_eq!(rep.runs[1]["batches_per_s"], 100.0);
+        assert!(
+            folded
+                .to_string()
+                .contains("3 repetitions: 200 batches/s median (100..300)")
+        );
+        // An even count takes the mean of the middle two as the median figure.
+        assert_eq!(Spread::of(&[4.0, 1.0, 3.0, 2.0]).median, 2.5);
+        // One repetition is the report itself.
+        let one = fold_repetitions(vec![mk(5.0, 0.5, None)]);
+        assert!(one.repetitions.is_none());
+    }
+
     fn report(extra: serde_json::Value) -> BenchReport {
         BenchReport {
             backend: "cuda".into(),
@@ -901,6 +1090,7 @@ mod mps_hint_tests {
             round_trip_p99_us: None,
             problems: Vec::new(),
             extra,
+            repetitions: None,
         }
     }
 

@@ -416,3 +416,84 @@ fn timed(
     };
     Ok(batches as f64 / secs)
 }
+
+/// The fair ceiling of a run: the work the run did per batch, done in one process. One fill
+/// and `verifies` verifies of each batch (broadcast with N consumers: N; shared: 1) over
+/// `buffers` buffers, both on one stream (`spread == false`: fill, then every verify) and
+/// spread over streams the way the pipeline spreads them (`spread == true`: fills on one,
+/// each verify on a stream of its own, ordered by same-process events; a buffer is refilled
+/// once all its verifies are done). Batches per second.
+pub fn fair_ceiling(
+    bytes: u64,
+    buffers: u32,
+    batches: u64,
+    verifies: u32,
+    spread: bool,
+) -> Result<f64, CudaError> {
+    let ctx = Context::new(0)?;
+    let k = Kernels::load(&ctx)?;
+    let n = buffers.max(1) as usize;
+    let v = verifies.max(1) as usize;
+    let bufs: Vec<DeviceBuffer> = (0..n)
+        .map(|_| DeviceBuffer::new(&ctx, bytes as usize))
+        .collect::<Result<_, _>>()?;
+    let results = DeviceBuffer::new(&ctx, VERIFY_RESULT_BYTES)?;
+    let fs = Stream::new(&ctx)?;
+    let vs: Vec<Stream> = if spread {
+        (0..v)
+            .map(|_| Stream::new(&ctx))
+            .collect::<Result<_, _>>()?
+    } else {
+        Vec::new()
+    };
+    let filled: Vec<Event> = (0..n)
+        .map(|_| Event::new_plain(&ctx))
+        .collect::<Result<_, _>>()?;
+    let verified: Vec<Vec<Event>> = (0..n)
+        .map(|_| (0..v).map(|_| Event::new_plain(&ctx)).collect())
+        .collect::<Result<_, _>>()?;
+    let run = |count: u64| -> Result<(), CudaError> {
+        for s in 0..count {
+            let i = (s % n as u64) as usize;
+            let p = bufs[i].ptr();
+            if !spread {
+                // SAFETY: our own buffers, used in stream order only.
+                unsafe { k.fill(&fs, p, bytes as usize, s)? };
+                for _ in 0..v {
+                    // SAFETY: as above.
+                    unsafe { k.verify(&fs, p, bytes as usize, s, results.ptr())? };
+                }
+                continue;
+            }
+            if s >= n as u64 {
+                for e in &verified[i] {
+                    fs.wait_event(e)?;
+                }
+            }
+            // SAFETY: our own buffers; a fill waits for the last verifies of its buffer, and
+            // each verify waits for its fill.
+            unsafe { k.fill(&fs, p, bytes as usize, s)? };
+            filled[i].record(&fs)?;
+            for (c, st) in vs.iter().enumerate() {
+                st.wait_event(&filled[i])?;
+                // SAFETY: as above.
+                unsafe { k.verify(st, p, bytes as usize, s, results.ptr())? };
+                verified[i][c].record(st)?;
+            }
+        }
+        Ok(())
+    };
+    let sync_all = || -> Result<(), CudaError> {
+        fs.synchronize()?;
+        for st in &vs {
+            st.synchronize()?;
+        }
+        Ok(())
+    };
+    run(batches.min(64))?;
+    sync_all()?;
+    let t = Instant::now();
+    run(batches)?;
+    sync_all()?;
+    Ok(batches as f64 / t.elapsed().as_secs_f64())
+}

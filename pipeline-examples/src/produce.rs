@@ -49,11 +49,11 @@ pub struct ProduceCmd {
 
 /// Runs `gpipe produce`.
 pub fn command(cmd: ProduceCmd) -> Result<ExitCode, String> {
-    let config = ProducerConfig {
+    let mut config = ProducerConfig {
         slots: cmd.ring.slots,
         batch_bytes: cmd.ring.batch_bytes,
         mode: cmd.ring.mode.into(),
-        max_lead: cmd.ring.max_lead,
+        max_lead: None,
         max_consumers: cmd.max_consumers,
         allowed_uids: cmd.allow_uid,
         allowed_gids: cmd.allow_gid,
@@ -66,7 +66,9 @@ pub fn command(cmd: ProduceCmd) -> Result<ExitCode, String> {
     if cmd.ring.batch_bytes % 8 != 0 {
         return Err("--batch-bytes must be a multiple of 8".into());
     }
-    match resolve_backend(cmd.backend)? {
+    let backend = resolve_backend(cmd.backend)?;
+    config.max_lead = cmd.ring.lead(backend == BackendArg::Cuda)?.max_lead;
+    match backend {
         BackendArg::Host => produce::<HostProducer, _>(
             &cmd.socket,
             config,

@@ -51,11 +51,13 @@ pub fn command(cmd: SoakCmd) -> Result<ExitCode, String> {
         mode: cmd.ring.mode.into(),
         slots: cmd.ring.slots,
         batch_bytes: cmd.ring.batch_bytes,
-        max_lead: cmd.ring.max_lead,
+        max_lead: None,
         seed: cmd.seed,
         backend: "host",
     };
-    let report = match resolve_backend(cmd.backend)? {
+    let backend = resolve_backend(cmd.backend)?;
+    args.max_lead = cmd.ring.lead(backend == BackendArg::Cuda)?.max_lead;
+    let report = match backend {
         BackendArg::Host => {
             run::<HostProducer, _>(&args, HostOptions::default(), &mut work::HostFill)?
         }

@@ -557,3 +557,41 @@ fn bench_with_a_lead_bound_verifies_every_batch_and_reports_it() {
     assert!(!err.status.success());
     assert!(String::from_utf8_lossy(&err.stderr).contains("max-lead"));
 }
+
+#[test]
+fn bench_repeat_keeps_every_repetition_and_reports_the_median() {
+    let r = bench_json(&[
+        "bench",
+        "--backend",
+        "host",
+        "--consumers",
+        "1",
+        "--batches",
+        "200",
+        "--batch-bytes",
+        "64KiB",
+        "--repeat",
+        "3",
+        "--max-lead",
+        "auto",
+        "--json",
+    ]);
+    let rep = &r["repetitions"];
+    let runs = rep["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 3);
+    let mut rates: Vec<f64> = runs
+        .iter()
+        .map(|x| x["batches_per_s"].as_f64().unwrap())
+        .collect();
+    rates.sort_by(f64::total_cmp);
+    assert_eq!(rep["batches_per_s"]["median"].as_f64(), Some(rates[1]));
+    assert_eq!(rep["batches_per_s"]["min"].as_f64(), Some(rates[0]));
+    // The report is the median repetition's.
+    assert_eq!(r["batches_per_s"].as_f64(), Some(rates[1]));
+    // auto on the host backend: the ring's own bound.
+    assert!(r.get("max_lead").is_none() || r["max_lead"].is_null());
+    assert_eq!(
+        (r["lost"].as_u64(), r["problems"].as_array().map(Vec::len)),
+        (Some(0), Some(0))
+    );
+}

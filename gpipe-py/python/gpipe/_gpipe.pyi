@@ -278,7 +278,7 @@ class Producer:
         max_consumers: int = 16,
         drain_timeout: float = 5.0,
         sync: str = "auto",
-        max_lead: Optional[int] = None,
+        max_lead: Union[int, str, None] = None,
     ) -> None:
         """Creates the ring and listens on `socket` (mode 0600). detach_after_ms: detach a
         consumer that holds a slot the producer needs for longer than this (default: wait
@@ -286,7 +286,8 @@ class Producer:
         "host". sync (CUDA): "auto" = timeline words, which consumers release when the
         producer dies; "events" = IPC events. max_lead: write a batch only once the batch
         this many back was consumed by everyone who got it (default: the ring's own bound,
-        slots); below slots it keeps the data in flight small enough for a GPU's L2 cache."""
+        slots); below slots it keeps the data in flight small enough for a GPU's L2 cache;
+        "auto" derives it from the GPU's L2 size and batch_bytes (host rings: None)."""
     def acquire(self, timeout: Optional[float] = None, stream: Any = None) -> Slot:
         """The next slot, once every consumer that had its previous batch released it.
         One slot at a time. On CUDA, `stream` (default: torch's current stream, else the

@@ -140,6 +140,12 @@ impl Device {
         Ok(u32::try_from(n).unwrap_or(1).max(1))
     }
 
+    /// L2 cache size in bytes.
+    pub fn l2_cache_bytes(&self) -> Result<u64, CudaError> {
+        let n = self.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?;
+        Ok(u64::try_from(n).unwrap_or(0))
+    }
+
     /// Total device memory in bytes.
     pub fn total_memory(&self) -> Result<usize, CudaError> {
         let mut bytes: usize = 0;

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Issue #13's measurements on one GPU, from the repo root after staging: ratios to the fair
+# ceiling (the run's own work in one process), median of 5, with MPS then without; the
+# producer-lead bound (auto vs the ring's); 4 broadcast consumers; the 1-slot round trip.
+# Results under $OUT: perf.jsonl (one `gpipe bench --json --repeat N` report per line,
+# tagged), summary.txt (scripts/gpu/perf_summary.py).
+#   bash scripts/gpu/perf.sh            # MPS and no MPS (about 3 minutes on an H100)
+#   REPS=3 bash scripts/gpu/perf.sh
+set -u
+O=${OUT:-/tmp/o}; mkdir -p "$O"
+. .gpu/env.sh
+REPS=${REPS:-5}
+limit() { local s=$1; shift; timeout -k 5 "$s" setsid "$@"; }
+nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee "$O/gpu.txt"
+bench() { # tag, then gpipe bench arguments
+  local tag=$1; shift
+  local line
+  line=$(limit 150 gpipe bench --backend cuda --json --repeat "$REPS" "$@" 2>>"$O/perf.err" | python3 -c 'import json,sys; print(json.dumps(json.load(sys.stdin)))')
+  [ -n "$line" ] && echo "{\"tag\": \"$tag\", \"report\": $line}" >> "$O/perf.jsonl" || echo "FAILED: $tag $*"
+}
+matrix() { # label
+  local m=$1
+  for size in 2MiB:20000 8MiB:10000 64MiB:2000; do
+    b=${size%%:*}; n=${size##*:}
+    bench "$m-1c-$b-lead-ring" --consumers 1 --batch-bytes $b --batches $n --slots 8
+    bench "$m-1c-$b-lead-auto" --consumers 1 --batch-bytes $b --batches $n --slots 8 --max-lead auto
+  done
+  bench "$m-4c-broadcast-2MiB" --consumers 4 --batch-bytes 2MiB --batches 20000 --slots 8
+  bench "$m-rtt-2MiB" --consumers 1 --batch-bytes 2MiB --batches 5000 --slots 1 --round-trip
+}
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+nvidia-cuda-mps-control -d && sleep 1 && echo "== MPS on"
+matrix mps
+echo quit | nvidia-cuda-mps-control; sleep 2
+unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+echo "== MPS off"
+for slots in 8 32; do
+  bench "nomps-1c-2MiB-slots$slots" --consumers 1 --batch-bytes 2MiB --batches 8000 --slots $slots
+done
+python3 scripts/gpu/perf_summary.py "$O/perf.jsonl" | tee "$O/summary.txt"
