@@ -1006,19 +1006,15 @@ impl ConsumerBackend for CudaConsumer {
             if m.give_back(seq, &self.stream).map_err(be)? {
                 return Ok(());
             }
-            // A batch refused before its copy: say so on the copy stream, where this slot's
-            // earlier `finished` words were written, after the batch's `ready` (so the word
-            // never goes backwards).
+            // A batch refused before its copy: say so on the copy stream, where every one of
+            // this consumer's `finished` words is written, in order, so the word never goes
+            // backwards. No wait for `ready`: we read nothing of the batch, and one that
+            // failed would leave the word unwritten and the producer waiting on it.
             // SAFETY: the copy stream is ours; the word is in our registered timelines.
-            unsafe {
-                self.ready.wait(m.stream().raw(), slot, seq).map_err(be)?;
-                return driver::stream_write_value64(
-                    m.stream(),
-                    self.timelines.device(0, slot),
-                    seq + 1,
-                )
-                .map_err(be);
+            return unsafe {
+                driver::stream_write_value64(m.stream(), self.timelines.device(0, slot), seq + 1)
             }
+            .map_err(be);
         }
         if self.presignalled[slot as usize].load(Ordering::Acquire) == seq + 1 {
             return Ok(());
@@ -1046,8 +1042,12 @@ impl Drop for CudaConsumer {
         // sends Goodbye after this drop) may the producer free its memory.
         if self.abandoned.load(Ordering::Acquire) && matches!(self.ready, ReadySignal::Events(_)) {
             // The producer died: our stream may wait forever on a `ready` event it recorded
-            // but never ran. Leave the imports to the driver's process teardown.
+            // but never ran. Leave the imports, and a mirror's buffers (whose free could wait
+            // for a copy stream stuck the same way), to the driver's process teardown.
             tracing::warn!("the producer died: skipping the CUDA consumer's teardown");
+            if let Some(m) = self.mirror.take() {
+                std::mem::forget(m);
+            }
             return;
         }
         // The whole context: batches may have been used on the application's streams.

@@ -22,5 +22,6 @@ mod export;
 pub mod kernels;
 pub mod memory;
 pub mod mirror;
+pub mod nccl;
 pub mod probe;
 pub mod sync;

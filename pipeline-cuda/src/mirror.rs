@@ -122,8 +122,12 @@ impl Mirror {
         let Some(j) = self.table.find(seq) else {
             return Ok(false);
         };
-        // Recorded before the buffer is free: the next `copy_in` that takes it sees it.
-        let r = self.freed[j].record(after);
+        // Recorded before the buffer is free: the next `copy_in` that takes it sees it. If
+        // the record fails, the next copy could not wait for the users: wait for them here.
+        let r = self.freed[j].record(after).or_else(|e| {
+            after.synchronize()?;
+            Err(e)
+        });
         self.used[j].store(true, Ordering::Release);
         self.table.give_back(seq);
         r.map(|()| true)
@@ -161,10 +165,13 @@ impl Mirror {
                     CudaError::InvalidArgument("batch length overflows usize".into())
                 })?;
                 // SAFETY: `src` is the published batch, `len <= slot_bytes` (the ring checked
-                // it), readable from this device (the import set access), and the producer
-                // does not write it before our `finished`, written after this copy on the
-                // same stream. Buffer j was free, and this stream waits for the work of its
-                // last batch's users (`freed[j]`).
+                // it), readable from this device (the import set access). The producer does
+                // not write it before our `finished`, written after this copy on the same
+                // stream; for a shared-mode claim the producer will not wait for, the ring
+                // completes this copy (`complete_now`) before it releases the slot. Buffer j
+                // was free, and this stream waits for the work of its last batch's users
+                // (`freed[j]`, recorded on the consumer's stream after the release joined
+                // their streams into it, or a synchronize if that record failed).
                 unsafe { driver::memcpy_async(self.buffers[j].ptr(), src, bytes, s) }?;
             }
             self.copied[j].record(s)?;

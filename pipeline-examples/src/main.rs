@@ -11,6 +11,7 @@ mod duration;
 mod inspect;
 mod probe;
 mod produce;
+mod relay;
 mod size;
 mod soak;
 mod work;
@@ -67,6 +68,9 @@ enum Cmd {
     Consume(consume::ConsumeCmd),
     /// Show the live state of a ring: slots, sequence numbers, consumers, lag, liveness.
     Inspect(inspect::InspectCmd),
+    /// Carry a ring's batches to another host: `send` on the ring's host, `recv` on the
+    /// other (NCCL for a CUDA ring; see docs/relay.md).
+    Relay(relay::RelayCmd),
 }
 
 /// Colour in logs only on a terminal, and never when `NO_COLOR` is set to anything non-empty
@@ -95,6 +99,7 @@ fn main() -> ExitCode {
         Cmd::Produce(cmd) => produce::command(cmd),
         Cmd::Consume(cmd) => consume::command(cmd),
         Cmd::Inspect(cmd) => inspect::command(cmd),
+        Cmd::Relay(cmd) => relay::command(cmd),
     };
     match result {
         Ok(code) => code,

@@ -45,6 +45,9 @@ pub struct ProduceCmd {
     /// producer waits for, longer than this many ms (default: wait).
     #[arg(long)]
     detach_after_ms: Option<u64>,
+    /// Publish nothing until this many consumers have attached (up to 5 minutes).
+    #[arg(long, default_value_t = 0)]
+    wait_for_consumers: u32,
 }
 
 /// Runs `gpipe produce`.
@@ -77,6 +80,7 @@ pub fn command(cmd: ProduceCmd) -> Result<ExitCode, String> {
             cmd.batches,
             cmd.rate,
             cmd.ring.batch_bytes,
+            cmd.wait_for_consumers,
         ),
         _ => produce::<CudaProducer, _>(
             &cmd.socket,
@@ -86,12 +90,14 @@ pub fn command(cmd: ProduceCmd) -> Result<ExitCode, String> {
             cmd.batches,
             cmd.rate,
             cmd.ring.batch_bytes,
+            cmd.wait_for_consumers,
         ),
     }
 }
 
 /// Binds a producer on `socket` and publishes `len`-byte batches, at most `rate` a second,
 /// until `batches` are out, Ctrl-C or an error.
+#[allow(clippy::too_many_arguments)]
 fn produce<B: ProducerBackend, F: Fill<B>>(
     socket: &Path,
     config: ProducerConfig,
@@ -100,6 +106,7 @@ fn produce<B: ProducerBackend, F: Fill<B>>(
     batches: Option<u64>,
     rate: Option<f64>,
     len: u64,
+    wait_for: u32,
 ) -> Result<ExitCode, String> {
     let mut producer: Producer<B> =
         Producer::bind(socket, config, options).map_err(|e| e.to_string())?;
@@ -108,6 +115,12 @@ fn produce<B: ProducerBackend, F: Fill<B>>(
         socket.display(),
         B::KIND
     );
+    if wait_for > 0 {
+        eprintln!("gpipe: waiting for {wait_for} consumer(s) to attach");
+        producer
+            .wait_for_consumers(wait_for, Duration::from_secs(300))
+            .map_err(|e| format!("waiting for {wait_for} consumer(s): {e}"))?;
+    }
     let start = Instant::now();
     let mut last = Instant::now();
     let mut last_n = 0u64;

@@ -1,8 +1,10 @@
-//! # pipeline-relay: the rendezvous of gpipe's planned NCCL relay
+//! # pipeline-relay: gpipe's relay between hosts
 //!
-//! The relay (`gpipe relay`, issue #15) will carry a ring's batches over NCCL to consumers on
-//! another host. Before NCCL can connect, the two hosts must agree on an NCCL unique id and
-//! the ring's shape. This crate is that step, and needs no GPU: one side **listens**
+//! The relay (`gpipe relay`, [`relay`], docs/relay.md) carries a ring's batches to consumers
+//! on another host: over NCCL for a CUDA ring, inline on its TCP connection for a host ring.
+//!
+//! Before NCCL can connect, the two hosts must agree on an NCCL unique id and the ring's
+//! shape. The rendezvous is that step, and needs no GPU: one side **listens**
 //! (`--listen ADDR:PORT`), the other **connects** (`--connect ADDR:PORT`), both prove over
 //! TCP that they hold the same [`SharedSecret`] (read from a private file, never from the
 //! command line), and the listener hands the connector a MACed [`Payload`].
@@ -11,7 +13,8 @@
 //! exchange is mutual HMAC-SHA256 challenge-response with fresh nonces from both sides, bound
 //! to each side's role, so a recorded or reflected proof is refused. It does not encrypt:
 //! the NCCL unique id crosses the wire in the clear, as do NCCL's own batches later. See
-//! `docs/security.md` ("Relay rendezvous") and [`wire`] for the bytes.
+//! `docs/security.md` ("Relay rendezvous and session") and [`wire`] for the bytes. After it,
+//! the same connection carries the relay's messages, each MACed ([`session`]).
 //!
 //! ```
 //! use pipeline_relay::{connect, Endpoint, Listener, Payload, SharedSecret};
@@ -49,11 +52,19 @@
 //! ```
 
 pub mod endpoint;
+pub mod relay;
 pub mod rendezvous;
 pub mod secret;
+pub mod session;
 pub mod wire;
 
 pub use endpoint::{Endpoint, EndpointError, EndpointProblem};
-pub use rendezvous::{Listener, PeerInfo, RendezvousError, Stage, connect, listen};
+pub use relay::{
+    BenchSide, RelayError, RelayOptions, RelayReport, nccl_bench, run_receiver, run_sender,
+};
+pub use rendezvous::{
+    Listener, PeerInfo, RendezvousError, Stage, connect, connect_session, listen,
+};
 pub use secret::{SecretError, SecretProblem, SharedSecret};
+pub use session::{Session, SessionError};
 pub use wire::{Payload, PayloadError, Role};

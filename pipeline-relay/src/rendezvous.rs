@@ -6,6 +6,7 @@
 
 use crate::endpoint::Endpoint;
 use crate::secret::SharedSecret;
+use crate::session::Session;
 use crate::wire::{
     self, HELLO_HEAD_LEN, HELLO_LEN, HelloError, MAC_LEN, Nonce, PAYLOAD_LEN, Payload,
     PayloadError, Role, Tag,
@@ -118,6 +119,58 @@ impl Listener {
         run_listener(&mut link, secret, payload, fresh_nonce()?)?;
         Ok(PeerInfo { peer, local })
     }
+
+    /// As [`Listener::accept`], keeping the connection open as an authenticated
+    /// [`Session`] for the messages that follow.
+    pub fn accept_session(
+        &self,
+        secret: &SharedSecret,
+        payload: &Payload,
+        timeout: Duration,
+    ) -> Result<Session, RendezvousError> {
+        payload
+            .validate()
+            .map_err(RendezvousError::InvalidPayload)?;
+        let deadline = Instant::now() + timeout;
+        let accept_failed = |source| RendezvousError::Accept {
+            endpoint: self.endpoint.clone(),
+            source,
+        };
+        let (stream, peer) = loop {
+            match self.socket.accept() {
+                Ok(pair) => break pair,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock
+                            | io::ErrorKind::Interrupted
+                            | io::ErrorKind::ConnectionAborted
+                    ) =>
+                {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(RendezvousError::AcceptTimeout {
+                            endpoint: self.endpoint.clone(),
+                            after: timeout,
+                        });
+                    }
+                    std::thread::sleep(left.min(ACCEPT_POLL));
+                }
+                Err(e) => return Err(accept_failed(e)),
+            }
+        };
+        stream.set_nonblocking(false).map_err(accept_failed)?;
+        let local = stream.local_addr().map_err(accept_failed)?;
+        stream.set_nodelay(true).map_err(accept_failed)?;
+        let mut link = Link::new(stream, peer.to_string(), timeout, deadline);
+        let key = run_listener_keyed(&mut link, secret, payload, fresh_nonce()?)?;
+        Ok(Session::new(
+            link.stream,
+            key,
+            Role::Listener,
+            PeerInfo { peer, local },
+        ))
+    }
 }
 
 /// Listens on `endpoint` for one connector, authenticates it and sends it `payload`.
@@ -189,6 +242,62 @@ pub fn connect(
     let mut link = Link::new(stream, peer.to_string(), timeout, deadline);
     let payload = run_connector(&mut link, secret, fresh_nonce()?)?;
     Ok((payload, PeerInfo { peer, local }))
+}
+
+/// As [`connect`], keeping the connection open as an authenticated [`Session`].
+pub fn connect_session(
+    endpoint: &Endpoint,
+    secret: &SharedSecret,
+    timeout: Duration,
+) -> Result<(Payload, Session), RendezvousError> {
+    if endpoint.port() == 0 {
+        return Err(RendezvousError::PortZero {
+            endpoint: endpoint.to_string(),
+        });
+    }
+    let deadline = Instant::now() + timeout;
+    let name = endpoint.to_string();
+    let addrs = endpoint
+        .resolve()
+        .map_err(|source| RendezvousError::Resolve {
+            endpoint: name.clone(),
+            source,
+        })?;
+    let mut last_error = None;
+    let (stream, peer) = 'connected: loop {
+        for addr in &addrs {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            match TcpStream::connect_timeout(addr, left) {
+                Ok(stream) => break 'connected (stream, *addr),
+                Err(e) => last_error = Some(e),
+            }
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(RendezvousError::ConnectTimeout {
+                endpoint: name,
+                after: timeout,
+                last_error,
+            });
+        }
+        std::thread::sleep(left.min(CONNECT_RETRY));
+    };
+    let setup_failed = |source| RendezvousError::Io {
+        peer: peer.to_string(),
+        stage: Stage::SendHello,
+        source,
+    };
+    let local = stream.local_addr().map_err(setup_failed)?;
+    stream.set_nodelay(true).map_err(setup_failed)?;
+    let mut link = Link::new(stream, peer.to_string(), timeout, deadline);
+    let (payload, key) = run_connector_keyed(&mut link, secret, fresh_nonce()?)?;
+    Ok((
+        payload,
+        Session::new(link.stream, key, Role::Connector, PeerInfo { peer, local }),
+    ))
 }
 
 fn fresh_nonce() -> Result<Nonce, RendezvousError> {
@@ -754,6 +863,16 @@ pub(crate) fn run_listener<S: Read + Write + Timeouts>(
     payload: &Payload,
     nonce: Nonce,
 ) -> Result<(), RendezvousError> {
+    run_listener_keyed(link, secret, payload, nonce).map(|_| ())
+}
+
+/// [`run_listener`], returning the session key.
+pub(crate) fn run_listener_keyed<S: Read + Write + Timeouts>(
+    link: &mut Link<S>,
+    secret: &SharedSecret,
+    payload: &Payload,
+    nonce: Nonce,
+) -> Result<[u8; MAC_LEN], RendezvousError> {
     let theirs = exchange_hellos(link, Role::Listener, &nonce)?;
     exchange_proofs(link, secret, Role::Listener, &nonce, &theirs)?;
     let key = wire::session_key(secret.key(), &nonce, &theirs);
@@ -764,7 +883,7 @@ pub(crate) fn run_listener<S: Read + Write + Timeouts>(
     if !wire::ack_ok(&key, &bytes, &tag) {
         return Err(RendezvousError::AckMismatch { peer: link.peer() });
     }
-    Ok(())
+    Ok(key)
 }
 
 /// The connector's side of the exchange, on a connected stream.
@@ -773,6 +892,15 @@ pub(crate) fn run_connector<S: Read + Write + Timeouts>(
     secret: &SharedSecret,
     nonce: Nonce,
 ) -> Result<Payload, RendezvousError> {
+    run_connector_keyed(link, secret, nonce).map(|(p, _)| p)
+}
+
+/// [`run_connector`], returning the session key too.
+pub(crate) fn run_connector_keyed<S: Read + Write + Timeouts>(
+    link: &mut Link<S>,
+    secret: &SharedSecret,
+    nonce: Nonce,
+) -> Result<(Payload, [u8; MAC_LEN]), RendezvousError> {
     let theirs = exchange_hellos(link, Role::Connector, &nonce)?;
     exchange_proofs(link, secret, Role::Connector, &nonce, &theirs)?;
     let key = wire::session_key(secret.key(), &theirs, &nonce);
@@ -798,7 +926,7 @@ pub(crate) fn run_connector<S: Read + Write + Timeouts>(
         problem,
     })?;
     link.send(&wire::ack(&key, &bytes), Stage::SendAck)?;
-    Ok(payload)
+    Ok((payload, key))
 }
 
 #[cfg(test)]

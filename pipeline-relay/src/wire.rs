@@ -88,7 +88,7 @@ impl Role {
     }
 
     /// The role's name as MACed in a proof, NUL-terminated so the two cannot run together.
-    fn mac_label(self) -> &'static [u8] {
+    pub(crate) fn mac_label(self) -> &'static [u8] {
         match self {
             Role::Listener => b"listener\0",
             Role::Connector => b"connector\0",
@@ -283,7 +283,7 @@ pub(crate) fn parse_hello_rest(
     Ok(nonce)
 }
 
-fn mac(key: &[u8], parts: &[&[u8]]) -> HmacSha256 {
+pub(crate) fn mac(key: &[u8], parts: &[&[u8]]) -> HmacSha256 {
     // HMAC takes keys of any length (longer ones are hashed), so this cannot fail.
     let mut mac = <HmacSha256 as Mac>::new_from_slice(key).expect("HMAC accepts any key length");
     for part in parts {

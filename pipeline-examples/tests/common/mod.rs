@@ -116,11 +116,13 @@ pub fn producer_on_env(
         sock.to_str().unwrap(),
         "--backend",
         backend,
-        "--batch-bytes",
-        "64KiB",
-        "--slots",
-        "4",
     ];
+    // Defaults a caller may override.
+    for (flag, value) in [("--batch-bytes", "64KiB"), ("--slots", "4")] {
+        if !extra.contains(&flag) {
+            args.extend_from_slice(&[flag, value]);
+        }
+    }
     args.extend_from_slice(extra);
     let c = spawn_env(procs, &args, env);
     wait_until(Duration::from_secs(10), "producer socket", || {

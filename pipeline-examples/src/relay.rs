@@ -1,0 +1,235 @@
+//! `gpipe relay`: carry a ring's batches to another host (issue #15), over NCCL for a CUDA
+//! ring and inline on the authenticated TCP connection for a host ring.
+//!
+//! ```text
+//! host A: gpipe relay send --socket /tmp/a.sock --listen 0.0.0.0:7000 --secret-file ~/.gpipe-secret
+//! host B: gpipe relay recv --connect hostA:7000 --socket /tmp/b.sock --secret-file ~/.gpipe-secret
+//! host B: gpipe consume --socket /tmp/b.sock --verify
+//! ```
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use pipeline_core::{LagPolicy, ProducerConfig};
+use pipeline_relay::{BenchSide, Endpoint, RelayOptions, SharedSecret};
+
+use crate::{STOP, duration, size};
+
+/// Arguments of `gpipe relay`.
+#[derive(clap::Args)]
+pub struct RelayCmd {
+    #[command(subcommand)]
+    side: Side,
+}
+
+#[derive(clap::Subcommand)]
+enum Side {
+    /// Host A: consume the local ring at --socket and send every batch to the receiver that
+    /// connects to --listen.
+    Send {
+        /// The local ring's socket.
+        #[arg(long)]
+        socket: PathBuf,
+        /// ADDR:PORT to wait for the receiver on.
+        #[arg(long)]
+        listen: String,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Host B: connect to the sender at --connect and publish every batch in a ring of this
+    /// host's at --socket, for plain gpipe consumers.
+    Recv {
+        /// ADDR:PORT of the sender.
+        #[arg(long)]
+        connect: String,
+        /// The socket of the ring this side makes.
+        #[arg(long)]
+        socket: PathBuf,
+        /// Slots of that ring (default: the sender's ring's).
+        #[arg(long)]
+        slots: Option<u32>,
+        /// After the sender is gone, keep the ring and wait for a sender to connect again.
+        #[arg(long)]
+        rejoin: bool,
+        /// Detach a local consumer that holds a slot longer than this many ms (default: wait).
+        #[arg(long)]
+        detach_after_ms: Option<u64>,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// NCCL's own send/recv bandwidth between two processes, with the relay's bindings (run
+    /// one side with --listen, the other with --connect).
+    NcclBench {
+        /// ADDR:PORT to listen on (this side sends).
+        #[arg(long, conflicts_with = "connect")]
+        listen: Option<String>,
+        /// ADDR:PORT to connect to (this side receives).
+        #[arg(long)]
+        connect: Option<String>,
+        /// Bytes per message (units: KiB, MiB, GiB).
+        #[arg(long, value_parser = size::parse, default_value = "64MiB")]
+        bytes: u64,
+        /// Messages timed.
+        #[arg(long, default_value_t = 200)]
+        iters: u64,
+        #[command(flatten)]
+        common: Common,
+    },
+}
+
+#[derive(clap::Args)]
+struct Common {
+    /// A file of the shared secret (both hosts have a copy; mode 0600, owned by you).
+    #[arg(long)]
+    secret_file: PathBuf,
+    /// CUDA device of this side (send: default the producer's; recv: default 0).
+    #[arg(long)]
+    device: Option<usize>,
+    /// How long to wait for the peer (30s, 10m, or seconds).
+    #[arg(long, value_parser = duration::parse, default_value = "60s")]
+    connect_timeout: Duration,
+    /// Print the final report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+fn endpoint(s: &str) -> Result<Endpoint, String> {
+    s.parse::<Endpoint>().map_err(|e| e.to_string())
+}
+
+/// Runs `gpipe relay`.
+pub fn command(cmd: RelayCmd) -> Result<ExitCode, String> {
+    match cmd.side {
+        Side::Send {
+            socket,
+            listen,
+            common,
+        } => {
+            let secret = SharedSecret::from_file(&common.secret_file).map_err(|e| e.to_string())?;
+            let opts = RelayOptions {
+                connect_timeout: common.connect_timeout,
+                device: common.device,
+                ..RelayOptions::default()
+            };
+            eprintln!(
+                "gpipe relay: sending the ring at {} to the receiver that connects to {listen}",
+                socket.display()
+            );
+            let r = pipeline_relay::run_sender(&socket, &endpoint(&listen)?, &secret, &opts, &STOP);
+            finish(r, common.json)
+        }
+        Side::Recv {
+            connect,
+            socket,
+            slots,
+            rejoin,
+            detach_after_ms,
+            common,
+        } => {
+            let secret = SharedSecret::from_file(&common.secret_file).map_err(|e| e.to_string())?;
+            let opts = RelayOptions {
+                connect_timeout: common.connect_timeout,
+                device: common.device,
+                rejoin,
+                slots,
+                ..RelayOptions::default()
+            };
+            let config = ProducerConfig {
+                lag: detach_after_ms
+                    .map(|ms| LagPolicy::DetachAfter(Duration::from_millis(ms)))
+                    .unwrap_or_default(),
+                ..ProducerConfig::default()
+            };
+            eprintln!(
+                "gpipe relay: receiving from {connect} into a ring at {}",
+                socket.display()
+            );
+            let r = pipeline_relay::run_receiver(
+                &endpoint(&connect)?,
+                &socket,
+                &secret,
+                config,
+                &opts,
+                &STOP,
+            );
+            finish(r, common.json)
+        }
+        Side::NcclBench {
+            listen,
+            connect,
+            bytes,
+            iters,
+            common,
+        } => {
+            let secret = SharedSecret::from_file(&common.secret_file).map_err(|e| e.to_string())?;
+            let side = match (listen, connect) {
+                (Some(l), None) => BenchSide::Send(endpoint(&l)?),
+                (None, Some(c)) => BenchSide::Recv(endpoint(&c)?),
+                _ => {
+                    return Err(
+                        "give --listen (the sending side) or --connect (the receiving side)".into(),
+                    );
+                }
+            };
+            let gbs = pipeline_relay::nccl_bench(
+                &side,
+                &secret,
+                bytes,
+                iters,
+                common.device.unwrap_or(0),
+                common.connect_timeout,
+            )
+            .map_err(|e| e.to_string())?;
+            if common.json {
+                println!(
+                    "{}",
+                    serde_json::json!({"bytes": bytes, "iters": iters, "gb_per_s": gbs})
+                );
+            } else {
+                println!(
+                    "nccl send/recv: {} x {}: {gbs:.1} GB/s",
+                    iters,
+                    size::format(bytes)
+                );
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn finish(
+    r: Result<pipeline_relay::RelayReport, pipeline_relay::RelayError>,
+    json: bool,
+) -> Result<ExitCode, String> {
+    match r {
+        Ok(report) => {
+            if json {
+                let mut v = serde_json::to_value(&report).map_err(|e| e.to_string())?;
+                v["gb_per_s"] = serde_json::json!(report.gb_per_s());
+                println!("{v}");
+            } else {
+                println!(
+                    "gpipe relay ({}): {} batches, {:.3} GB in {:.3} s, {:.2} GB/s{}",
+                    report.backend,
+                    report.batches,
+                    report.bytes as f64 / 1e9,
+                    report.elapsed_s,
+                    report.gb_per_s(),
+                    report
+                        .error
+                        .as_ref()
+                        .map(|e| format!("; a session ended with: {e}"))
+                        .unwrap_or_default()
+                );
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Err(e) => {
+            if json {
+                println!("{}", serde_json::json!({"error": e.0}));
+            }
+            Err(format!("relay: {e}"))
+        }
+    }
+}

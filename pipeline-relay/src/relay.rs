@@ -1,0 +1,1071 @@
+//! The relay: a ring's batches carried to another host.
+//!
+//! **Sender** (host A, [`run_sender`]): an ordinary consumer of the local ring. For each batch
+//! it sends the batch's description (sequence number, length, user header, tensor table) as a
+//! session message, then the bytes: over NCCL (`ncclSend` on the consumer's stream, which
+//! already waits for `ready`; the release writes `finished` after it, so the slot frees once
+//! the send is complete on the GPU) for a CUDA ring, inline in the message for a host ring.
+//!
+//! **Receiver** (host B, [`run_receiver`]): an ordinary producer of a ring of its own, with
+//! the sender's shape. A CUDA batch is received with `ncclRecv` into one of three staging
+//! buffers, and only once the receive has completed without an NCCL error is it copied into a
+//! slot and published: a sender that dies mid-batch can never hand B's consumers half a batch.
+//! B's consumers are plain gpipe consumers.
+//!
+//! Back-pressure carries across: B acquires a slot only when B's consumers have released one,
+//! it posts no receive meanwhile, so A's sends wait, so A's releases wait, so A's producer waits
+//! (under its lag policy, as for any consumer).
+//!
+//! Faults: each side watches the other (the TCP connection's end, and NCCL's asynchronous
+//! error) and aborts the communicator at the first sign, so no stream waits for ever on a peer
+//! that is gone. The sender then exits with an error (its own ring goes on without it: a
+//! departed consumer); the receiver keeps its ring and, with `rejoin`, waits for a sender to
+//! connect again.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use pipeline_core::{
+    BackendKind, Consumer, ConsumerBackend, ConsumerConfig, DType, HostConsumer, HostOptions,
+    HostProducer, Mode, PendingAttach, Producer, ProducerConfig, TensorInfo, USER_HEADER_WORDS,
+};
+use pipeline_cuda::backend::{CudaConsumer, CudaOptions, CudaProducer};
+use pipeline_cuda::driver::{self, DeviceBuffer, Event, Stream};
+use pipeline_cuda::nccl::{self, Comm};
+
+use crate::endpoint::Endpoint;
+use crate::rendezvous::{Listener, connect_session};
+use crate::secret::SharedSecret;
+use crate::session::{Session, SessionError};
+use crate::wire::Payload;
+
+/// Message kinds after the rendezvous.
+mod kind {
+    /// Sender → receiver, first: the ring's backend and mode.
+    pub const RING: u8 = 1;
+    /// Sender → receiver: one batch's description (and, for a host ring, its bytes).
+    pub const BATCH: u8 = 2;
+    /// Sender → receiver: the sender's ring closed; nothing follows.
+    pub const END: u8 = 3;
+    /// Either way: the side is stopping because of this error (text).
+    pub const ABORT: u8 = 4;
+}
+
+/// Options of both sides.
+#[derive(Clone, Debug)]
+pub struct RelayOptions {
+    /// Bounds the rendezvous (waiting for the peer included) and NCCL's setup.
+    pub connect_timeout: Duration,
+    /// How often the sides look at the peer while waiting.
+    pub tick: Duration,
+    /// CUDA device of this side (sender: default the producer's; receiver: default 0).
+    pub device: Option<usize>,
+    /// Receiver: after the sender is gone, wait for one to connect again (keeping the ring).
+    pub rejoin: bool,
+    /// Receiver: slots of its ring (default: the sender's ring's).
+    pub slots: Option<u32>,
+}
+
+impl Default for RelayOptions {
+    fn default() -> Self {
+        RelayOptions {
+            connect_timeout: Duration::from_secs(60),
+            tick: Duration::from_millis(100),
+            device: None,
+            rejoin: false,
+            slots: None,
+        }
+    }
+}
+
+/// What a side did.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct RelayReport {
+    /// "cuda" or "host".
+    pub backend: String,
+    /// Batches carried.
+    pub batches: u64,
+    /// Bytes carried.
+    pub bytes: u64,
+    /// Seconds from the first batch to the last.
+    pub elapsed_s: f64,
+    /// The NCCL library used (CUDA).
+    pub nccl: Option<String>,
+    /// Sessions the receiver served (more than 1 after a rejoin).
+    pub sessions: u32,
+    /// Why it stopped, if not because the ring closed.
+    pub error: Option<String>,
+}
+
+impl RelayReport {
+    /// GB/s over the run.
+    pub fn gb_per_s(&self) -> f64 {
+        if self.elapsed_s > 0.0 {
+            self.bytes as f64 / self.elapsed_s / 1e9
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Why the relay stopped.
+#[derive(Debug)]
+pub struct RelayError(pub String);
+
+impl std::fmt::Display for RelayError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for RelayError {}
+
+fn err(e: impl std::fmt::Display) -> RelayError {
+    RelayError(e.to_string())
+}
+
+/// How long a session write may block (a peer that stopped reading is gone).
+const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+
+// ---------------------------------------------------------------------------------------
+// Batch descriptions on the wire.
+
+/// One batch's description: sequence number, length, user header, tensor table.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BatchMeta {
+    /// The sender's sequence number.
+    pub seq: u64,
+    /// Bytes.
+    pub len: u64,
+    /// The user header.
+    pub header: [u64; USER_HEADER_WORDS],
+    /// The named tensors.
+    pub tensors: Vec<TensorInfo>,
+}
+
+impl BatchMeta {
+    /// Encodes the description, then `data` (host rings; empty for CUDA).
+    pub fn encode(&self, data: &[u8]) -> Vec<u8> {
+        let mut b = Vec::with_capacity(64 + USER_HEADER_WORDS * 8 + data.len());
+        b.extend_from_slice(&self.seq.to_le_bytes());
+        b.extend_from_slice(&self.len.to_le_bytes());
+        for h in &self.header {
+            b.extend_from_slice(&h.to_le_bytes());
+        }
+        b.extend_from_slice(&(self.tensors.len() as u32).to_le_bytes());
+        for t in &self.tensors {
+            let name = t.name.as_str().as_bytes();
+            b.push(name.len() as u8);
+            b.extend_from_slice(name);
+            b.extend_from_slice(&t.dtype.to_code().to_le_bytes());
+            b.push(t.shape().len() as u8);
+            for x in t.shape().iter().chain(t.strides()) {
+                b.extend_from_slice(&x.to_le_bytes());
+            }
+            b.extend_from_slice(&t.offset.to_le_bytes());
+        }
+        b.extend_from_slice(&(data.len() as u64).to_le_bytes());
+        b.extend_from_slice(data);
+        b
+    }
+
+    /// Decodes a description and the data after it; every field is checked (a peer's bytes).
+    pub fn decode(body: &[u8]) -> Result<(BatchMeta, &[u8]), String> {
+        let mut r = body;
+        let mut take = |n: usize, what: &str| -> Result<&[u8], String> {
+            if r.len() < n {
+                return Err(format!("batch message ends inside {what}"));
+            }
+            let (a, rest) = r.split_at(n);
+            r = rest;
+            Ok(a)
+        };
+        let u64_at = |b: &[u8]| u64::from_le_bytes(b.try_into().unwrap_or([0; 8]));
+        let seq = u64_at(take(8, "the sequence number")?);
+        let len = u64_at(take(8, "the length")?);
+        let mut header = [0u64; USER_HEADER_WORDS];
+        for h in &mut header {
+            *h = u64_at(take(8, "the header")?);
+        }
+        let n = u32::from_le_bytes(take(4, "the tensor count")?.try_into().unwrap_or([0; 4]));
+        if n as usize > pipeline_core::tensor::MAX_TENSORS {
+            return Err(format!(
+                "batch {seq}: {n} tensors (at most {})",
+                pipeline_core::tensor::MAX_TENSORS
+            ));
+        }
+        let mut tensors = Vec::with_capacity(n as usize);
+        for _ in 0..n {
+            let nl = take(1, "a tensor name")?[0] as usize;
+            let name = std::str::from_utf8(take(nl, "a tensor name")?)
+                .map_err(|_| format!("batch {seq}: a tensor name is not UTF-8"))?
+                .to_string();
+            let code = u32::from_le_bytes(take(4, "a dtype")?.try_into().unwrap_or([0; 4]));
+            let dtype = DType::from_code(code)
+                .ok_or_else(|| format!("batch {seq}: tensor {name}: unknown dtype code {code}"))?;
+            let nd = take(1, "a tensor rank")?[0] as usize;
+            if nd > pipeline_core::tensor::MAX_DIMS {
+                return Err(format!("batch {seq}: tensor {name} has {nd} dimensions"));
+            }
+            let mut dims = Vec::with_capacity(2 * nd);
+            for _ in 0..2 * nd {
+                dims.push(u64_at(take(8, "a tensor shape")?));
+            }
+            let offset = u64_at(take(8, "a tensor offset")?);
+            let t = TensorInfo::new(&name, dtype, &dims[..nd], Some(&dims[nd..]), offset)
+                .map_err(|e| format!("batch {seq}: {e}"))?;
+            if t.end() > len {
+                return Err(format!(
+                    "batch {seq}: tensor {name} ends past the batch ({len} bytes)"
+                ));
+            }
+            tensors.push(t);
+        }
+        let dl = u64_at(take(8, "the data length")?);
+        let data = take(
+            usize::try_from(dl).map_err(|_| "data length overflows")?,
+            "the data",
+        )?;
+        if !r.is_empty() {
+            return Err(format!("batch {seq}: {} bytes after the message", r.len()));
+        }
+        Ok((
+            BatchMeta {
+                seq,
+                len,
+                header,
+                tensors,
+            },
+            data,
+        ))
+    }
+}
+
+fn ring_message(backend: BackendKind, mode: Mode) -> Vec<u8> {
+    let mut b = backend.to_u32().to_le_bytes().to_vec();
+    b.extend_from_slice(&(mode as u32).to_le_bytes());
+    b
+}
+
+fn parse_ring(body: &[u8]) -> Result<(BackendKind, Mode), String> {
+    if body.len() != 8 {
+        return Err(format!("ring message of {} bytes (8 expected)", body.len()));
+    }
+    let code = u32::from_le_bytes(body[..4].try_into().unwrap_or([0; 4]));
+    let backend = BackendKind::from_u32(code).ok_or_else(|| format!("unknown backend {code}"))?;
+    let mode = match u32::from_le_bytes(body[4..].try_into().unwrap_or([0; 4])) {
+        m if m == Mode::Broadcast as u32 => Mode::Broadcast,
+        m if m == Mode::Shared as u32 => Mode::Shared,
+        m => return Err(format!("unknown mode {m}")),
+    };
+    Ok((backend, mode))
+}
+
+// ---------------------------------------------------------------------------------------
+// The watcher: one thread per side that aborts the communicator when the peer is gone.
+
+struct Watch {
+    failed: Arc<parking_lot::Mutex<Option<String>>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Watch {
+    /// Watches `comm` (NCCL's asynchronous error) and the session's connection every `tick`.
+    fn start(
+        comm: Option<Arc<Comm>>,
+        session: &Session,
+        tick: Duration,
+    ) -> Result<Watch, RelayError> {
+        let stream = session.try_clone_stream().map_err(err)?;
+        let failed = Arc::new(parking_lot::Mutex::new(None));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (f, s) = (failed.clone(), stop.clone());
+        let thread = std::thread::Builder::new()
+            .name("gpipe-relay-watch".into())
+            .spawn(move || {
+                while !s.load(Ordering::Acquire) {
+                    let mut why = None;
+                    if let Some(c) = &comm {
+                        if let Err(e) = c.async_error() {
+                            why = Some(format!("NCCL: {e}"));
+                        }
+                    }
+                    if why.is_none() && peer_gone(&stream) {
+                        why = Some("the peer closed the connection".to_string());
+                    }
+                    if let Some(w) = why {
+                        if let Some(c) = &comm {
+                            c.abort();
+                        }
+                        *f.lock() = Some(w);
+                        return;
+                    }
+                    std::thread::sleep(tick);
+                }
+            })
+            .map_err(err)?;
+        Ok(Watch {
+            failed,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    fn failure(&self) -> Option<String> {
+        self.failed.lock().clone()
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// True when the peer closed its end: the socket polls as hung up or in error, or a peek at
+/// it (which consumes nothing) sees end of file.
+fn peer_gone(stream: &std::net::TcpStream) -> bool {
+    use rustix::event::{PollFd, PollFlags};
+    let mut fds = [PollFd::new(stream, PollFlags::IN)];
+    let zero = rustix::time::Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    match rustix::event::poll(&mut fds, Some(&zero)) {
+        Ok(0) | Err(_) => false,
+        Ok(_) => {
+            if fds[0].revents().intersects(PollFlags::HUP | PollFlags::ERR) {
+                return true;
+            }
+            let mut b = [0u8; 1];
+            match stream.peek(&mut b) {
+                Ok(0) => true,
+                Ok(_) => false,
+                Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The sender.
+
+/// Host A: consumes the ring at `upstream` and carries every batch to the receiver that
+/// connects to `listen`. Returns when the upstream ring closes (after telling the receiver),
+/// `stop` is set, or on an error (the peer gone, NCCL failed, the ring's producer died).
+pub fn run_sender(
+    upstream: &Path,
+    listen: &Endpoint,
+    secret: &SharedSecret,
+    opts: &RelayOptions,
+    stop: &AtomicBool,
+) -> Result<RelayReport, RelayError> {
+    let (seg, backend) =
+        pipeline_core::observe(upstream, ConsumerConfig::default()).map_err(|e| {
+            RelayError(format!(
+                "looking at the ring at {}: {e}",
+                upstream.display()
+            ))
+        })?;
+    let layout = seg.layout();
+    drop(seg);
+    let mut report = RelayReport {
+        backend: backend.to_string(),
+        sessions: 1,
+        ..RelayReport::default()
+    };
+    let id = match backend {
+        BackendKind::Cuda => {
+            let (lib, _) = nccl::load()
+                .map_err(|e| RelayError(format!("the relay of a CUDA ring needs NCCL: {e}")))?;
+            report.nccl = Some(lib);
+            nccl::unique_id().map_err(err)?
+        }
+        BackendKind::Host => [0u8; 128],
+    };
+    let listener = Listener::bind(listen).map_err(err)?;
+    tracing::info!(
+        "relay: waiting for the receiver on {}",
+        listener.local_addr().map_err(err)?
+    );
+    let payload = Payload {
+        nccl_unique_id: id,
+        slot_bytes: layout.slot_bytes,
+        slot_count: layout.slot_count,
+        world_size: 2,
+        rank: 1,
+    };
+    let mut session = listener
+        .accept_session(secret, &payload, opts.connect_timeout)
+        .map_err(err)?;
+    session
+        .send(
+            kind::RING,
+            &ring_message(backend, layout.mode),
+            WRITE_TIMEOUT,
+        )
+        .map_err(err)?;
+    let pending = PendingAttach::connect(upstream, ConsumerConfig::default()).map_err(err)?;
+    let result = match backend {
+        BackendKind::Cuda => {
+            let consumer: Consumer<CudaConsumer> = pending
+                .finish(CudaOptions {
+                    device: opts.device,
+                    delivery: pipeline_core::Delivery::InPlace,
+                    ..CudaOptions::default()
+                })
+                .map_err(err)?;
+            let comm = Arc::new(Comm::init(consumer.backend().context(), &id, 2, 0).map_err(err)?);
+            send_loop(consumer, &mut session, Some(comm), opts, stop, &mut report)
+        }
+        BackendKind::Host => {
+            let consumer: Consumer<HostConsumer> =
+                pending.finish(HostOptions::default()).map_err(err)?;
+            send_loop(consumer, &mut session, None, opts, stop, &mut report)
+        }
+    };
+    if let Err(e) = &result {
+        let _ = session.send(kind::ABORT, e.0.as_bytes(), Duration::from_secs(1));
+        report.error = Some(e.0.clone());
+    }
+    result.map(|()| report)
+}
+
+/// What the sender does per backend: send the bytes of a batch.
+trait SendBytes: ConsumerBackend {
+    /// Host: the bytes go in the message. CUDA: enqueue the NCCL send on the batch's stream.
+    fn inline(batch: &pipeline_core::Batch<Self>) -> Option<Vec<u8>>;
+    fn nccl_send(batch: &pipeline_core::Batch<Self>, comm: &Comm) -> Result<(), RelayError>;
+}
+
+impl SendBytes for HostConsumer {
+    fn inline(batch: &pipeline_core::Batch<Self>) -> Option<Vec<u8>> {
+        Some(batch.data().to_vec())
+    }
+    fn nccl_send(_: &pipeline_core::Batch<Self>, _: &Comm) -> Result<(), RelayError> {
+        Err(RelayError("a host ring is relayed without NCCL".into()))
+    }
+}
+
+impl SendBytes for CudaConsumer {
+    fn inline(_: &pipeline_core::Batch<Self>) -> Option<Vec<u8>> {
+        None
+    }
+    fn nccl_send(batch: &pipeline_core::Batch<Self>, comm: &Comm) -> Result<(), RelayError> {
+        let view = batch.data();
+        if view.len == 0 {
+            return Ok(());
+        }
+        // SAFETY: the batch is published and held until it is released after this call; its
+        // stream already waits for `ready`, and the release writes `finished` after the send
+        // on the same stream, so the producer does not rewrite the slot before it is sent.
+        unsafe { comm.send(view.ptr, view.len as usize, 1, view.stream.raw()) }.map_err(err)
+    }
+}
+
+fn send_loop<B: SendBytes>(
+    mut consumer: Consumer<B>,
+    session: &mut Session,
+    comm: Option<Arc<Comm>>,
+    opts: &RelayOptions,
+    stop: &AtomicBool,
+    report: &mut RelayReport,
+) -> Result<(), RelayError> {
+    let watch = Watch::start(comm.clone(), session, opts.tick)?;
+    let mut started: Option<Instant> = None;
+    let outcome = loop {
+        if let Some(why) = watch.failure() {
+            break Err(RelayError(format!("the receiver is gone: {why}")));
+        }
+        if stop.load(Ordering::Relaxed) {
+            break Ok(());
+        }
+        let batch = match consumer.recv_timeout(opts.tick) {
+            Ok(Some(b)) => b,
+            Ok(None) => {
+                let _ = session.send(kind::END, &[], WRITE_TIMEOUT);
+                break Ok(());
+            }
+            Err(pipeline_core::Error::Timeout(_)) => continue,
+            Err(e) => break Err(RelayError(format!("the local ring: {e}"))),
+        };
+        started.get_or_insert_with(Instant::now);
+        let meta = BatchMeta {
+            seq: batch.seq(),
+            len: batch.len(),
+            header: *batch.header(),
+            tensors: batch.tensors().to_vec(),
+        };
+        let data = B::inline(&batch);
+        let body = meta.encode(data.as_deref().unwrap_or(&[]));
+        if let Err(e) = session.send(kind::BATCH, &body, WRITE_TIMEOUT) {
+            break Err(RelayError(format!(
+                "the receiver is gone: sending batch {}: {e}",
+                meta.seq
+            )));
+        }
+        if let Some(c) = &comm {
+            if let Err(e) = B::nccl_send(&batch, c) {
+                break Err(e);
+            }
+        }
+        drop(batch);
+        report.batches += 1;
+        report.bytes += meta.len;
+    };
+    if let (Some(c), true) = (&comm, outcome.is_err()) {
+        // Whatever the stream still waits for on the peer ends now; the consumer's teardown
+        // (a context synchronize) can then finish.
+        c.abort();
+    }
+    drop(watch);
+    // The consumer's teardown waits for its streams: the sends enqueued are complete after it.
+    drop(consumer);
+    if let (Some(t), true) = (started, outcome.is_ok()) {
+        report.elapsed_s = t.elapsed().as_secs_f64();
+    }
+    drop(comm);
+    outcome
+}
+
+// ---------------------------------------------------------------------------------------
+// The receiver.
+
+/// Host B: connects to the sender at `connect`, makes a ring of the sender's shape at
+/// `downstream` and publishes every batch received. Returns when the sender's ring closes,
+/// `stop` is set, or on an error (with `rejoin`, a lost sender is waited for again instead).
+pub fn run_receiver(
+    connect: &Endpoint,
+    downstream: &Path,
+    secret: &SharedSecret,
+    config: ProducerConfig,
+    opts: &RelayOptions,
+    stop: &AtomicBool,
+) -> Result<RelayReport, RelayError> {
+    let (payload, mut session) =
+        connect_session(connect, secret, opts.connect_timeout).map_err(err)?;
+    let (kind_, body) = session.recv(Some(opts.connect_timeout)).map_err(err)?;
+    if kind_ != kind::RING {
+        return Err(RelayError(format!(
+            "expected the ring message, got kind {kind_}"
+        )));
+    }
+    let (backend, mode) = parse_ring(&body).map_err(RelayError)?;
+    let config = ProducerConfig {
+        slots: opts.slots.unwrap_or(payload.slot_count),
+        batch_bytes: payload.slot_bytes,
+        mode,
+        ..config
+    };
+    let mut report = RelayReport {
+        backend: backend.to_string(),
+        ..RelayReport::default()
+    };
+    match backend {
+        BackendKind::Cuda => {
+            let (lib, _) = nccl::load()
+                .map_err(|e| RelayError(format!("the relay of a CUDA ring needs NCCL: {e}")))?;
+            report.nccl = Some(lib);
+            let options = CudaOptions {
+                device: Some(opts.device.unwrap_or(0)),
+                ..CudaOptions::default()
+            };
+            let mut producer: Producer<CudaProducer> =
+                Producer::bind(downstream, config, options).map_err(err)?;
+            let mut staging = Staging::new(&producer, payload.slot_bytes)?;
+            let mut first = Some((payload, session));
+            loop {
+                let (payload, session) = match first.take() {
+                    Some(p) => p,
+                    None => {
+                        let (p, mut s) =
+                            connect_session(connect, secret, opts.connect_timeout).map_err(err)?;
+                        let (k, body) = s.recv(Some(opts.connect_timeout)).map_err(err)?;
+                        if k != kind::RING
+                            || parse_ring(&body).map_err(RelayError)? != (backend, mode)
+                            || p.slot_bytes != payload_bytes(&producer)
+                        {
+                            return Err(RelayError(
+                                "the sender that rejoined carries another kind of ring".into(),
+                            ));
+                        }
+                        (p, s)
+                    }
+                };
+                report.sessions += 1;
+                let r = recv_loop_cuda(
+                    &mut producer,
+                    &mut staging,
+                    session,
+                    &payload,
+                    opts,
+                    stop,
+                    &mut report,
+                );
+                match r {
+                    Ok(()) => break,
+                    Err(e) if opts.rejoin && !stop.load(Ordering::Relaxed) => {
+                        tracing::warn!("relay: {e}; waiting for the sender to rejoin");
+                        report.error = Some(e.0.clone());
+                    }
+                    Err(e) => {
+                        report.error = Some(e.0.clone());
+                        producer.close();
+                        return Err(e);
+                    }
+                }
+            }
+            producer.close();
+        }
+        BackendKind::Host => {
+            let mut producer: Producer<HostProducer> =
+                Producer::bind(downstream, config, HostOptions::default()).map_err(err)?;
+            let mut first = Some(session);
+            loop {
+                let session = match first.take() {
+                    Some(s) => s,
+                    None => {
+                        let (p, mut s) =
+                            connect_session(connect, secret, opts.connect_timeout).map_err(err)?;
+                        let (k, body) = s.recv(Some(opts.connect_timeout)).map_err(err)?;
+                        if k != kind::RING
+                            || parse_ring(&body).map_err(RelayError)? != (backend, mode)
+                            || p.slot_bytes != producer.layout().slot_bytes
+                        {
+                            return Err(RelayError(
+                                "the sender that rejoined carries another kind of ring".into(),
+                            ));
+                        }
+                        s
+                    }
+                };
+                report.sessions += 1;
+                match recv_loop_host(&mut producer, session, opts, stop, &mut report) {
+                    Ok(()) => break,
+                    Err(e) if opts.rejoin && !stop.load(Ordering::Relaxed) => {
+                        tracing::warn!("relay: {e}; waiting for the sender to rejoin");
+                        report.error = Some(e.0.clone());
+                    }
+                    Err(e) => {
+                        report.error = Some(e.0.clone());
+                        producer.close();
+                        return Err(e);
+                    }
+                }
+            }
+            producer.close();
+        }
+    }
+    Ok(report)
+}
+
+fn payload_bytes(p: &Producer<CudaProducer>) -> u64 {
+    p.layout().slot_bytes
+}
+
+/// Receives the next message, looking at `stop` and at the watcher every tick.
+fn next_message(
+    session: &mut Session,
+    watch: &Watch,
+    opts: &RelayOptions,
+    stop: &AtomicBool,
+) -> Result<Option<(u8, Vec<u8>)>, RelayError> {
+    loop {
+        if stop.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        match session.recv(Some(opts.tick)) {
+            Ok(m) => return Ok(Some(m)),
+            Err(SessionError::Timeout) => {
+                if let Some(why) = watch.failure() {
+                    return Err(RelayError(format!("the sender is gone: {why}")));
+                }
+            }
+            Err(e) => return Err(RelayError(format!("the sender is gone: {e}"))),
+        }
+    }
+}
+
+/// Acquires the next slot, giving up if the sender fails meanwhile. Returns a loan
+/// ([`Producer::resume`] takes it back), so that the wait can be a loop.
+fn acquire_checked<B: pipeline_core::ProducerBackend>(
+    producer: &mut Producer<B>,
+    watch: &Watch,
+    opts: &RelayOptions,
+    stop: &AtomicBool,
+) -> Result<Option<pipeline_core::SlotLoan>, RelayError> {
+    loop {
+        if stop.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        if let Some(why) = watch.failure() {
+            return Err(RelayError(format!("the sender is gone: {why}")));
+        }
+        match producer.acquire_timeout(opts.tick) {
+            Ok(s) => return Ok(Some(s.into_loan())),
+            Err(pipeline_core::Error::Timeout(_)) => continue,
+            Err(e) => return Err(err(e)),
+        }
+    }
+}
+
+fn recv_loop_host(
+    producer: &mut Producer<HostProducer>,
+    mut session: Session,
+    opts: &RelayOptions,
+    stop: &AtomicBool,
+    report: &mut RelayReport,
+) -> Result<(), RelayError> {
+    let watch = Watch::start(None, &session, opts.tick)?;
+    let mut started: Option<Instant> = None;
+    loop {
+        let Some((k, body)) = next_message(&mut session, &watch, opts, stop)? else {
+            return Ok(());
+        };
+        match k {
+            kind::END => return Ok(()),
+            kind::ABORT => {
+                return Err(RelayError(format!(
+                    "the sender stopped: {}",
+                    String::from_utf8_lossy(&body)
+                )));
+            }
+            kind::BATCH => {}
+            other => return Err(RelayError(format!("unexpected message kind {other}"))),
+        }
+        let (meta, data) = BatchMeta::decode(&body).map_err(RelayError)?;
+        if data.len() as u64 != meta.len {
+            return Err(RelayError(format!(
+                "batch {}: {} bytes sent for a batch of {}",
+                meta.seq,
+                data.len(),
+                meta.len
+            )));
+        }
+        let Some(loan) = acquire_checked(producer, &watch, opts, stop)? else {
+            return Ok(());
+        };
+        let mut slot = producer.resume(loan).map_err(err)?;
+        let mem = slot.memory();
+        if data.len() > mem.len() {
+            return Err(RelayError(format!(
+                "batch {} of {} bytes does not fit a slot of {}",
+                meta.seq,
+                data.len(),
+                mem.len()
+            )));
+        }
+        mem[..data.len()].copy_from_slice(data);
+        slot.publish_with(meta.len, &meta.header, &meta.tensors)
+            .map_err(err)?;
+        started.get_or_insert_with(Instant::now);
+        report.batches += 1;
+        report.bytes += meta.len;
+        if let Some(t) = started {
+            report.elapsed_s = t.elapsed().as_secs_f64();
+        }
+    }
+}
+
+/// The receiver's staging buffers (CUDA): a batch is received into one, and copied into a
+/// slot only once the receive completed.
+struct Staging {
+    buffers: Vec<DeviceBuffer>,
+    /// Recorded after each buffer's receive (on `stream`).
+    received: Vec<Event>,
+    /// Recorded after each buffer's copy into a slot (on the producer's stream).
+    copied: Vec<Event>,
+    used: Vec<bool>,
+    stream: Stream,
+}
+
+/// Receives in flight before the oldest is published.
+const STAGING: usize = 3;
+
+impl Staging {
+    fn new(producer: &Producer<CudaProducer>, bytes: u64) -> Result<Staging, RelayError> {
+        let ctx = producer.backend().context();
+        let mut buffers = Vec::new();
+        let (mut received, mut copied) = (Vec::new(), Vec::new());
+        for _ in 0..STAGING {
+            buffers.push(DeviceBuffer::new(ctx, bytes as usize).map_err(err)?);
+            received.push(Event::new_plain(ctx).map_err(err)?);
+            copied.push(Event::new_plain(ctx).map_err(err)?);
+        }
+        Ok(Staging {
+            buffers,
+            received,
+            copied,
+            used: vec![false; STAGING],
+            stream: Stream::new(ctx).map_err(err)?,
+        })
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn recv_loop_cuda(
+    producer: &mut Producer<CudaProducer>,
+    st: &mut Staging,
+    mut session: Session,
+    payload: &Payload,
+    opts: &RelayOptions,
+    stop: &AtomicBool,
+    report: &mut RelayReport,
+) -> Result<(), RelayError> {
+    let comm = Arc::new(
+        Comm::init(producer.backend().context(), &payload.nccl_unique_id, 2, 1).map_err(err)?,
+    );
+    let watch = Watch::start(Some(comm.clone()), &session, opts.tick)?;
+    let mut inflight: std::collections::VecDeque<(BatchMeta, usize)> = Default::default();
+    let mut next = 0usize;
+    let mut started: Option<Instant> = None;
+    let mut ended = false;
+    let result = (|| -> Result<(), RelayError> {
+        loop {
+            // Publish the oldest receive once it is complete, when the staging is full or
+            // nothing more is coming.
+            while inflight.len() == STAGING || (ended && !inflight.is_empty()) {
+                let (meta, k) = inflight
+                    .pop_front()
+                    .ok_or_else(|| RelayError("staging".into()))?;
+                loop {
+                    if let Some(why) = watch.failure() {
+                        return Err(RelayError(format!("the sender is gone: {why}")));
+                    }
+                    if st.received[k].query().map_err(err)? {
+                        break;
+                    }
+                    if stop.load(Ordering::Relaxed) {
+                        return Ok(());
+                    }
+                    std::thread::sleep(Duration::from_micros(20));
+                }
+                // Complete, but aborted meanwhile? Then it may be partial: never publish it.
+                comm.async_error()
+                    .map_err(|e| RelayError(format!("batch {}: {e}", meta.seq)))?;
+                let Some(loan) = acquire_checked(producer, &watch, opts, stop)? else {
+                    return Ok(());
+                };
+                let mut slot = producer.resume(loan).map_err(err)?;
+                let mem = slot.memory();
+                if meta.len > mem.capacity {
+                    return Err(RelayError(format!(
+                        "batch {} does not fit a slot",
+                        meta.seq
+                    )));
+                }
+                if meta.len > 0 {
+                    // SAFETY: the staging buffer holds the whole batch (its receive completed,
+                    // checked above); the slot is ours until publish and its stream already
+                    // waits for the slot's previous consumers.
+                    unsafe {
+                        driver::memcpy_async(
+                            mem.ptr,
+                            st.buffers[k].ptr(),
+                            meta.len as usize,
+                            mem.stream,
+                        )
+                    }
+                    .map_err(err)?;
+                }
+                st.copied[k].record(mem.stream).map_err(err)?;
+                st.used[k] = true;
+                slot.publish_with(meta.len, &meta.header, &meta.tensors)
+                    .map_err(err)?;
+                report.batches += 1;
+                report.bytes += meta.len;
+                if let Some(t) = started {
+                    report.elapsed_s = t.elapsed().as_secs_f64();
+                }
+            }
+            if ended {
+                return Ok(());
+            }
+            let Some((k_, body)) = next_message(&mut session, &watch, opts, stop)? else {
+                return Ok(());
+            };
+            match k_ {
+                kind::END => {
+                    ended = true;
+                    continue;
+                }
+                kind::ABORT => {
+                    return Err(RelayError(format!(
+                        "the sender stopped: {}",
+                        String::from_utf8_lossy(&body)
+                    )));
+                }
+                kind::BATCH => {}
+                other => return Err(RelayError(format!("unexpected message kind {other}"))),
+            }
+            let (meta, data) = BatchMeta::decode(&body).map_err(RelayError)?;
+            if !data.is_empty() || meta.len > payload.slot_bytes {
+                return Err(RelayError(format!(
+                    "batch {}: {} bytes in a CUDA batch message, length {} for slots of {}",
+                    meta.seq,
+                    data.len(),
+                    meta.len,
+                    payload.slot_bytes
+                )));
+            }
+            started.get_or_insert_with(Instant::now);
+            let k = next;
+            next = (next + 1) % STAGING;
+            if st.used[k] {
+                // The buffer's last copy into a slot must be done before we receive into it.
+                st.stream.wait_event(&st.copied[k]).map_err(err)?;
+            }
+            if meta.len > 0 {
+                // SAFETY: our staging buffer of slot_bytes >= len, not read by anything until
+                // `received[k]` completes (the copy above waits for it on the host); the
+                // stream is ours.
+                unsafe { comm.recv(st.buffers[k].ptr(), meta.len as usize, 0, st.stream.raw()) }
+                    .map_err(err)?;
+            }
+            st.received[k].record(&st.stream).map_err(err)?;
+            inflight.push_back((meta, k));
+        }
+    })();
+    if result.is_err() {
+        comm.abort();
+    }
+    // Our staging stream and the slot copies are done (or released by the abort) before the
+    // communicator goes.
+    let _ = st.stream.synchronize();
+    drop(watch);
+    drop(comm);
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batch_descriptions_round_trip_and_garbage_is_refused() {
+        let t = TensorInfo::new("x", DType::F32, &[2, 3], None, 0).unwrap();
+        let u = TensorInfo::new("label", DType::I64, &[2], None, 256).unwrap();
+        let mut header = [0u64; USER_HEADER_WORDS];
+        header[0] = 42;
+        let meta = BatchMeta {
+            seq: 7,
+            len: 512,
+            header,
+            tensors: vec![t, u],
+        };
+        let body = meta.encode(b"abc");
+        let (back, data) = BatchMeta::decode(&body).unwrap();
+        assert_eq!(back, meta);
+        assert_eq!(data, b"abc");
+        // Every truncation is an error, never a panic.
+        for n in 0..body.len() {
+            assert!(BatchMeta::decode(&body[..n]).is_err(), "prefix {n}");
+        }
+        // A tensor past the batch's end.
+        let bad = BatchMeta {
+            len: 16,
+            ..meta.clone()
+        };
+        let e = BatchMeta::decode(&bad.encode(&[])).unwrap_err();
+        assert!(e.contains("ends past the batch"), "{e}");
+        // Trailing bytes.
+        let mut long = meta.encode(&[]);
+        long.push(0);
+        assert!(
+            BatchMeta::decode(&long)
+                .unwrap_err()
+                .contains("after the message")
+        );
+    }
+
+    #[test]
+    fn ring_messages_round_trip() {
+        for b in [BackendKind::Host, BackendKind::Cuda] {
+            for m in [Mode::Broadcast, Mode::Shared] {
+                assert_eq!(parse_ring(&ring_message(b, m)).unwrap(), (b, m));
+            }
+        }
+        assert!(parse_ring(&[9; 8]).is_err());
+        assert!(parse_ring(&[1; 3]).is_err());
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// NCCL's own point-to-point bandwidth, for comparison with the relay.
+
+/// Which side of [`nccl_bench`] this process is.
+#[derive(Clone, Debug)]
+pub enum BenchSide {
+    /// Listens, makes the unique id, and sends.
+    Send(Endpoint),
+    /// Connects and receives.
+    Recv(Endpoint),
+}
+
+/// NCCL's own send/recv between the two sides, with the same bindings the relay uses:
+/// `iters` messages of `bytes` from one device buffer to another, after `iters / 10 + 1`
+/// untimed ones. Returns GB/s as the receiver timed it (the sender returns its own view).
+pub fn nccl_bench(
+    side: &BenchSide,
+    secret: &SharedSecret,
+    bytes: u64,
+    iters: u64,
+    device: usize,
+    timeout: Duration,
+) -> Result<f64, RelayError> {
+    nccl::load().map_err(err)?;
+    driver::init().map_err(err)?;
+    let ctx = pipeline_cuda::driver::Context::new(device).map_err(err)?;
+    let (id, rank) = match side {
+        BenchSide::Send(listen) => {
+            let id = nccl::unique_id().map_err(err)?;
+            let payload = Payload {
+                nccl_unique_id: id,
+                slot_bytes: bytes.max(1),
+                slot_count: 1,
+                world_size: 2,
+                rank: 1,
+            };
+            Listener::bind(listen)
+                .map_err(err)?
+                .accept(secret, &payload, timeout)
+                .map_err(err)?;
+            (id, 0)
+        }
+        BenchSide::Recv(connect) => {
+            let (p, _) = crate::rendezvous::connect(connect, secret, timeout).map_err(err)?;
+            (p.nccl_unique_id, 1)
+        }
+    };
+    let comm = Comm::init(&ctx, &id, 2, rank).map_err(err)?;
+    let buf = DeviceBuffer::new(&ctx, bytes as usize).map_err(err)?;
+    let stream = Stream::new(&ctx).map_err(err)?;
+    let run = |n: u64| -> Result<(), RelayError> {
+        for _ in 0..n {
+            // SAFETY: our own buffer of `bytes`, used on this stream only.
+            unsafe {
+                if rank == 0 {
+                    comm.send(buf.ptr(), bytes as usize, 1, stream.raw())
+                } else {
+                    comm.recv(buf.ptr(), bytes as usize, 0, stream.raw())
+                }
+            }
+            .map_err(err)?;
+        }
+        Ok(())
+    };
+    run(iters / 10 + 1)?;
+    stream.synchronize().map_err(err)?;
+    let t = Instant::now();
+    run(iters)?;
+    stream.synchronize().map_err(err)?;
+    let secs = t.elapsed().as_secs_f64();
+    comm.async_error().map_err(err)?;
+    Ok(bytes as f64 * iters as f64 / secs / 1e9)
+}
