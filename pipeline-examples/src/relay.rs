@@ -58,6 +58,26 @@ enum Side {
         #[command(flatten)]
         common: Common,
     },
+    /// On this host: consume the ring at --upstream and re-publish every batch in a ring of
+    /// this process's at --socket, on --device (e.g. GPU 0's ring forwarded to GPU 1, where
+    /// consumers read it from their own memory; forwarders chain).
+    Forward {
+        /// The ring to consume.
+        #[arg(long)]
+        upstream: PathBuf,
+        /// The socket of the ring this process makes.
+        #[arg(long)]
+        socket: PathBuf,
+        /// CUDA device of the new ring (default: the upstream producer's).
+        #[arg(long)]
+        device: Option<usize>,
+        /// Slots of the new ring (default 8).
+        #[arg(long, default_value_t = 8)]
+        slots: u32,
+        /// Print the final report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// NCCL's own send/recv bandwidth between two processes, with the relay's bindings (run
     /// one side with --listen, the other with --connect).
     NcclBench {
@@ -154,6 +174,25 @@ pub fn command(cmd: RelayCmd) -> Result<ExitCode, String> {
                 &STOP,
             );
             finish(r, common.json)
+        }
+        Side::Forward {
+            upstream,
+            socket,
+            device,
+            slots,
+            json,
+        } => {
+            eprintln!(
+                "gpipe relay: forwarding the ring at {} into a ring at {}",
+                upstream.display(),
+                socket.display()
+            );
+            let config = ProducerConfig {
+                slots,
+                ..ProducerConfig::default()
+            };
+            let r = pipeline_relay::run_forwarder(&upstream, &socket, config, device, &STOP);
+            finish(r, json)
         }
         Side::NcclBench {
             listen,

@@ -352,3 +352,134 @@ fn two_gpu_relay_sender_fails_clearly_when_the_receiver_is_killed() {
 fn two_gpu_relay_receiver_takes_back_a_restarted_sender() {
     sender_killed_and_rejoined("cuda", &[]);
 }
+
+/// Ring A → forwarder → ring B → forwarder → ring C → a verifying consumer: every batch of C
+/// intact and in order, A's close closing the chain; then the middle forwarder killed: the
+/// next one and C's consumer end with "producer died", and A goes on for its other consumer.
+fn chain(backend: &'static str, dev: &'static [&'static str]) {
+    watchdog(120, move |procs| {
+        let dir = tmpdir(&format!("chain-{backend}"));
+        let (a, b, c) = (dir.join("a.sock"), dir.join("b.sock"), dir.join("c.sock"));
+        let p = producer_on(&procs, &a, backend, &["--rate", "1000"]);
+        let forward = |up: &Path, down: &Path| {
+            let mut args = vec![
+                "relay",
+                "forward",
+                "--upstream",
+                up.to_str().unwrap(),
+                "--socket",
+                down.to_str().unwrap(),
+                "--json",
+            ];
+            args.extend_from_slice(dev);
+            let f = spawn(&procs, &args);
+            let d = down.to_path_buf();
+            wait_until(Duration::from_secs(30), "the forwarded ring", move || {
+                std::os::unix::net::UnixStream::connect(&d).is_ok()
+            });
+            f
+        };
+        let f1 = forward(&a, &b);
+        let f2 = forward(&b, &c);
+        let far = consumer_with(&procs, &c, &dir.join("far.seq"), dev, &[]);
+        wait_until(
+            Duration::from_secs(30),
+            "batches at the end of the chain",
+            || head(&c) > 200,
+        );
+        signal(p.id(), libc::SIGINT);
+        assert_eq!(finish(p, Duration::from_secs(20)).code, Some(0));
+        for (name, f) in [("first", f1), ("second", f2)] {
+            let e = finish(f, Duration::from_secs(20));
+            assert_eq!(e.code, Some(0), "{name} forwarder: {}", e.stderr);
+        }
+        let fe = finish(far, Duration::from_secs(20));
+        assert_eq!(fe.code, Some(0), "far consumer: {}", fe.stderr);
+        assert_eq!(report(&fe)["mismatches"], 0);
+        let s = seqs(&dir.join("far.seq"));
+        assert!(s.len() > 50, "{} batches at the end of the chain", s.len());
+        assert_contiguous(&s, "far consumer");
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+    watchdog(120, move |procs| {
+        let dir = tmpdir(&format!("chain-kill-{backend}"));
+        let (a, b, c) = (dir.join("a.sock"), dir.join("b.sock"), dir.join("c.sock"));
+        let p = producer_on(&procs, &a, backend, &["--rate", "1000"]);
+        let other = consumer_with(&procs, &a, &dir.join("other.seq"), &[], &[]);
+        let mut f1 = spawn(
+            &procs,
+            &[
+                "relay",
+                "forward",
+                "--upstream",
+                a.to_str().unwrap(),
+                "--socket",
+                b.to_str().unwrap(),
+            ],
+        );
+        let bb = b.clone();
+        wait_until(Duration::from_secs(30), "ring B", move || {
+            std::os::unix::net::UnixStream::connect(&bb).is_ok()
+        });
+        let f2 = spawn(
+            &procs,
+            &[
+                "relay",
+                "forward",
+                "--upstream",
+                b.to_str().unwrap(),
+                "--socket",
+                c.to_str().unwrap(),
+            ],
+        );
+        let cc = c.clone();
+        wait_until(Duration::from_secs(30), "ring C", move || {
+            std::os::unix::net::UnixStream::connect(&cc).is_ok()
+        });
+        let far = consumer_with(&procs, &c, &dir.join("far.seq"), &[], &[]);
+        wait_until(
+            Duration::from_secs(30),
+            "batches at the end of the chain",
+            || head(&c) > 100,
+        );
+        f1.kill().unwrap();
+        let _ = f1.wait();
+        let t = Instant::now();
+        let e2 = finish(f2, Duration::from_secs(10));
+        assert_ne!(e2.code, Some(0));
+        assert!(
+            e2.stderr.contains("producer died"),
+            "second forwarder: {}",
+            e2.stderr
+        );
+        let fe = finish(far, Duration::from_secs(10));
+        assert_producer_died(fe, "far consumer");
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "took {:?}",
+            t.elapsed()
+        );
+        let h = head(&a);
+        wait_until(Duration::from_secs(10), "ring A to go on", || {
+            head(&a) > h + 200
+        });
+        signal(p.id(), libc::SIGINT);
+        assert_eq!(finish(p, Duration::from_secs(20)).code, Some(0));
+        let oe = finish(other, Duration::from_secs(20));
+        assert_eq!(oe.code, Some(0), "{}", oe.stderr);
+        assert_contiguous(&seqs(&dir.join("other.seq")), "the other consumer");
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}
+
+#[test]
+fn host_forwarders_chain_rings_and_a_killed_link_fails_clearly_downstream() {
+    chain("host", &[]);
+}
+
+/// Not run on a GPU yet (2026-11-23): GPU 0's ring forwarded to GPU 1, then along GPU 1.
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn two_gpu_forwarders_chain_gpu0_to_gpu1() {
+    chain("cuda", &["--device", "1"]);
+}

@@ -52,6 +52,7 @@
 //! ```
 
 pub mod endpoint;
+pub mod forward;
 pub mod relay;
 pub mod rendezvous;
 pub mod secret;
@@ -59,6 +60,7 @@ pub mod session;
 pub mod wire;
 
 pub use endpoint::{Endpoint, EndpointError, EndpointProblem};
+pub use forward::run_forwarder;
 pub use relay::{
     BenchSide, RelayError, RelayOptions, RelayReport, nccl_bench, run_receiver, run_sender,
 };
