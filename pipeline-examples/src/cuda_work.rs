@@ -88,8 +88,8 @@ struct VerifyState {
 pub struct CudaCheck {
     state: Option<VerifyState>,
     bad: Vec<u64>,
-    /// The last sequence number stamped in a header.
-    last_stamped: Option<u64>,
+    /// The stamped sequence numbers seen.
+    stamps: crate::work::StampCheck,
 }
 
 impl CudaCheck {
@@ -171,9 +171,9 @@ impl Check<CudaConsumer> for CudaCheck {
         }
         let st = self.state.as_mut().ok_or("verify state")?;
         // The data is the pattern of the sequence number its producer stamped in the header:
-        // this ring's own, or behind a relay the upstream ring's (work::stamped_in_order).
+        // this ring's own, or behind a relay the upstream ring's (work::StampCheck).
         let stamped = batch.header()[H_SEQ];
-        if !crate::work::stamped_in_order(&mut self.last_stamped, stamped) {
+        if !self.stamps.ok(batch.seq(), stamped) {
             self.bad.push(batch.seq());
             return Ok(());
         }

@@ -58,26 +58,44 @@ impl Fill<pipeline_core::HostProducer> for HostFill {
 #[derive(Default)]
 pub struct HostCheck {
     bad: Vec<u64>,
-    /// The last sequence number stamped in a header (see [`stamped_in_order`]).
-    last_stamped: Option<u64>,
+    stamps: StampCheck,
 }
 
-/// Whether a batch's stamped sequence number (the header's: the number of the ring whose
-/// producer filled it, which behind a relay is another ring's) comes after the last one seen.
-/// On a plain ring it equals the batch's own number. Behind a relay it runs ahead of it by a
-/// fixed amount, and jumps forward where the relay lost its sender and took another (what
-/// the upstream ring published meanwhile did not reach it). A number that does not increase
-/// is a batch repeated or out of order.
-pub fn stamped_in_order(last: &mut Option<u64>, stamped: u64) -> bool {
-    let ok = last.is_none_or(|l| stamped > l);
-    *last = Some(stamped);
-    ok
+/// Checks a batch's stamped sequence number (the header's: the number in the ring whose
+/// producer filled the batch) against the batch's own. On a plain ring they are equal. Behind
+/// a relay or a forwarder the stamp runs ahead by a fixed offset, which jumps forward where a
+/// relay lost its sender and took another (what the upstream ring published meanwhile never
+/// reached it). So: the offset seen first is kept; a different one is taken only when the
+/// stamp is beyond every stamp seen so far (such a jump); otherwise the batch is repeated,
+/// out of place, or not the one its header names. Batches may arrive out of order (a shared
+/// ring requeues a dead consumer's claims), which a fixed offset does not mind.
+#[derive(Debug, Default)]
+pub struct StampCheck {
+    offset: Option<u64>,
+    max: Option<u64>,
+}
+
+impl StampCheck {
+    /// Whether batch `seq` stamped `stamped` is consistent with those seen before.
+    pub fn ok(&mut self, seq: u64, stamped: u64) -> bool {
+        let offset = stamped.wrapping_sub(seq);
+        let fine = match self.offset {
+            None => true,
+            Some(o) if o == offset => true,
+            Some(_) => self.max.is_some_and(|m| stamped > m),
+        };
+        if fine {
+            self.offset = Some(offset);
+        }
+        self.max = Some(self.max.map_or(stamped, |m| m.max(stamped)));
+        fine
+    }
 }
 
 impl Check<pipeline_core::HostConsumer> for HostCheck {
     fn check(&mut self, batch: &Batch<pipeline_core::HostConsumer>) -> Result<(), String> {
         let h = batch.header();
-        let ok = stamped_in_order(&mut self.last_stamped, h[H_SEQ])
+        let ok = self.stamps.ok(batch.seq(), h[H_SEQ])
             && pattern::checksum(batch.data()) == h[H_CHECKSUM];
         if !ok {
             self.bad.push(batch.seq());
@@ -281,4 +299,29 @@ pub fn produce_loop<B: ProducerBackend, F: Fill<B>>(
         on_batch(n, producer.consumers());
     }
     Ok(n)
+}
+
+#[cfg(test)]
+mod stamp_tests {
+    use super::StampCheck;
+
+    #[test]
+    fn stamps_allow_requeues_and_forward_jumps_but_not_repeats() {
+        // A plain ring, a shared-mode requeue arriving late: fine.
+        let mut c = StampCheck::default();
+        assert!(
+            [(0, 0), (1, 1), (3, 3), (2, 2)]
+                .iter()
+                .all(|&(s, t)| c.ok(s, t))
+        );
+        // Behind a relay: a fixed offset, then a jump forward after a rejoin.
+        let mut c = StampCheck::default();
+        assert!(c.ok(0, 100) && c.ok(1, 101) && c.ok(2, 500) && c.ok(3, 501));
+        // A repeated stamp, or one from before, is refused.
+        assert!(!c.ok(4, 501));
+        assert!(!c.ok(5, 102));
+        // A header that does not match its batch on a plain ring.
+        let mut c = StampCheck::default();
+        assert!(c.ok(0, 0) && !c.ok(1, 0));
+    }
 }
