@@ -483,3 +483,35 @@ fn host_forwarders_chain_rings_and_a_killed_link_fails_clearly_downstream() {
 fn two_gpu_forwarders_chain_gpu0_to_gpu1() {
     chain("cuda", &["--device", "1"]);
 }
+
+/// The sender killed, with a receiver that does not rejoin: the receiver ends with an error
+/// naming the sender within seconds, and its consumer sees its producer die (not a clean end
+/// that would hide the batches that never came).
+#[test]
+fn host_relay_without_rejoin_ends_with_an_error_downstream() {
+    watchdog(90, |procs| {
+        let r = Relay::new("relay-norejoin");
+        let p = producer_on(&procs, &r.a, "host", &["--rate", "1000"]);
+        let mut send = r.sender(&procs, &[], &[]);
+        let recv = r.receiver(&procs, &[], &[]);
+        let far = consumer_with(&procs, &r.b, &r.dir.join("far.seq"), &[], &[]);
+        wait_until(Duration::from_secs(30), "batches through the relay", || {
+            head(&r.b) > 100
+        });
+        send.kill().unwrap();
+        let _ = send.wait();
+        let t = Instant::now();
+        let re = finish(recv, Duration::from_secs(10));
+        assert_ne!(re.code, Some(0), "receiver: {}", re.stderr);
+        assert!(re.stderr.contains("sender"), "receiver: {}", re.stderr);
+        assert_producer_died(finish(far, Duration::from_secs(10)), "far consumer");
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "took {:?}",
+            t.elapsed()
+        );
+        signal(p.id(), libc::SIGINT);
+        assert_eq!(finish(p, Duration::from_secs(20)).code, Some(0));
+        let _ = std::fs::remove_dir_all(&r.dir);
+    });
+}

@@ -38,7 +38,7 @@ use pipeline_cuda::nccl::{self, Comm};
 use crate::endpoint::Endpoint;
 use crate::rendezvous::{Listener, connect_session};
 use crate::secret::SharedSecret;
-use crate::session::{Session, SessionError};
+use crate::session::{Session, SessionError, peer_gone};
 use crate::wire::Payload;
 
 /// Message kinds after the rendezvous.
@@ -264,16 +264,24 @@ fn parse_ring(body: &[u8]) -> Result<(BackendKind, Mode), String> {
 }
 
 // ---------------------------------------------------------------------------------------
-// The watcher: one thread per side that aborts the communicator when the peer is gone.
+// The watcher: one thread per session that notices when the peer is gone.
 
+/// Watches a session's peer every tick: NCCL's asynchronous error, and the TCP connection's
+/// end (until [`Watch::peer_may_close`]). It records the first failure; the main thread, which
+/// looks at [`Watch::failure`] between its own NCCL calls, aborts the communicator. Only once
+/// the main thread has stopped calling NCCL and waits for the GPU ([`Watch::arm`]) does the
+/// watcher abort it itself, so an abort never frees the communicator under a call in flight.
 struct Watch {
     failed: Arc<parking_lot::Mutex<Option<String>>>,
     stop: Arc<AtomicBool>,
+    armed: Arc<AtomicBool>,
+    ended: Arc<AtomicBool>,
+    comm: Option<Arc<Comm>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Watch {
-    /// Watches `comm` (NCCL's asynchronous error) and the session's connection every `tick`.
+    /// Watches `comm` and the session's connection every `tick`.
     fn start(
         comm: Option<Arc<Comm>>,
         session: &Session,
@@ -282,25 +290,35 @@ impl Watch {
         let stream = session.try_clone_stream().map_err(err)?;
         let failed = Arc::new(parking_lot::Mutex::new(None));
         let stop = Arc::new(AtomicBool::new(false));
-        let (f, s) = (failed.clone(), stop.clone());
+        let armed = Arc::new(AtomicBool::new(false));
+        let ended = Arc::new(AtomicBool::new(false));
+        let (f, s, a, e, c) = (
+            failed.clone(),
+            stop.clone(),
+            armed.clone(),
+            ended.clone(),
+            comm.clone(),
+        );
         let thread = std::thread::Builder::new()
             .name("gpipe-relay-watch".into())
             .spawn(move || {
                 while !s.load(Ordering::Acquire) {
                     let mut why = None;
-                    if let Some(c) = &comm {
-                        if let Err(e) = c.async_error() {
-                            why = Some(format!("NCCL: {e}"));
+                    if let Some(c) = &c {
+                        if let Err(err) = c.async_error() {
+                            why = Some(format!("NCCL: {err}"));
                         }
                     }
-                    if why.is_none() && peer_gone(&stream) {
+                    if why.is_none() && !e.load(Ordering::Acquire) && peer_gone(&stream) {
                         why = Some("the peer closed the connection".to_string());
                     }
                     if let Some(w) = why {
-                        if let Some(c) = &comm {
-                            c.abort();
-                        }
                         *f.lock() = Some(w);
+                        if a.load(Ordering::Acquire) {
+                            if let Some(c) = &c {
+                                c.abort();
+                            }
+                        }
                         return;
                     }
                     std::thread::sleep(tick);
@@ -310,6 +328,9 @@ impl Watch {
         Ok(Watch {
             failed,
             stop,
+            armed,
+            ended,
+            comm,
             thread: Some(thread),
         })
     }
@@ -317,38 +338,46 @@ impl Watch {
     fn failure(&self) -> Option<String> {
         self.failed.lock().clone()
     }
-}
 
-impl Drop for Watch {
-    fn drop(&mut self) {
+    /// The peer said it is done (END): its closing the connection is no failure now.
+    fn peer_may_close(&self) {
+        self.ended.store(true, Ordering::Release);
+    }
+
+    /// The main thread makes no more NCCL calls and is about to wait for the GPU: from now on
+    /// a failure aborts the communicator at once (and one already seen does so now).
+    fn arm(&self) {
+        self.armed.store(true, Ordering::Release);
+        if self.failure().is_some() {
+            self.halt();
+            if let Some(c) = &self.comm {
+                c.abort();
+            }
+        }
+    }
+
+    /// Asks the watcher to stop (it ends within a tick).
+    fn halt(&self) {
         self.stop.store(true, Ordering::Release);
+    }
+
+    /// Stops the watcher, waits for it, then aborts the communicator.
+    fn halt_and_abort(&mut self) {
+        self.halt();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
+        }
+        if let Some(c) = &self.comm {
+            c.abort();
         }
     }
 }
 
-/// True when the peer closed its end: the socket polls as hung up or in error, or a peek at
-/// it (which consumes nothing) sees end of file.
-fn peer_gone(stream: &std::net::TcpStream) -> bool {
-    use rustix::event::{PollFd, PollFlags};
-    let mut fds = [PollFd::new(stream, PollFlags::IN)];
-    let zero = rustix::time::Timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    match rustix::event::poll(&mut fds, Some(&zero)) {
-        Ok(0) | Err(_) => false,
-        Ok(_) => {
-            if fds[0].revents().intersects(PollFlags::HUP | PollFlags::ERR) {
-                return true;
-            }
-            let mut b = [0u8; 1];
-            match stream.peek(&mut b) {
-                Ok(0) => true,
-                Ok(_) => false,
-                Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
-            }
+impl Drop for Watch {
+    fn drop(&mut self) {
+        self.halt();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
         }
     }
 }
@@ -389,6 +418,16 @@ pub fn run_sender(
         }
         BackendKind::Host => [0u8; 128],
     };
+    if backend == BackendKind::Host
+        && layout.slot_bytes as usize > crate::session::MAX_BODY - (1 << 20)
+    {
+        return Err(RelayError(format!(
+            "a host ring's batches travel in one message each: slots of {} bytes are more than \
+             the relay carries ({} bytes)",
+            layout.slot_bytes,
+            crate::session::MAX_BODY - (1 << 20)
+        )));
+    }
     let listener = Listener::bind(listen).map_err(err)?;
     tracing::info!(
         "relay: waiting for the receiver on {}",
@@ -477,20 +516,22 @@ fn send_loop<B: SendBytes>(
     stop: &AtomicBool,
     report: &mut RelayReport,
 ) -> Result<(), RelayError> {
-    let watch = Watch::start(comm.clone(), session, opts.tick)?;
+    // The receiver sends nothing but an abort message: bound what we accept from it.
+    session.set_max_body(1 << 20);
+    let mut watch = Watch::start(comm.clone(), session, opts.tick)?;
     let mut started: Option<Instant> = None;
     let outcome = loop {
         if let Some(why) = watch.failure() {
             break Err(RelayError(format!("the receiver is gone: {why}")));
         }
         if stop.load(Ordering::Relaxed) {
-            break Ok(());
+            break Ok(false);
         }
         let batch = match consumer.recv_timeout(opts.tick) {
             Ok(Some(b)) => b,
             Ok(None) => {
                 let _ = session.send(kind::END, &[], WRITE_TIMEOUT);
-                break Ok(());
+                break Ok(true);
             }
             Err(pipeline_core::Error::Timeout(_)) => continue,
             Err(e) => break Err(RelayError(format!("the local ring: {e}"))),
@@ -519,19 +560,24 @@ fn send_loop<B: SendBytes>(
         report.batches += 1;
         report.bytes += meta.len;
     };
-    if let (Some(c), true) = (&comm, outcome.is_err()) {
-        // Whatever the stream still waits for on the peer ends now; the consumer's teardown
-        // (a context synchronize) can then finish.
-        c.abort();
+    match &outcome {
+        // The ring ended and the receiver was told: let the sends enqueued complete (the
+        // consumer's teardown waits for them), aborting only if the receiver goes meanwhile.
+        Ok(true) => {
+            watch.peer_may_close();
+            watch.arm();
+        }
+        // Stopped (Ctrl-C) or failed: sends in flight may never be received; end them now,
+        // so that the consumer's teardown (a context synchronize) finishes.
+        Ok(false) | Err(_) => watch.halt_and_abort(),
     }
-    drop(watch);
-    // The consumer's teardown waits for its streams: the sends enqueued are complete after it.
     drop(consumer);
-    if let (Some(t), true) = (started, outcome.is_ok()) {
+    if let (Some(t), Ok(true)) = (started, &outcome) {
         report.elapsed_s = t.elapsed().as_secs_f64();
     }
+    drop(watch);
     drop(comm);
-    outcome
+    outcome.map(|_| ())
 }
 
 // ---------------------------------------------------------------------------------------
@@ -578,36 +624,24 @@ pub fn run_receiver(
             };
             let mut producer: Producer<CudaProducer> =
                 Producer::bind(downstream, config, options).map_err(err)?;
-            let mut staging = Staging::new(&producer, payload.slot_bytes)?;
             let mut first = Some((payload, session));
             loop {
                 let (payload, session) = match first.take() {
                     Some(p) => p,
-                    None => {
-                        let (p, mut s) =
-                            connect_session(connect, secret, opts.connect_timeout).map_err(err)?;
-                        let (k, body) = s.recv(Some(opts.connect_timeout)).map_err(err)?;
-                        if k != kind::RING
-                            || parse_ring(&body).map_err(RelayError)? != (backend, mode)
-                            || p.slot_bytes != payload_bytes(&producer)
-                        {
-                            return Err(RelayError(
-                                "the sender that rejoined carries another kind of ring".into(),
-                            ));
-                        }
-                        (p, s)
-                    }
+                    None => match rejoin(
+                        connect,
+                        secret,
+                        opts,
+                        stop,
+                        (backend, mode),
+                        producer.layout().slot_bytes,
+                    ) {
+                        Some(p) => p,
+                        None => break,
+                    },
                 };
                 report.sessions += 1;
-                let r = recv_loop_cuda(
-                    &mut producer,
-                    &mut staging,
-                    session,
-                    &payload,
-                    opts,
-                    stop,
-                    &mut report,
-                );
+                let r = recv_loop_cuda(&mut producer, session, &payload, opts, stop, &mut report);
                 match r {
                     Ok(()) => break,
                     Err(e) if opts.rejoin && !stop.load(Ordering::Relaxed) => {
@@ -616,8 +650,7 @@ pub fn run_receiver(
                     }
                     Err(e) => {
                         report.error = Some(e.0.clone());
-                        producer.close();
-                        return Err(e);
+                        return Err(abandon(producer, e));
                     }
                 }
             }
@@ -630,20 +663,17 @@ pub fn run_receiver(
             loop {
                 let session = match first.take() {
                     Some(s) => s,
-                    None => {
-                        let (p, mut s) =
-                            connect_session(connect, secret, opts.connect_timeout).map_err(err)?;
-                        let (k, body) = s.recv(Some(opts.connect_timeout)).map_err(err)?;
-                        if k != kind::RING
-                            || parse_ring(&body).map_err(RelayError)? != (backend, mode)
-                            || p.slot_bytes != producer.layout().slot_bytes
-                        {
-                            return Err(RelayError(
-                                "the sender that rejoined carries another kind of ring".into(),
-                            ));
-                        }
-                        s
-                    }
+                    None => match rejoin(
+                        connect,
+                        secret,
+                        opts,
+                        stop,
+                        (backend, mode),
+                        producer.layout().slot_bytes,
+                    ) {
+                        Some((_, s)) => s,
+                        None => break,
+                    },
                 };
                 report.sessions += 1;
                 match recv_loop_host(&mut producer, session, opts, stop, &mut report) {
@@ -654,8 +684,7 @@ pub fn run_receiver(
                     }
                     Err(e) => {
                         report.error = Some(e.0.clone());
-                        producer.close();
-                        return Err(e);
+                        return Err(abandon(producer, e));
                     }
                 }
             }
@@ -665,8 +694,55 @@ pub fn run_receiver(
     Ok(report)
 }
 
-fn payload_bytes(p: &Producer<CudaProducer>) -> u64 {
-    p.layout().slot_bytes
+/// Waits for a sender to connect again (with `--rejoin`), until `stop`: a failed attempt
+/// (a timeout, a wrong secret, a sender of another kind of ring) is logged and retried.
+/// `None` once stopped.
+fn rejoin(
+    connect: &Endpoint,
+    secret: &SharedSecret,
+    opts: &RelayOptions,
+    stop: &AtomicBool,
+    ring: (BackendKind, Mode),
+    slot_bytes: u64,
+) -> Option<(Payload, Session)> {
+    while !stop.load(Ordering::Relaxed) {
+        let attempt = (|| -> Result<(Payload, Session), RelayError> {
+            let (p, mut s) = connect_session(connect, secret, opts.connect_timeout).map_err(err)?;
+            let (k, body) = s.recv(Some(opts.connect_timeout)).map_err(err)?;
+            if k != kind::RING || parse_ring(&body).map_err(RelayError)? != ring {
+                return Err(RelayError(
+                    "the sender that connected carries another kind of ring".into(),
+                ));
+            }
+            if p.slot_bytes > slot_bytes {
+                return Err(RelayError(format!(
+                    "the sender that connected has slots of {} bytes; this ring's are {slot_bytes}",
+                    p.slot_bytes
+                )));
+            }
+            Ok((p, s))
+        })();
+        match attempt {
+            Ok(p) => return Some(p),
+            Err(e) => {
+                tracing::warn!("relay: rejoin: {e}; trying again");
+                std::thread::sleep(opts.tick);
+            }
+        }
+    }
+    None
+}
+
+/// The sender failed and no other will come: leave this side's ring as a crashed producer
+/// would, so that its consumers get `ProducerDied` when this process exits rather than a
+/// clean end that would hide the batches that never came. Deliberately not dropped (its drop
+/// closes the ring cleanly); the caller should exit.
+fn abandon<B: pipeline_core::ProducerBackend>(producer: Producer<B>, e: RelayError) -> RelayError {
+    std::mem::forget(producer);
+    RelayError(format!(
+        "{e}; this ring is abandoned (its consumers will see the producer die when this \
+         process exits)"
+    ))
 }
 
 /// Receives the next message, looking at `stop` and at the watcher every tick.
@@ -722,6 +798,8 @@ fn recv_loop_host(
     stop: &AtomicBool,
     report: &mut RelayReport,
 ) -> Result<(), RelayError> {
+    // A slot's bytes and their description.
+    session.set_max_body(producer.layout().slot_bytes as usize + (1 << 20));
     let watch = Watch::start(None, &session, opts.tick)?;
     let mut started: Option<Instant> = None;
     loop {
@@ -729,7 +807,10 @@ fn recv_loop_host(
             return Ok(());
         };
         match k {
-            kind::END => return Ok(()),
+            kind::END => {
+                watch.peer_may_close();
+                return Ok(());
+            }
             kind::ABORT => {
                 return Err(RelayError(format!(
                     "the sender stopped: {}",
@@ -811,17 +892,27 @@ impl Staging {
 #[allow(clippy::too_many_arguments)]
 fn recv_loop_cuda(
     producer: &mut Producer<CudaProducer>,
-    st: &mut Staging,
     mut session: Session,
     payload: &Payload,
     opts: &RelayOptions,
     stop: &AtomicBool,
     report: &mut RelayReport,
 ) -> Result<(), RelayError> {
+    // Descriptions only (the bytes come over NCCL).
+    session.set_max_body(1 << 20);
+    let slot_bytes = producer.layout().slot_bytes;
+    if payload.slot_bytes > slot_bytes {
+        return Err(RelayError(format!(
+            "the sender's slots are {} bytes; this ring's are {slot_bytes}",
+            payload.slot_bytes
+        )));
+    }
+    // Fresh per session: nothing of a session that ended in an abort is reused.
+    let mut st = Staging::new(producer, slot_bytes)?;
     let comm = Arc::new(
         Comm::init(producer.backend().context(), &payload.nccl_unique_id, 2, 1).map_err(err)?,
     );
-    let watch = Watch::start(Some(comm.clone()), &session, opts.tick)?;
+    let mut watch = Watch::start(Some(comm.clone()), &session, opts.tick)?;
     let mut inflight: std::collections::VecDeque<(BatchMeta, usize)> = Default::default();
     let mut next = 0usize;
     let mut started: Option<Instant> = None;
@@ -835,35 +926,32 @@ fn recv_loop_cuda(
                     .pop_front()
                     .ok_or_else(|| RelayError("staging".into()))?;
                 loop {
-                    if let Some(why) = watch.failure() {
-                        return Err(RelayError(format!("the sender is gone: {why}")));
-                    }
                     if st.received[k].query().map_err(err)? {
                         break;
+                    }
+                    if let Some(why) = watch.failure() {
+                        return Err(RelayError(format!("the sender is gone: {why}")));
                     }
                     if stop.load(Ordering::Relaxed) {
                         return Ok(());
                     }
                     std::thread::sleep(Duration::from_micros(20));
                 }
-                // Complete, but aborted meanwhile? Then it may be partial: never publish it.
-                comm.async_error()
-                    .map_err(|e| RelayError(format!("batch {}: {e}", meta.seq)))?;
+                // Complete, but with an NCCL error meanwhile? Then it may be partial: never
+                // publish it.
+                if let Some(why) = watch.failure().filter(|w| w.starts_with("NCCL")) {
+                    return Err(RelayError(format!("batch {}: {why}", meta.seq)));
+                }
                 let Some(loan) = acquire_checked(producer, &watch, opts, stop)? else {
                     return Ok(());
                 };
                 let mut slot = producer.resume(loan).map_err(err)?;
                 let mem = slot.memory();
-                if meta.len > mem.capacity {
-                    return Err(RelayError(format!(
-                        "batch {} does not fit a slot",
-                        meta.seq
-                    )));
-                }
                 if meta.len > 0 {
                     // SAFETY: the staging buffer holds the whole batch (its receive completed,
-                    // checked above); the slot is ours until publish and its stream already
-                    // waits for the slot's previous consumers.
+                    // checked above; meta.len <= the staging size, checked when it was
+                    // posted); the slot is ours until publish, of the same size, and its
+                    // stream already waits for the slot's previous consumers.
                     unsafe {
                         driver::memcpy_async(
                             mem.ptr,
@@ -892,6 +980,9 @@ fn recv_loop_cuda(
             };
             match k_ {
                 kind::END => {
+                    // The sender is done and may close the connection; what it sent is
+                    // still published.
+                    watch.peer_may_close();
                     ended = true;
                     continue;
                 }
@@ -905,13 +996,12 @@ fn recv_loop_cuda(
                 other => return Err(RelayError(format!("unexpected message kind {other}"))),
             }
             let (meta, data) = BatchMeta::decode(&body).map_err(RelayError)?;
-            if !data.is_empty() || meta.len > payload.slot_bytes {
+            if !data.is_empty() || meta.len > slot_bytes {
                 return Err(RelayError(format!(
-                    "batch {}: {} bytes in a CUDA batch message, length {} for slots of {}",
+                    "batch {}: {} bytes in a CUDA batch message, length {} for slots of {slot_bytes}",
                     meta.seq,
                     data.len(),
                     meta.len,
-                    payload.slot_bytes
                 )));
             }
             started.get_or_insert_with(Instant::now);
@@ -922,9 +1012,9 @@ fn recv_loop_cuda(
                 st.stream.wait_event(&st.copied[k]).map_err(err)?;
             }
             if meta.len > 0 {
-                // SAFETY: our staging buffer of slot_bytes >= len, not read by anything until
-                // `received[k]` completes (the copy above waits for it on the host); the
-                // stream is ours.
+                // SAFETY: our staging buffer of slot_bytes >= len (checked above), not read
+                // by anything until `received[k]` completes (the copy waits for it on the
+                // host); the stream is ours.
                 unsafe { comm.recv(st.buffers[k].ptr(), meta.len as usize, 0, st.stream.raw()) }
                     .map_err(err)?;
             }
@@ -932,12 +1022,16 @@ fn recv_loop_cuda(
             inflight.push_back((meta, k));
         }
     })();
-    if result.is_err() {
-        comm.abort();
+    if result.is_err() || stop.load(Ordering::Relaxed) {
+        watch.halt_and_abort();
+    } else {
+        watch.arm();
     }
     // Our staging stream and the slot copies are done (or released by the abort) before the
     // communicator goes.
-    let _ = st.stream.synchronize();
+    if let Err(e) = st.stream.synchronize() {
+        tracing::warn!("relay: synchronizing the staging stream: {e}");
+    }
     drop(watch);
     drop(comm);
     result

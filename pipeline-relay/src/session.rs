@@ -18,10 +18,47 @@ use crate::wire::{self, MAC_LEN, Role};
 /// The largest message body: a whole slot of the host backend's relay plus its metadata.
 pub const MAX_BODY: usize = (1 << 30) + (1 << 20);
 
+/// Once a message has begun, how long each read of the rest may take.
+pub const MID_MESSAGE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// True when the peer has closed its end of `stream` (or it failed), checked without blocking,
+/// consuming data or changing the socket's mode: the socket polls as hung up, in error or
+/// read-hung-up (the peer's FIN, seen even while unread messages of its are still queued), or
+/// a peek reads end of file.
+pub fn peer_gone(stream: &TcpStream) -> bool {
+    use rustix::event::{PollFd, PollFlags};
+    let mut fds = [PollFd::new(stream, PollFlags::IN | PollFlags::RDHUP)];
+    let zero = rustix::time::Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    match rustix::event::poll(&mut fds, Some(&zero)) {
+        Ok(0) => false,
+        Err(_) => true,
+        Ok(_) => {
+            let r = fds[0].revents();
+            if r.intersects(PollFlags::HUP | PollFlags::ERR | PollFlags::RDHUP) {
+                return true;
+            }
+            let mut b = [0u8; 1];
+            matches!(
+                rustix::net::recv(
+                    stream,
+                    &mut b[..],
+                    rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT
+                ),
+                Ok((0, _))
+            )
+        }
+    }
+}
+
 /// An authenticated connection to the peer of a rendezvous.
 #[derive(Debug)]
 pub struct Session {
     stream: TcpStream,
+    /// The largest body this side accepts (checked before anything is allocated).
+    max_body: usize,
     key: [u8; MAC_LEN],
     role: Role,
     sent: u64,
@@ -80,6 +117,7 @@ impl Session {
     pub(crate) fn new(stream: TcpStream, key: [u8; MAC_LEN], role: Role, peer: PeerInfo) -> Self {
         Session {
             stream,
+            max_body: MAX_BODY,
             key,
             role,
             sent: 0,
@@ -96,6 +134,13 @@ impl Session {
     /// This side's role.
     pub fn role(&self) -> Role {
         self.role
+    }
+
+    /// Accepts bodies of at most `bytes` (and at most [`MAX_BODY`]) from now on: what the
+    /// relay expects (a slot and its description), so a peer cannot make this side allocate
+    /// more before the MAC is checked.
+    pub fn set_max_body(&mut self, bytes: usize) {
+        self.max_body = bytes.min(MAX_BODY);
     }
 
     fn tag(&self, role: Role, counter: u64, kind: u8, body: &[u8]) -> [u8; MAC_LEN] {
@@ -134,21 +179,39 @@ impl Session {
     }
 
     /// Receives one message: its kind and body. `timeout` bounds the wait for its first byte
-    /// and then for each read (`None`: wait for ever).
+    /// (`None`: wait for ever); once a message has begun, the rest must follow within
+    /// [`MID_MESSAGE_TIMEOUT`] per read, and a stall there is an error (the stream would be
+    /// out of step after it), never a [`SessionError::Timeout`].
     pub fn recv(&mut self, timeout: Option<Duration>) -> Result<(u8, Vec<u8>), SessionError> {
         self.stream
             .set_read_timeout(timeout.map(|t| t.max(Duration::from_millis(1))))
             .map_err(io_error)?;
         let mut head = [0u8; 5];
-        self.stream.read_exact(&mut head).map_err(io_error)?;
+        match self.stream.read(&mut head[..1]) {
+            Ok(0) => return Err(SessionError::Closed),
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => return Err(SessionError::Timeout),
+            Err(e) => return Err(io_error(e)),
+        }
+        let mid = |e: io::Error| match io_error(e) {
+            SessionError::Timeout => SessionError::Io(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the peer stopped in the middle of a message",
+            )),
+            other => other,
+        };
+        self.stream
+            .set_read_timeout(Some(MID_MESSAGE_TIMEOUT))
+            .map_err(io_error)?;
+        self.stream.read_exact(&mut head[1..]).map_err(mid)?;
         let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
-        if len > MAX_BODY {
+        if len > self.max_body {
             return Err(SessionError::TooLong(len as u64));
         }
         let mut body = vec![0u8; len];
-        self.stream.read_exact(&mut body).map_err(io_error)?;
+        self.stream.read_exact(&mut body).map_err(mid)?;
         let mut tag = [0u8; MAC_LEN];
-        self.stream.read_exact(&mut tag).map_err(io_error)?;
+        self.stream.read_exact(&mut tag).map_err(mid)?;
         let want = self.tag(self.role.peer(), self.received, head[4], &body);
         // Constant-time comparison.
         let diff = want.iter().zip(&tag).fold(0u8, |d, (a, b)| d | (a ^ b));
@@ -159,19 +222,9 @@ impl Session {
         Ok((head[4], body))
     }
 
-    /// True when the peer has closed its end (checked without blocking or consuming data).
+    /// True when the peer has closed its end (see [`peer_gone`]).
     pub fn peer_closed(&self) -> bool {
-        let mut b = [0u8; 1];
-        if self.stream.set_nonblocking(true).is_err() {
-            return true;
-        }
-        let r = self.stream.peek(&mut b);
-        let _ = self.stream.set_nonblocking(false);
-        match r {
-            Ok(0) => true,
-            Ok(_) => false,
-            Err(e) => e.kind() != io::ErrorKind::WouldBlock,
-        }
+        peer_gone(&self.stream)
     }
 
     /// A second handle on the connection (to watch it from another thread).
