@@ -781,14 +781,20 @@ impl std::fmt::Display for BenchReport {
             writeln!(f)?;
         }
         for r in &self.per_consumer {
+            let place = match (&r.delivery, r.device) {
+                (Some(d), Some(g)) => format!(", {d} on GPU {g}"),
+                (Some(d), None) if d == "mirror" => format!(", {d}"),
+                _ => String::new(),
+            };
             writeln!(
                 f,
-                "  consumer #{:<2} pid {:>7}: {:>8} batches, {} checksum mismatches{}",
+                "  consumer #{:<2} pid {:>7}: {:>8} batches, {} checksum mismatches{}{}",
                 r.index,
                 r.pid,
                 r.received,
                 r.mismatches,
-                if r.verified { "" } else { " (not verified)" }
+                if r.verified { "" } else { " (not verified)" },
+                place
             )?;
         }
         writeln!(
