@@ -339,6 +339,12 @@ impl Watch {
         self.failed.lock().clone()
     }
 
+    /// An NCCL failure only (not the connection's end, which may come with messages still
+    /// to read: a sender that sent its last batches and END, then exited).
+    fn nccl_failure(&self) -> Option<String> {
+        self.failure().filter(|w| w.starts_with("NCCL"))
+    }
+
     /// The peer said it is done (END): its closing the connection is no failure now.
     fn peer_may_close(&self) {
         self.ended.store(true, Ordering::Release);
@@ -780,7 +786,9 @@ fn acquire_checked<B: pipeline_core::ProducerBackend>(
         if stop.load(Ordering::Relaxed) {
             return Ok(None);
         }
-        if let Some(why) = watch.failure() {
+        // Waiting here is for this ring's consumers, not for the sender: the sender's end
+        // matters once the messages it sent have been read (next_message), NCCL's at once.
+        if let Some(why) = watch.nccl_failure() {
             return Err(RelayError(format!("the sender is gone: {why}")));
         }
         match producer.acquire_timeout(opts.tick) {
@@ -925,12 +933,21 @@ fn recv_loop_cuda(
                 let (meta, k) = inflight
                     .pop_front()
                     .ok_or_else(|| RelayError("staging".into()))?;
+                let mut closed_at: Option<Instant> = None;
                 loop {
                     if st.received[k].query().map_err(err)? {
                         break;
                     }
-                    if let Some(why) = watch.failure() {
+                    if let Some(why) = watch.nccl_failure() {
                         return Err(RelayError(format!("the sender is gone: {why}")));
+                    }
+                    // The connection's end: a sender exits only after its sends completed, so
+                    // a receive still pending a moment later will never complete.
+                    if let Some(why) = watch.failure() {
+                        let t = *closed_at.get_or_insert_with(Instant::now);
+                        if t.elapsed() > Duration::from_secs(2) {
+                            return Err(RelayError(format!("the sender is gone: {why}")));
+                        }
                     }
                     if stop.load(Ordering::Relaxed) {
                         return Ok(());
@@ -939,7 +956,7 @@ fn recv_loop_cuda(
                 }
                 // Complete, but with an NCCL error meanwhile? Then it may be partial: never
                 // publish it.
-                if let Some(why) = watch.failure().filter(|w| w.starts_with("NCCL")) {
+                if let Some(why) = watch.nccl_failure() {
                     return Err(RelayError(format!("batch {}: {why}", meta.seq)));
                 }
                 let Some(loan) = acquire_checked(producer, &watch, opts, stop)? else {
