@@ -79,45 +79,9 @@ impl Listener {
         payload: &Payload,
         timeout: Duration,
     ) -> Result<PeerInfo, RendezvousError> {
-        payload
-            .validate()
-            .map_err(RendezvousError::InvalidPayload)?;
-        let deadline = Instant::now() + timeout;
-        let accept_failed = |source| RendezvousError::Accept {
-            endpoint: self.endpoint.clone(),
-            source,
-        };
-        let (stream, peer) = loop {
-            match self.socket.accept() {
-                Ok(pair) => break pair,
-                // The connection died in the backlog: wait for the next.
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::WouldBlock
-                            | io::ErrorKind::Interrupted
-                            | io::ErrorKind::ConnectionAborted
-                    ) =>
-                {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        return Err(RendezvousError::AcceptTimeout {
-                            endpoint: self.endpoint.clone(),
-                            after: timeout,
-                        });
-                    }
-                    std::thread::sleep(left.min(ACCEPT_POLL));
-                }
-                Err(e) => return Err(accept_failed(e)),
-            }
-        };
-        stream.set_nonblocking(false).map_err(accept_failed)?;
-        let local = stream.local_addr().map_err(accept_failed)?;
-        // Small messages, one at a time: send each at once.
-        stream.set_nodelay(true).map_err(accept_failed)?;
-        let mut link = Link::new(stream, peer.to_string(), timeout, deadline);
-        run_listener(&mut link, secret, payload, fresh_nonce()?)?;
-        Ok(PeerInfo { peer, local })
+        // The connection closes when the session is dropped here.
+        self.accept_session(secret, payload, timeout)
+            .map(|s| s.peer())
     }
 
     /// As [`Listener::accept`], keeping the connection open as an authenticated
@@ -197,51 +161,8 @@ pub fn connect(
     secret: &SharedSecret,
     timeout: Duration,
 ) -> Result<(Payload, PeerInfo), RendezvousError> {
-    if endpoint.port() == 0 {
-        return Err(RendezvousError::PortZero {
-            endpoint: endpoint.to_string(),
-        });
-    }
-    let deadline = Instant::now() + timeout;
-    let name = endpoint.to_string();
-    let addrs = endpoint
-        .resolve()
-        .map_err(|source| RendezvousError::Resolve {
-            endpoint: name.clone(),
-            source,
-        })?;
-    let mut last_error = None;
-    let (stream, peer) = 'connected: loop {
-        for addr in &addrs {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
-            }
-            match TcpStream::connect_timeout(addr, left) {
-                Ok(stream) => break 'connected (stream, *addr),
-                Err(e) => last_error = Some(e),
-            }
-        }
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(RendezvousError::ConnectTimeout {
-                endpoint: name,
-                after: timeout,
-                last_error,
-            });
-        }
-        std::thread::sleep(left.min(CONNECT_RETRY));
-    };
-    let setup_failed = |source| RendezvousError::Io {
-        peer: peer.to_string(),
-        stage: Stage::SendHello,
-        source,
-    };
-    let local = stream.local_addr().map_err(setup_failed)?;
-    stream.set_nodelay(true).map_err(setup_failed)?;
-    let mut link = Link::new(stream, peer.to_string(), timeout, deadline);
-    let payload = run_connector(&mut link, secret, fresh_nonce()?)?;
-    Ok((payload, PeerInfo { peer, local }))
+    // The connection closes when the session is dropped here.
+    connect_session(endpoint, secret, timeout).map(|(p, s)| (p, s.peer()))
 }
 
 /// As [`connect`], keeping the connection open as an authenticated [`Session`].
@@ -857,6 +778,7 @@ fn exchange_proofs<S: Read + Write + Timeouts>(
 }
 
 /// The listener's side of the exchange, on a connected stream.
+#[cfg(test)]
 pub(crate) fn run_listener<S: Read + Write + Timeouts>(
     link: &mut Link<S>,
     secret: &SharedSecret,
@@ -866,7 +788,7 @@ pub(crate) fn run_listener<S: Read + Write + Timeouts>(
     run_listener_keyed(link, secret, payload, nonce).map(|_| ())
 }
 
-/// [`run_listener`], returning the session key.
+/// The listener's side of the exchange, on a connected stream; returns the session key.
 pub(crate) fn run_listener_keyed<S: Read + Write + Timeouts>(
     link: &mut Link<S>,
     secret: &SharedSecret,
@@ -887,6 +809,7 @@ pub(crate) fn run_listener_keyed<S: Read + Write + Timeouts>(
 }
 
 /// The connector's side of the exchange, on a connected stream.
+#[cfg(test)]
 pub(crate) fn run_connector<S: Read + Write + Timeouts>(
     link: &mut Link<S>,
     secret: &SharedSecret,
@@ -895,7 +818,8 @@ pub(crate) fn run_connector<S: Read + Write + Timeouts>(
     run_connector_keyed(link, secret, nonce).map(|(p, _)| p)
 }
 
-/// [`run_connector`], returning the session key too.
+/// The connector's side of the exchange, on a connected stream; returns the payload and the
+/// session key.
 pub(crate) fn run_connector_keyed<S: Read + Write + Timeouts>(
     link: &mut Link<S>,
     secret: &SharedSecret,
