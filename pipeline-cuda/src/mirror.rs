@@ -164,14 +164,14 @@ impl Mirror {
                 let bytes = usize::try_from(len).map_err(|_| {
                     CudaError::InvalidArgument("batch length overflows usize".into())
                 })?;
-                // SAFETY: `src` is the published batch, `len <= slot_bytes` (the ring checked
-                // it), readable from this device (the import set access). The producer does
-                // not write it before our `finished`, written after this copy on the same
-                // stream; for a shared-mode claim the producer will not wait for, the ring
-                // completes this copy (`complete_now`) before it releases the slot. Buffer j
-                // was free, and this stream waits for the work of its last batch's users
-                // (`freed[j]`, recorded on the consumer's stream after the release joined
-                // their streams into it, or a synchronize if that record failed).
+                // Why the copy is sound: `src` is the published batch, `len <= slot_bytes` (the
+                // ring checked it), readable from this device (the import set access). The
+                // producer does not write it before our `finished`, written after this copy on
+                // the same stream; for a shared-mode claim the producer will not wait for, the
+                // ring completes this copy (`complete_now`) before it releases the slot.
+                // Buffer j was free, and this stream waits for its last batch's users
+                // (`freed[j]`, or a synchronize if that record failed).
+                // SAFETY: both ranges are valid and unshared for the copy, as argued above.
                 unsafe { driver::memcpy_async(self.buffers[j].ptr(), src, bytes, s) }?;
             }
             self.copied[j].record(s)?;

@@ -118,10 +118,10 @@ pub fn run_forwarder(
                 joined.record(view.stream).map_err(err)?;
                 mem.stream.wait_event(&joined).map_err(err)?;
                 if view.len > 0 {
-                    // SAFETY: the upstream batch is published and held until after the
-                    // `finished` written below on this stream, after the copy; the slot is ours
-                    // until publish and its stream waits for its previous consumers; both are
-                    // `view.len <= slot_bytes` bytes (the two rings have the same slot size).
+                    // The upstream batch is published and held until after the `finished`
+                    // written below on this stream, after the copy; the slot is ours until
+                    // publish and its stream waits for its previous consumers.
+                    // SAFETY: both are `view.len <= slot_bytes` bytes (same slot size), unshared.
                     unsafe {
                         driver::memcpy_async(mem.ptr, view.ptr, view.len as usize, mem.stream)
                     }

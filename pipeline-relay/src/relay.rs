@@ -965,10 +965,10 @@ fn recv_loop_cuda(
                 let mut slot = producer.resume(loan).map_err(err)?;
                 let mem = slot.memory();
                 if meta.len > 0 {
-                    // SAFETY: the staging buffer holds the whole batch (its receive completed,
-                    // checked above; meta.len <= the staging size, checked when it was
-                    // posted); the slot is ours until publish, of the same size, and its
-                    // stream already waits for the slot's previous consumers.
+                    // The staging buffer holds the whole batch (its receive completed, checked
+                    // above; meta.len <= the staging size, checked when it was posted); the
+                    // slot is ours until publish and its stream waits for its last consumers.
+                    // SAFETY: both ranges hold meta.len bytes and nothing else uses them.
                     unsafe {
                         driver::memcpy_async(
                             mem.ptr,
