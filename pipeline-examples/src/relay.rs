@@ -114,6 +114,12 @@ struct Common {
     json: bool,
 }
 
+impl Common {
+    fn secret(&self) -> Result<SharedSecret, String> {
+        SharedSecret::from_file(&self.secret_file).map_err(|e| e.to_string())
+    }
+}
+
 fn endpoint(s: &str) -> Result<Endpoint, String> {
     s.parse::<Endpoint>().map_err(|e| e.to_string())
 }
@@ -126,7 +132,7 @@ pub fn command(cmd: RelayCmd) -> Result<ExitCode, String> {
             listen,
             common,
         } => {
-            let secret = SharedSecret::from_file(&common.secret_file).map_err(|e| e.to_string())?;
+            let secret = common.secret()?;
             let opts = RelayOptions {
                 connect_timeout: common.connect_timeout,
                 device: common.device,
@@ -147,7 +153,7 @@ pub fn command(cmd: RelayCmd) -> Result<ExitCode, String> {
             detach_after_ms,
             common,
         } => {
-            let secret = SharedSecret::from_file(&common.secret_file).map_err(|e| e.to_string())?;
+            let secret = common.secret()?;
             let opts = RelayOptions {
                 connect_timeout: common.connect_timeout,
                 device: common.device,
@@ -201,7 +207,7 @@ pub fn command(cmd: RelayCmd) -> Result<ExitCode, String> {
             iters,
             common,
         } => {
-            let secret = SharedSecret::from_file(&common.secret_file).map_err(|e| e.to_string())?;
+            let secret = common.secret()?;
             let side = match (listen, connect) {
                 (Some(l), None) => BenchSide::Send(endpoint(&l)?),
                 (None, Some(c)) => BenchSide::Recv(endpoint(&c)?),

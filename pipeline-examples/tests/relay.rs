@@ -14,6 +14,10 @@ use std::time::{Duration, Instant};
 use common::*;
 
 fn secret_file(dir: &Path) -> PathBuf {
+    secret_file_with(dir, b"relay test secret, not a real one\n")
+}
+
+fn secret_file_with(dir: &Path, text: &[u8]) -> PathBuf {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let p = dir.join("secret");
@@ -23,7 +27,7 @@ fn secret_file(dir: &Path) -> PathBuf {
         .mode(0o600)
         .open(&p)
         .unwrap()
-        .write_all(b"relay test secret, not a real one\n")
+        .write_all(text)
         .unwrap();
     p
 }
@@ -278,20 +282,7 @@ fn a_relay_with_the_wrong_secret_is_refused_on_both_sides() {
     watchdog(60, |procs| {
         let r = Relay::new("relay-secret");
         let other = tmpdir("relay-secret-2");
-        let wrong = {
-            use std::io::Write;
-            use std::os::unix::fs::OpenOptionsExt;
-            let p = other.join("secret");
-            std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .open(&p)
-                .unwrap()
-                .write_all(b"a different secret, also long\n")
-                .unwrap();
-            p
-        };
+        let wrong = secret_file_with(&other, b"a different secret, also long\n");
         let p = producer_on(&procs, &r.a, "host", &[]);
         let send = r.sender(&procs, &[], &[]);
         let recv = spawn(

@@ -22,7 +22,7 @@ use pipeline_core::{
 use pipeline_cuda::backend::{CudaConsumer, CudaOptions, CudaProducer};
 use pipeline_cuda::driver::{self, Event};
 
-use crate::relay::{RelayError, RelayReport};
+use crate::relay::{RelayError, RelayReport, acquire_loan};
 
 fn err(e: impl std::fmt::Display) -> RelayError {
     RelayError(e.to_string())
@@ -67,7 +67,7 @@ pub fn run_forwarder(
                     Err(e) => return Err(abandon(producer, e)),
                 };
                 started.get_or_insert_with(Instant::now);
-                let Some(loan) = acquire(&mut producer, stop)? else {
+                let Some(loan) = acquire_loan(&mut producer, stop, tick, || Ok(()))? else {
                     break;
                 };
                 let mut slot = producer.resume(loan).map_err(err)?;
@@ -107,7 +107,7 @@ pub fn run_forwarder(
                     Err(e) => return Err(abandon(producer, e)),
                 };
                 started.get_or_insert_with(Instant::now);
-                let Some(loan) = acquire(&mut producer, stop)? else {
+                let Some(loan) = acquire_loan(&mut producer, stop, tick, || Ok(()))? else {
                     break;
                 };
                 let mut slot = producer.resume(loan).map_err(err)?;
@@ -164,21 +164,4 @@ fn abandon<B: pipeline_core::ProducerBackend>(
         "the upstream ring: {e}; the downstream ring is abandoned (its consumers will see \
          the producer die when this process exits)"
     ))
-}
-
-/// The next downstream slot, waiting for its consumers (and looking at `stop`).
-fn acquire<B: pipeline_core::ProducerBackend>(
-    producer: &mut Producer<B>,
-    stop: &AtomicBool,
-) -> Result<Option<pipeline_core::SlotLoan>, RelayError> {
-    loop {
-        if stop.load(Ordering::Relaxed) {
-            return Ok(None);
-        }
-        match producer.acquire_timeout(Duration::from_millis(100)) {
-            Ok(s) => return Ok(Some(s.into_loan())),
-            Err(pipeline_core::Error::Timeout(_)) => continue,
-            Err(e) => return Err(err(e)),
-        }
-    }
 }

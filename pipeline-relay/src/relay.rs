@@ -619,6 +619,8 @@ pub fn run_receiver(
         backend: backend.to_string(),
         ..RelayReport::default()
     };
+    let first = (payload, session);
+    let ring = (backend, mode);
     match backend {
         BackendKind::Cuda => {
             let (lib, _) = nccl::load()
@@ -628,76 +630,93 @@ pub fn run_receiver(
                 device: Some(opts.device.unwrap_or(0)),
                 ..CudaOptions::default()
             };
-            let mut producer: Producer<CudaProducer> =
+            let producer: Producer<CudaProducer> =
                 Producer::bind(downstream, config, options).map_err(err)?;
-            let mut first = Some((payload, session));
-            loop {
-                let (payload, session) = match first.take() {
-                    Some(p) => p,
-                    None => match rejoin(
-                        connect,
-                        secret,
-                        opts,
-                        stop,
-                        (backend, mode),
-                        producer.layout().slot_bytes,
-                    ) {
-                        Some(p) => p,
-                        None => break,
-                    },
-                };
-                report.sessions += 1;
-                let r = recv_loop_cuda(&mut producer, session, &payload, opts, stop, &mut report);
-                match r {
-                    Ok(()) => break,
-                    Err(e) if opts.rejoin && !stop.load(Ordering::Relaxed) => {
-                        tracing::warn!("relay: {e}; waiting for the sender to rejoin");
-                        report.error = Some(e.0.clone());
-                    }
-                    Err(e) => {
-                        report.error = Some(e.0.clone());
-                        return Err(abandon(producer, e));
-                    }
-                }
-            }
-            producer.close();
+            let to = Rejoin {
+                connect,
+                secret,
+                opts,
+                stop,
+                ring,
+            };
+            serve(
+                producer,
+                first,
+                &to,
+                &mut report,
+                |p, payload, session, report| {
+                    recv_loop_cuda(p, session, &payload, opts, stop, report)
+                },
+            )?;
         }
         BackendKind::Host => {
-            let mut producer: Producer<HostProducer> =
+            let producer: Producer<HostProducer> =
                 Producer::bind(downstream, config, HostOptions::default()).map_err(err)?;
-            let mut first = Some(session);
-            loop {
-                let session = match first.take() {
-                    Some(s) => s,
-                    None => match rejoin(
-                        connect,
-                        secret,
-                        opts,
-                        stop,
-                        (backend, mode),
-                        producer.layout().slot_bytes,
-                    ) {
-                        Some((_, s)) => s,
-                        None => break,
-                    },
-                };
-                report.sessions += 1;
-                match recv_loop_host(&mut producer, session, opts, stop, &mut report) {
-                    Ok(()) => break,
-                    Err(e) if opts.rejoin && !stop.load(Ordering::Relaxed) => {
-                        tracing::warn!("relay: {e}; waiting for the sender to rejoin");
-                        report.error = Some(e.0.clone());
-                    }
-                    Err(e) => {
-                        report.error = Some(e.0.clone());
-                        return Err(abandon(producer, e));
-                    }
-                }
-            }
-            producer.close();
+            let to = Rejoin {
+                connect,
+                secret,
+                opts,
+                stop,
+                ring,
+            };
+            serve(
+                producer,
+                first,
+                &to,
+                &mut report,
+                |p, _, session, report| recv_loop_host(p, session, opts, stop, report),
+            )?;
         }
     }
     Ok(report)
+}
+
+/// Where a receiver finds a sender again.
+struct Rejoin<'a> {
+    connect: &'a Endpoint,
+    secret: &'a SharedSecret,
+    opts: &'a RelayOptions,
+    stop: &'a AtomicBool,
+    ring: (BackendKind, Mode),
+}
+
+/// Runs `one` for the first session and, with `--rejoin`, for each sender that connects
+/// after one is lost; closes the ring when a session ends cleanly or the relay is stopped,
+/// and abandons it ([`abandon`]) when a session fails and no other may follow.
+fn serve<B: pipeline_core::ProducerBackend>(
+    mut producer: Producer<B>,
+    first: (Payload, Session),
+    to: &Rejoin<'_>,
+    report: &mut RelayReport,
+    mut one: impl FnMut(&mut Producer<B>, Payload, Session, &mut RelayReport) -> Result<(), RelayError>,
+) -> Result<(), RelayError> {
+    let mut next = Some(first);
+    loop {
+        let (payload, session) = match next.take() {
+            Some(p) => p,
+            None => {
+                let slot_bytes = producer.layout().slot_bytes;
+                match rejoin(to.connect, to.secret, to.opts, to.stop, to.ring, slot_bytes) {
+                    Some(p) => p,
+                    None => break,
+                }
+            }
+        };
+        report.sessions += 1;
+        match one(&mut producer, payload, session, report) {
+            Ok(()) => break,
+            Err(e) if to.opts.rejoin && !to.stop.load(Ordering::Relaxed) => {
+                tracing::warn!("relay: {e}; waiting for the sender to rejoin");
+                report.error = Some(e.0.clone());
+            }
+            Err(e) => {
+                report.error = Some(e.0.clone());
+                return Err(abandon(producer, e));
+            }
+        }
+    }
+    producer.close();
+    Ok(())
 }
 
 /// Waits for a sender to connect again (with `--rejoin`), until `stop`: a failed attempt
@@ -782,16 +801,28 @@ fn acquire_checked<B: pipeline_core::ProducerBackend>(
     opts: &RelayOptions,
     stop: &AtomicBool,
 ) -> Result<Option<pipeline_core::SlotLoan>, RelayError> {
+    // Waiting here is for this ring's consumers, not for the sender: the sender's end
+    // matters once the messages it sent have been read (next_message), NCCL's at once.
+    acquire_loan(producer, stop, opts.tick, || match watch.nccl_failure() {
+        Some(why) => Err(RelayError(format!("the sender is gone: {why}"))),
+        None => Ok(()),
+    })
+}
+
+/// The producer's next slot as a loan, waiting `tick` at a time for its consumers; `None`
+/// once `stop` is set; `check` runs between waits and ends the wait with its error.
+pub(crate) fn acquire_loan<B: pipeline_core::ProducerBackend>(
+    producer: &mut Producer<B>,
+    stop: &AtomicBool,
+    tick: Duration,
+    mut check: impl FnMut() -> Result<(), RelayError>,
+) -> Result<Option<pipeline_core::SlotLoan>, RelayError> {
     loop {
         if stop.load(Ordering::Relaxed) {
             return Ok(None);
         }
-        // Waiting here is for this ring's consumers, not for the sender: the sender's end
-        // matters once the messages it sent have been read (next_message), NCCL's at once.
-        if let Some(why) = watch.nccl_failure() {
-            return Err(RelayError(format!("the sender is gone: {why}")));
-        }
-        match producer.acquire_timeout(opts.tick) {
+        check()?;
+        match producer.acquire_timeout(tick) {
             Ok(s) => return Ok(Some(s.into_loan())),
             Err(pipeline_core::Error::Timeout(_)) => continue,
             Err(e) => return Err(err(e)),

@@ -143,7 +143,8 @@ impl Session {
         self.max_body = bytes.min(MAX_BODY);
     }
 
-    fn tag(&self, role: Role, counter: u64, kind: u8, body: &[u8]) -> [u8; MAC_LEN] {
+    /// The MAC of a message from `role`, numbered `counter` in its direction.
+    fn mac(&self, role: Role, counter: u64, kind: u8, body: &[u8]) -> wire::HmacSha256 {
         let len = (body.len() as u32).to_le_bytes();
         let mut m = wire::mac(
             &self.key,
@@ -156,7 +157,7 @@ impl Session {
             ],
         );
         m.update(body);
-        m.finalize().into_bytes().into()
+        m
     }
 
     /// Sends one message. `timeout` bounds the write (a peer that stopped reading).
@@ -164,7 +165,11 @@ impl Session {
         if body.len() > MAX_BODY {
             return Err(SessionError::TooLong(body.len() as u64));
         }
-        let tag = self.tag(self.role, self.sent, kind, body);
+        let tag: [u8; MAC_LEN] = self
+            .mac(self.role, self.sent, kind, body)
+            .finalize()
+            .into_bytes()
+            .into();
         self.stream
             .set_write_timeout(Some(timeout.max(Duration::from_millis(1))))
             .map_err(io_error)?;
@@ -212,12 +217,10 @@ impl Session {
         self.stream.read_exact(&mut body).map_err(mid)?;
         let mut tag = [0u8; MAC_LEN];
         self.stream.read_exact(&mut tag).map_err(mid)?;
-        let want = self.tag(self.role.peer(), self.received, head[4], &body);
-        // Constant-time comparison.
-        let diff = want.iter().zip(&tag).fold(0u8, |d, (a, b)| d | (a ^ b));
-        if diff != 0 {
-            return Err(SessionError::Tampered);
-        }
+        // Compared in constant time.
+        self.mac(self.role.peer(), self.received, head[4], &body)
+            .verify_slice(&tag)
+            .map_err(|_| SessionError::Tampered)?;
         self.received += 1;
         Ok((head[4], body))
     }

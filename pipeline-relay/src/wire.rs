@@ -36,7 +36,7 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use std::fmt;
 
-type HmacSha256 = Hmac<Sha256>;
+pub(crate) type HmacSha256 = Hmac<Sha256>;
 
 /// The first 8 bytes of every hello.
 pub const MAGIC: [u8; 8] = *b"GPRELAY\0";
