@@ -6,6 +6,7 @@
 
 mod consumer;
 mod dlpack;
+mod forward;
 mod producer;
 mod tensor;
 
@@ -182,6 +183,8 @@ fn _gpipe(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<producer::PyProducer>()?;
     m.add_class::<producer::PySlot>()?;
     m.add_class::<tensor::PyTensor>()?;
+    m.add_function(wrap_pyfunction!(forward::forward, m)?)?;
+    m.add_function(wrap_pyfunction!(forward::fanout_plan, m)?)?;
     m.add("PROTOCOL_VERSION", pipeline_core::layout::PROTOCOL_VERSION)?;
     m.add("MAX_TENSORS", pipeline_core::tensor::MAX_TENSORS)?;
     m.add("MAX_DIMS", pipeline_core::tensor::MAX_DIMS)?;

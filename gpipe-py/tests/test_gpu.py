@@ -223,6 +223,36 @@ def test_a_consumer_on_another_gpu_reads_every_batch(sock, child, mode, delivery
     assert r["delivery"] == ("in-place" if delivery == "auto" else delivery), r
 
 
+FORWARDER = r"""
+import json, sys, gpipe
+r = gpipe.forward(sys.argv[1], sys.argv[2], device=1, slots=4, wait_for_consumers=1)
+print(json.dumps(r), flush=True)
+"""
+
+
+def test_forward_to_another_gpu_feeds_a_consumer_there(sock, child):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    down = sock.replace(".sock", "-b.sock")
+    p = gpipe.Producer(sock, slots=4, batch_bytes=2 << 20, backend="cuda", device=0)
+    f = child(FORWARDER, sock, down)
+    p.wait_for_consumers(1, timeout=60)
+    for _ in range(600):
+        if __import__("os").path.exists(down):
+            break
+        time.sleep(0.05)
+    k = child(PEER_CONSUMER, down, "auto")
+    assert k.readline(timeout=60) == "attached"
+    produce(p, 200)
+    p.close()
+    r = result(k)
+    assert r["bad"] == 0 and r["seqs"] == list(range(200)), r
+    # The forwarded ring lives on GPU 1: the consumer there reads it in place, locally.
+    assert r["devices"] == ["cuda:1"] and r["delivery"] == "in-place", r
+    fr = result(f)
+    assert fr["batches"] == 200 and fr["backend"] == "cuda", fr
+
+
 CUPY_CONSUMER = r"""
 import sys, cupy, gpipe
 c = gpipe.Consumer(sys.argv[1])

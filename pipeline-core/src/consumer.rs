@@ -403,6 +403,25 @@ impl<B: ConsumerBackend> Consumer<B> {
         Ok(())
     }
 
+    /// Checks, without waiting for a batch, whether the producer is still there: `Ok(())`
+    /// while it runs or after it closed the ring cleanly, [`Error::ProducerDied`] if it died
+    /// (and then, as `recv` would, the backend releases what waits on its signals). For a
+    /// process that blocks elsewhere while holding this ring's batches, such as a forwarder
+    /// waiting for room in its own ring, whose consumers' GPU work waits on ours.
+    pub fn check_producer(&self) -> Result<(), Error> {
+        let h = self.link.seg.header();
+        if h.constants.producer_state.load(Ordering::Acquire) == producer_state::CLOSED {
+            return Ok(());
+        }
+        if sys::peer_gone(&self.link.conn)
+            && h.constants.producer_state.load(Ordering::Acquire) != producer_state::CLOSED
+        {
+            self.link.backend.abandon();
+            return Err(Error::ProducerDied);
+        }
+        Ok(())
+    }
+
     /// Batches received and not yet released (by this consumer or by batches it handed out).
     pub fn held(&self) -> usize {
         self.link

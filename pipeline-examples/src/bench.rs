@@ -12,6 +12,8 @@ use pipeline_core::{
 };
 use pipeline_cuda::backend::CudaProducer;
 
+use pipeline_relay::{Fanout, FanoutPlan, RelayReport};
+
 use crate::args::{BackendArg, CudaArgs, RingArgs, resolve_backend};
 use crate::work::{self, ConsumerReport, Fill};
 use crate::{cuda_work, duration};
@@ -59,6 +61,12 @@ pub struct BenchCmd {
     /// Mirroring consumers: batches each may hold at once (default: the ring's slot count).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     mirror_buffers: Option<u32>,
+    /// How batches reach the GPUs other than the producer's (broadcast): direct (every
+    /// consumer reads the producer's ring), chain (a forwarder per GPU copies from the GPU
+    /// before it into a ring of its own), tree (a binary tree of forwarders), or auto. On the
+    /// host backend, --consumer-devices then names groups of consumers, each with its own ring.
+    #[arg(long, default_value = "direct")]
+    fanout: Fanout,
 }
 
 /// Runs `gpipe bench`.
@@ -80,6 +88,7 @@ pub fn command(cmd: BenchCmd) -> Result<ExitCode, String> {
         round_trip: cmd.round_trip,
         consumer_devices: cmd.consumer_devices.clone(),
         delivery: cmd.delivery.clone(),
+        fanout: cmd.fanout,
     };
     if cmd.round_trip && cmd.ring.slots != 1 {
         return Err("--round-trip measures a single-slot round trip: add --slots 1".into());
@@ -101,8 +110,18 @@ pub fn command(cmd: BenchCmd) -> Result<ExitCode, String> {
     let backend = resolve_backend(cmd.backend)?;
     let lead = cmd.ring.lead(backend == BackendArg::Cuda)?;
     args.max_lead = lead.max_lead;
-    if backend == BackendArg::Host && !cmd.consumer_devices.is_empty() {
-        return Err("--consumer-devices applies to the CUDA backend".into());
+    let shape = args.plan().shape;
+    if shape != Fanout::Direct && args.mode != Mode::Broadcast {
+        return Err(format!(
+            "--fanout {shape} forwards every batch to every GPU: it needs --mode broadcast"
+        ));
+    }
+    if backend == BackendArg::Host && !cmd.consumer_devices.is_empty() && shape == Fanout::Direct {
+        return Err(
+            "--consumer-devices applies to the CUDA backend (or, on the host backend, to a \
+             chain or tree --fanout, where it names groups of consumers)"
+                .into(),
+        );
     }
     let mut reports = Vec::new();
     for i in 0..cmd.repeat {
@@ -251,6 +270,20 @@ pub struct BenchArgs {
     pub consumer_devices: Vec<usize>,
     /// Delivery of each consumer (one entry: all of them).
     pub delivery: Vec<Delivery>,
+    /// How batches reach the other GPUs.
+    pub fanout: Fanout,
+}
+
+impl BenchArgs {
+    /// The rings of the run and which one each consumer reads.
+    pub fn plan(&self) -> FanoutPlan {
+        let devices = if self.consumer_devices.is_empty() {
+            vec![0; self.consumers as usize]
+        } else {
+            self.consumer_devices.clone()
+        };
+        pipeline_relay::plan_fanout(self.fanout, 0, &devices, self.batch_bytes)
+    }
 }
 
 /// The bench result.
@@ -297,6 +330,9 @@ pub struct BenchReport {
     pub round_trip_p99_us: Option<f64>,
     /// Problems found, in words.
     pub problems: Vec<String>,
+    /// A chain or tree fan-out: its rings and forwarders.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fanout: Option<FanoutReport>,
     /// Extra measurements the backend adds (e.g. the CUDA single-process ceiling).
     pub extra: serde_json::Value,
     /// With `--repeat N` (N > 1): every repetition and the spread; the rest of the report is
@@ -438,11 +474,19 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
         return Err("--batch-bytes must be a positive multiple of 8".into());
     }
     let sock = dir.join("ring.sock");
+    let plan = args.plan();
+    let ring_sock = |r: usize| {
+        if r == 0 {
+            sock.clone()
+        } else {
+            dir.join(format!("ring-{r}.sock"))
+        }
+    };
     let config = ProducerConfig {
         slots: args.slots,
         batch_bytes: args.batch_bytes,
         mode: args.mode,
-        max_consumers: args.consumers.max(1),
+        max_consumers: plan.attachments(0).max(1),
         drain_timeout: Duration::from_secs(30),
         max_lead: args.max_lead,
         ..Default::default()
@@ -452,19 +496,49 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
         Producer::bind(&sock, config, options).map_err(|e| e.to_string())?;
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut children = Children(Vec::new());
+    // Forwarders first (a parent's ring before its children's), each waiting for everything
+    // that reads its ring before it takes a batch.
+    let mut forwarders = Children(Vec::new());
+    for (r, node) in plan.rings.iter().enumerate().skip(1) {
+        let parent = ring_sock(node.parent.unwrap_or(0));
+        wait_for_socket(&parent, &mut forwarders, deadline)?;
+        let n = plan.attachments(r);
+        let mut cmd = Command::new(&exe);
+        cmd.args(["relay", "forward", "--json", "--upstream"])
+            .arg(&parent)
+            .arg("--socket")
+            .arg(ring_sock(r))
+            .args(["--slots", &args.slots.to_string()])
+            .args(["--max-consumers", &n.max(1).to_string()])
+            .args(["--wait-for-consumers", &n.to_string()]);
+        if args.backend == "cuda" {
+            cmd.args(["--device", &node.device.to_string()]);
+        }
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| format!("cannot start forwarder process: {e}"))?;
+        forwarders.0.push(child);
+    }
     for i in 0..args.consumers {
+        let ring = plan.consumer_ring.get(i as usize).copied().unwrap_or(0);
+        wait_for_socket(&ring_sock(ring), &mut forwarders, deadline)?;
+        let device = (args.backend == "cuda")
+            .then(|| args.consumer_devices.get(i as usize))
+            .flatten();
         let child = Command::new(&exe)
             .arg("consume")
             .arg("--socket")
-            .arg(&sock)
+            .arg(ring_sock(ring))
             .arg("--verify")
             .arg("--bench-child")
             .arg("--seq-log")
             .arg(dir.join(format!("consumer-{i}.seq")))
             .args(&args.consumer_args)
             .args(
-                args.consumer_devices
-                    .get(i as usize)
+                device
                     .map(|d| ["--device".to_string(), d.to_string()])
                     .into_iter()
                     .flatten(),
@@ -484,11 +558,14 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
             .map_err(|e| format!("cannot start consumer process: {e}"))?;
         children.0.push(child);
     }
-    // Wait for every consumer to attach (a child that exits early fails the run).
-    while producer.consumers() < args.consumers {
-        for c in &mut children.0 {
+    // Wait for everything that reads the producer's ring to attach (a child that exits early
+    // fails the run).
+    while producer.consumers() < plan.attachments(0) {
+        for c in children.0.iter_mut().chain(forwarders.0.iter_mut()) {
             if let Ok(Some(st)) = c.try_wait() {
-                return Err(format!("a consumer process exited before attaching ({st})"));
+                return Err(format!(
+                    "a consumer or forwarder process exited before attaching ({st})"
+                ));
             }
         }
         if Instant::now() >= deadline.min(Instant::now() + Duration::from_secs(60)) {
@@ -517,6 +594,7 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
     // they are verified like every other.
     let warmup = (args.batches / 5).min(100);
     let mut timed_from: Option<Instant> = (warmup == 0).then(Instant::now);
+    let mut timed_from_wall = std::time::SystemTime::now();
     let published = work::produce_loop(
         &mut producer,
         fill,
@@ -527,6 +605,7 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
         |n, _| {
             if n == warmup {
                 timed_from = Some(Instant::now());
+                timed_from_wall = std::time::SystemTime::now();
             }
             if let Some(b) = &bar {
                 if n % 64 == 0 {
@@ -541,30 +620,27 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
         .flush(Duration::from_secs(60))
         .map_err(|e| e.to_string())
         .and_then(|_| fill.settle(producer.backend()));
-    let elapsed = timed_from.map(|t| t.elapsed().as_secs_f64()).unwrap_or(0.0);
+    let mut elapsed = timed_from.map(|t| t.elapsed().as_secs_f64()).unwrap_or(0.0);
     let stats = producer.close();
     flushed?;
+    // A fan-out's run ends when the last ring drained: each forwarder says when its own did.
+    let mut problems = Vec::new();
+    let forwarded = collect_forwarders(&mut forwarders, deadline, &mut problems);
+    if let Ok(start) = timed_from_wall.duration_since(std::time::UNIX_EPOCH) {
+        for f in forwarded.iter().flatten() {
+            if let Some(t) = f.drained_at_unix_s {
+                elapsed = elapsed.max(t - start.as_secs_f64());
+            }
+        }
+    }
     if let Some(b) = bar {
         b.finish_and_clear();
     }
     let published = published?;
     // Collect consumer reports.
     let mut per_consumer = Vec::new();
-    let mut problems = Vec::new();
     for (i, mut c) in std::mem::take(&mut children.0).into_iter().enumerate() {
-        let status = loop {
-            match c.try_wait() {
-                Ok(Some(st)) => break Some(st),
-                Ok(None) if Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(5))
-                }
-                _ => {
-                    let _ = c.kill();
-                    let _ = c.wait();
-                    break None;
-                }
-            }
-        };
+        let status = wait_child(&mut c, deadline);
         let mut out = String::new();
         if let Some(mut so) = c.stdout.take() {
             let _ = std::io::Read::read_to_string(&mut so, &mut out);
@@ -675,9 +751,128 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
         round_trip_p50_us: pct(0.5),
         round_trip_p99_us: pct(0.99),
         problems,
+        fanout: (plan.shape != Fanout::Direct).then(|| FanoutReport {
+            shape: plan.shape,
+            depth: plan.depth(),
+            rings: plan
+                .rings
+                .iter()
+                .enumerate()
+                .map(|(r, node)| RingReport {
+                    device: node.device,
+                    parent: node.parent,
+                    consumers: plan.consumer_ring.iter().filter(|&&c| c == r).count(),
+                    forwarder: r
+                        .checked_sub(1)
+                        .and_then(|i| forwarded.get(i).cloned().flatten()),
+                })
+                .collect(),
+        }),
         extra: serde_json::Value::Null,
         repetitions: None,
     })
+}
+
+/// Waits for a ring's socket to appear (made by a forwarder started just before).
+fn wait_for_socket(
+    path: &Path,
+    forwarders: &mut Children,
+    deadline: Instant,
+) -> Result<(), String> {
+    let until = deadline.min(Instant::now() + Duration::from_secs(60));
+    while !path.exists() {
+        for c in &mut forwarders.0 {
+            if let Ok(Some(st)) = c.try_wait() {
+                return Err(format!(
+                    "a forwarder process exited before its ring was up ({st})"
+                ));
+            }
+        }
+        if Instant::now() >= until {
+            return Err(format!(
+                "the ring at {} did not come up in time",
+                path.display()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    Ok(())
+}
+
+/// Waits for the forwarders to end (the producer's ring closed, so each closes its own once
+/// its consumers are done) and reads their reports.
+fn collect_forwarders(
+    forwarders: &mut Children,
+    deadline: Instant,
+    problems: &mut Vec<String>,
+) -> Vec<Option<RelayReport>> {
+    let mut out = Vec::new();
+    for (i, mut c) in std::mem::take(&mut forwarders.0).into_iter().enumerate() {
+        let status = wait_child(&mut c, deadline);
+        let mut text = String::new();
+        if let Some(mut so) = c.stdout.take() {
+            let _ = std::io::Read::read_to_string(&mut so, &mut text);
+        }
+        let report = text
+            .lines()
+            .rev()
+            .find_map(|l| serde_json::from_str::<RelayReport>(l).ok());
+        let ring = i + 1;
+        match (&status, &report) {
+            (None, _) => problems.push(format!("the forwarder of ring {ring} hung and was killed")),
+            (Some(st), None) => problems.push(format!(
+                "the forwarder of ring {ring} gave no report ({st})"
+            )),
+            (Some(st), Some(r)) => {
+                if let Some(e) = &r.error {
+                    problems.push(format!("the forwarder of ring {ring}: {e}"));
+                } else if !st.success() {
+                    problems.push(format!("the forwarder of ring {ring} exited with {st}"));
+                }
+            }
+        }
+        out.push(report);
+    }
+    out
+}
+
+/// Waits for a child until `deadline`, then kills it (None: it had to be killed).
+fn wait_child(c: &mut Child, deadline: Instant) -> Option<std::process::ExitStatus> {
+    loop {
+        match c.try_wait() {
+            Ok(Some(st)) => return Some(st),
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+            _ => {
+                let _ = c.kill();
+                let _ = c.wait();
+                return None;
+            }
+        }
+    }
+}
+
+/// The rings of a chain or tree fan-out, in the bench report.
+#[derive(Debug, serde::Serialize)]
+pub struct FanoutReport {
+    /// The shape run (`auto` resolved).
+    pub shape: Fanout,
+    /// The most forwarders between the producer and a consumer.
+    pub depth: usize,
+    /// Ring 0 is the producer's; each other is fed by a forwarder from its parent.
+    pub rings: Vec<RingReport>,
+}
+
+/// One ring of a fan-out.
+#[derive(Debug, serde::Serialize)]
+pub struct RingReport {
+    /// Its GPU (on the host backend: the group named in --consumer-devices).
+    pub device: usize,
+    /// The ring it is forwarded from.
+    pub parent: Option<usize>,
+    /// Bench consumers reading it.
+    pub consumers: usize,
+    /// Its forwarder's report.
+    pub forwarder: Option<RelayReport>,
 }
 
 /// Reads a sequence log written by [`write_seq_log`] (missing file: empty).
@@ -779,6 +974,35 @@ impl std::fmt::Display for BenchReport {
                 )?;
             }
             writeln!(f)?;
+        }
+        if let Some(fan) = &self.fanout {
+            let unit = if self.backend == "cuda" {
+                "GPU"
+            } else {
+                "group"
+            };
+            writeln!(
+                f,
+                "  fan-out {} (depth {}): {}",
+                fan.shape,
+                fan.depth,
+                fan.rings
+                    .iter()
+                    .enumerate()
+                    .map(|(i, r)| match (r.parent, &r.forwarder) {
+                        (None, _) => {
+                            format!("ring 0 on {unit} {} ({} consumers)", r.device, r.consumers)
+                        }
+                        (Some(p), fw) => format!(
+                            "ring {i} on {unit} {} from ring {p} ({} consumers, {} batches forwarded)",
+                            r.device,
+                            r.consumers,
+                            fw.as_ref().map(|f| f.batches).unwrap_or(0)
+                        ),
+                    })
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            )?;
         }
         for r in &self.per_consumer {
             let place = match (&r.delivery, r.device) {
@@ -1095,6 +1319,7 @@ mod mps_hint_tests {
             round_trip_p50_us: None,
             round_trip_p99_us: None,
             problems: Vec::new(),
+            fanout: None,
             extra,
             repetitions: None,
         }

@@ -74,6 +74,17 @@ enum Side {
         /// Slots of the new ring (default 8).
         #[arg(long, default_value_t = 8)]
         slots: u32,
+        /// Consumers the new ring can hold.
+        #[arg(long, default_value_t = 16)]
+        max_consumers: u32,
+        /// Take no batch until this many consumers attached to the new ring (so that none
+        /// misses the first batches).
+        #[arg(long, default_value_t = 0)]
+        wait_for_consumers: u32,
+        /// CUDA: how the new ring signals `ready`: semaphore (timeline words, which its
+        /// consumers release themselves if this forwarder dies mid-copy) or events.
+        #[arg(long, default_value = "semaphore")]
+        sync: String,
         /// Print the final report as JSON.
         #[arg(long)]
         json: bool,
@@ -186,18 +197,35 @@ pub fn command(cmd: RelayCmd) -> Result<ExitCode, String> {
             socket,
             device,
             slots,
+            max_consumers,
+            wait_for_consumers,
+            sync,
             json,
         } => {
-            eprintln!(
-                "gpipe relay: forwarding the ring at {} into a ring at {}",
-                upstream.display(),
-                socket.display()
-            );
+            if !json {
+                eprintln!(
+                    "gpipe relay: forwarding the ring at {} into a ring at {}",
+                    upstream.display(),
+                    socket.display()
+                );
+            }
             let config = ProducerConfig {
                 slots,
+                max_consumers: max_consumers.max(wait_for_consumers),
                 ..ProducerConfig::default()
             };
-            let r = pipeline_relay::run_forwarder(&upstream, &socket, config, device, &STOP);
+            let sync = match sync.as_str() {
+                "semaphore" => pipeline_cuda::sync::SyncMode::Semaphore,
+                "events" => pipeline_cuda::sync::SyncMode::Events,
+                other => return Err(format!("--sync {other}: use semaphore or events")),
+            };
+            let opts = pipeline_relay::ForwardOptions {
+                device,
+                wait_for_consumers,
+                wait_timeout: None,
+                sync: Some(sync),
+            };
+            let r = pipeline_relay::run_forwarder(&upstream, &socket, config, &opts, &STOP);
             finish(r, json)
         }
         Side::NcclBench {

@@ -236,3 +236,27 @@ fn two_gpu_inspect_shows_each_consumers_gpu_and_delivery() {
         let _ = std::fs::remove_dir_all(&dir);
     });
 }
+
+/// Issue #20 on two GPUs: a chain fan-out (GPU 0's ring forwarded into a ring on GPU 1 by a
+/// forwarder process) with a consumer on each GPU, every batch verified on both, in each
+/// memory path of the producer's ring.
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn two_gpu_bench_chain_fanout_verifies_every_batch_on_both_gpus() {
+    need_two_gpus();
+    for memory in ["pool", "vmm", "legacy"] {
+        let extra = ["--memory", memory, "--fanout", "chain"];
+        let r = bench_checked("broadcast", &[0, 1, 1], &["auto"], 400, &extra);
+        let fan = &r["fanout"];
+        assert_eq!(fan["shape"], "chain", "{memory}");
+        let rings = fan["rings"].as_array().unwrap();
+        assert_eq!(rings.len(), 2, "{memory}");
+        assert_eq!(rings[1]["device"], 1);
+        assert_eq!(rings[1]["consumers"], 2);
+        assert_eq!(rings[1]["forwarder"]["batches"], 400, "{memory}");
+        // The consumers on GPU 1 read GPU 1's ring, in place.
+        for c in r["per_consumer"].as_array().unwrap() {
+            assert_eq!(c["delivery"], "in-place", "{memory}: {c}");
+        }
+    }
+}

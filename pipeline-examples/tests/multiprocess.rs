@@ -595,3 +595,138 @@ fn bench_repeat_keeps_every_repetition_and_reports_the_median() {
         (Some(0), Some(0))
     );
 }
+
+/// A fan-out on the host backend: each group of consumers (what a GPU is on a CUDA node)
+/// gets a ring of its own, fed by a forwarder process from its parent's ring; every batch
+/// reaches every consumer through one or more forwarders, verified, and the report shows the
+/// rings.
+fn host_fanout(
+    shape: &'static str,
+    devices: &'static str,
+    rings: &'static [(u64, Option<u64>)],
+    depth: u64,
+) {
+    watchdog(120, move |_| {
+        let n = devices.split(',').count().to_string();
+        let r = bench_json(&[
+            "bench",
+            "--backend",
+            "host",
+            "--consumers",
+            &n,
+            "--consumer-devices",
+            devices,
+            "--fanout",
+            shape,
+            "--batches",
+            "400",
+            "--slots",
+            "4",
+            "--batch-bytes",
+            "64KiB",
+            "--json",
+        ]);
+        assert_eq!(r["published"], 400);
+        assert_eq!(
+            (
+                r["lost"].as_u64(),
+                r["duplicated"].as_u64(),
+                r["mismatches"].as_u64()
+            ),
+            (Some(0), Some(0), Some(0)),
+            "{r}"
+        );
+        let per = r["per_consumer"].as_array().unwrap();
+        assert!(
+            per.iter()
+                .all(|c| c["received"] == 400 && c["verified"] == true)
+        );
+        let fan = &r["fanout"];
+        assert_eq!(fan["shape"], shape);
+        assert_eq!(fan["depth"], depth);
+        let got: Vec<(u64, Option<u64>)> = fan["rings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|g| (g["device"].as_u64().unwrap(), g["parent"].as_u64()))
+            .collect();
+        assert_eq!(got, rings);
+        for g in &fan["rings"].as_array().unwrap()[1..] {
+            assert_eq!(g["forwarder"]["batches"], 400, "{g}");
+            assert!(
+                g["forwarder"]["drained_at_unix_s"].as_f64().is_some(),
+                "{g}"
+            );
+        }
+        assert!(r["problems"].as_array().unwrap().is_empty(), "{r}");
+    });
+}
+
+#[test]
+fn bench_fanout_chain_forwards_every_batch_along_the_groups() {
+    host_fanout(
+        "chain",
+        "0,1,2,2",
+        &[(0, None), (1, Some(0)), (2, Some(1))],
+        2,
+    );
+}
+
+#[test]
+fn bench_fanout_tree_forwards_every_batch_down_a_binary_tree() {
+    host_fanout(
+        "tree",
+        "1,2,3,4",
+        &[
+            (0, None),
+            (1, Some(0)),
+            (2, Some(0)),
+            (3, Some(1)),
+            (4, Some(1)),
+        ],
+        2,
+    );
+}
+
+#[test]
+fn bench_fanout_refuses_shared_mode_and_auto_stays_direct_for_one_group() {
+    let out = std::process::Command::new(GPIPE)
+        .args([
+            "bench",
+            "--backend",
+            "host",
+            "--mode",
+            "shared",
+            "--consumers",
+            "2",
+            "--consumer-devices",
+            "0,1",
+            "--fanout",
+            "chain",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("needs --mode broadcast"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // One other group: auto is direct, and direct takes no groups on the host backend.
+    let out = std::process::Command::new(GPIPE)
+        .args([
+            "bench",
+            "--backend",
+            "host",
+            "--consumers",
+            "2",
+            "--consumer-devices",
+            "0,1",
+            "--fanout",
+            "auto",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("applies to the CUDA backend"));
+}

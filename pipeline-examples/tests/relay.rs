@@ -360,6 +360,10 @@ fn chain(backend: &'static str, dev: &'static [&'static str]) {
                 up.to_str().unwrap(),
                 "--socket",
                 down.to_str().unwrap(),
+                // Nothing forwarded before the next link (or the far consumer) is there, so
+                // the far consumer gets every batch from the first.
+                "--wait-for-consumers",
+                "1",
                 "--json",
             ];
             args.extend_from_slice(dev);
@@ -388,7 +392,8 @@ fn chain(backend: &'static str, dev: &'static [&'static str]) {
         assert_eq!(fe.code, Some(0), "far consumer: {}", fe.stderr);
         assert_eq!(report(&fe)["mismatches"], 0);
         let s = seqs(&dir.join("far.seq"));
-        assert!(s.len() > 50, "{} batches at the end of the chain", s.len());
+        assert!(s.len() > 200, "{} batches at the end of the chain", s.len());
+        assert_eq!(s[0], 0, "the far consumer missed the first batches");
         assert_contiguous(&s, "far consumer");
         let _ = std::fs::remove_dir_all(&dir);
     });
@@ -406,6 +411,8 @@ fn chain(backend: &'static str, dev: &'static [&'static str]) {
                 a.to_str().unwrap(),
                 "--socket",
                 b.to_str().unwrap(),
+                "--wait-for-consumers",
+                "1",
             ],
         );
         let bb = b.clone();
@@ -421,6 +428,10 @@ fn chain(backend: &'static str, dev: &'static [&'static str]) {
                 b.to_str().unwrap(),
                 "--socket",
                 c.to_str().unwrap(),
+                // Ring C's batches start once the far consumer is attached, so that it is
+                // killed mid-stream below, not mid-attach.
+                "--wait-for-consumers",
+                "1",
             ],
         );
         let cc = c.clone();
@@ -468,7 +479,7 @@ fn host_forwarders_chain_rings_and_a_killed_link_fails_clearly_downstream() {
     chain("host", &[]);
 }
 
-/// Not run on a GPU yet (2026-11-23): GPU 0's ring forwarded to GPU 1, then along GPU 1.
+/// GPU 0's ring forwarded to GPU 1, then along GPU 1.
 #[test]
 #[ignore = "needs 2 CUDA GPUs"]
 fn two_gpu_forwarders_chain_gpu0_to_gpu1() {

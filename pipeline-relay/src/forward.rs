@@ -7,8 +7,9 @@
 //! Per batch: the next slot of the downstream ring is acquired (so its consumers' back-pressure
 //! holds the upstream batch, and through it the upstream producer), the batch is copied into it
 //! (CUDA: on the downstream slot's stream, after the upstream `ready`; the upstream `finished` is
-//! written on that stream after the copy), and it is published with the upstream header and
-//! tensor table. If the forwarder dies, its downstream consumers get `ProducerDied` and the
+//! written on that stream after the copy), and, once the copy is complete, it is published with
+//! the upstream header and tensor table. A forwarded ring only ever holds whole batches: if the
+//! upstream producer dies with batches whose `ready` never came, they are not passed on. If the forwarder dies, its downstream consumers get `ProducerDied` and the
 //! upstream ring goes on without it (a departed consumer).
 
 use std::path::Path;
@@ -21,6 +22,7 @@ use pipeline_core::{
 };
 use pipeline_cuda::backend::{CudaConsumer, CudaOptions, CudaProducer};
 use pipeline_cuda::driver::{self, Event};
+use pipeline_cuda::sync::SyncMode;
 
 use crate::relay::{RelayError, RelayReport, acquire_loan};
 
@@ -28,17 +30,35 @@ fn err(e: impl std::fmt::Display) -> RelayError {
     RelayError(e.to_string())
 }
 
+/// How a forwarder runs, beyond its downstream ring's [`ProducerConfig`].
+#[derive(Clone, Debug, Default)]
+pub struct ForwardOptions {
+    /// CUDA device of the downstream ring (default: the upstream producer's).
+    pub device: Option<usize>,
+    /// Take no batch from upstream until this many consumers attached downstream, so that
+    /// in broadcast none of them misses the first batches (upstream waits meanwhile: the
+    /// forwarder is attached there and holds its producer back).
+    pub wait_for_consumers: u32,
+    /// How long to wait for them (default 60 s).
+    pub wait_timeout: Option<Duration>,
+    /// CUDA: how the downstream ring signals `ready` (default: timeline words,
+    /// [`SyncMode::Semaphore`], which the downstream consumers release themselves if this
+    /// forwarder dies with copies in flight; with IPC events, their streams could wait forever).
+    pub sync: Option<SyncMode>,
+}
+
 /// Consumes the ring at `upstream` and re-publishes every batch in a ring of its own at
 /// `downstream` (same slot size and mode; `config` gives the rest, e.g. its slots and lag
-/// policy), on CUDA device `device` (default: the upstream producer's). Returns when the
-/// upstream ring closes (closing the downstream one), `stop` is set, or on an error.
+/// policy). Returns when the upstream ring closes (closing the downstream one, after its
+/// consumers are done with the last batch), `stop` is set, or on an error.
 pub fn run_forwarder(
     upstream: &Path,
     downstream: &Path,
     config: ProducerConfig,
-    device: Option<usize>,
+    opts: &ForwardOptions,
     stop: &AtomicBool,
 ) -> Result<RelayReport, RelayError> {
+    let device = opts.device;
     let pending = PendingAttach::connect(upstream, ConsumerConfig::default()).map_err(err)?;
     let layout = pending.layout();
     let config = ProducerConfig {
@@ -59,16 +79,23 @@ pub fn run_forwarder(
                 pending.finish(HostOptions::default()).map_err(err)?;
             let mut producer: Producer<HostProducer> =
                 Producer::bind(downstream, config, HostOptions::default()).map_err(err)?;
+            wait_downstream(&producer, opts)?;
             while !stop.load(Ordering::Relaxed) {
                 let batch = match consumer.recv_timeout(tick) {
                     Ok(Some(b)) => b,
                     Ok(None) => break,
                     Err(pipeline_core::Error::Timeout(_)) => continue,
-                    Err(e) => return Err(abandon(producer, e)),
+                    Err(e) => return Err(abandon(producer, err(e))),
                 };
                 started.get_or_insert_with(Instant::now);
-                let Some(loan) = acquire_loan(&mut producer, stop, tick, || Ok(()))? else {
-                    break;
+                // While we wait for room downstream, the upstream producer may die: then
+                // our consumers' GPU work waits on batches that never come, and so would we.
+                let loan = match acquire_loan(&mut producer, stop, tick, || {
+                    consumer.check_producer().map_err(err)
+                }) {
+                    Ok(Some(l)) => l,
+                    Ok(None) => break,
+                    Err(e) => return Err(abandon(producer, e)),
                 };
                 let mut slot = producer.resume(loan).map_err(err)?;
                 let n = batch.len() as usize;
@@ -78,7 +105,7 @@ pub fn run_forwarder(
                 report.batches += 1;
                 report.bytes += batch.len();
             }
-            producer.close();
+            finish(producer, stop, &mut report);
         }
         BackendKind::Cuda => {
             let mut consumer: Consumer<CudaConsumer> = pending
@@ -94,21 +121,30 @@ pub fn run_forwarder(
                 config,
                 CudaOptions {
                     device: Some(here),
+                    sync: opts.sync.unwrap_or(SyncMode::Semaphore),
                     ..CudaOptions::default()
                 },
             )
             .map_err(err)?;
+            wait_downstream(&producer, opts)?;
             let joined = Event::new_plain(producer.backend().context()).map_err(err)?;
+            let copied = Event::new_plain(producer.backend().context()).map_err(err)?;
             while !stop.load(Ordering::Relaxed) {
                 let batch = match consumer.recv_timeout(tick) {
                     Ok(Some(b)) => b,
                     Ok(None) => break,
                     Err(pipeline_core::Error::Timeout(_)) => continue,
-                    Err(e) => return Err(abandon(producer, e)),
+                    Err(e) => return Err(abandon(producer, err(e))),
                 };
                 started.get_or_insert_with(Instant::now);
-                let Some(loan) = acquire_loan(&mut producer, stop, tick, || Ok(()))? else {
-                    break;
+                // While we wait for room downstream, the upstream producer may die: then
+                // our consumers' GPU work waits on batches that never come, and so would we.
+                let loan = match acquire_loan(&mut producer, stop, tick, || {
+                    consumer.check_producer().map_err(err)
+                }) {
+                    Ok(Some(l)) => l,
+                    Ok(None) => break,
+                    Err(e) => return Err(abandon(producer, e)),
                 };
                 let mut slot = producer.resume(loan).map_err(err)?;
                 let mem = slot.memory();
@@ -135,6 +171,22 @@ pub fn run_forwarder(
                         .signal_finished_on(mem.stream.raw(), batch.slot(), batch.seq())
                 }
                 .map_err(err)?;
+                copied.record(mem.stream).map_err(err)?;
+                // Publish whole batches only: if the upstream producer dies with this batch's
+                // `ready` never signalled, the copy never completes (or completes with what
+                // the slot held), and the batch must not reach our consumers as if it were
+                // whole. Waiting here costs the gap between two copies, not their overlap
+                // with the consumers' work.
+                match wait_whole(&copied, &consumer, stop) {
+                    Ok(true) => {}
+                    Ok(false) => break,
+                    Err(e) => {
+                        // The slot goes back unpublished (it borrows the producer).
+                        let _ = slot;
+                        drop(batch);
+                        return Err(abandon(producer, e));
+                    }
+                }
                 let (len, header, tensors) =
                     (batch.len(), *batch.header(), batch.tensors().to_vec());
                 drop(batch);
@@ -142,7 +194,7 @@ pub fn run_forwarder(
                 report.batches += 1;
                 report.bytes += len;
             }
-            producer.close();
+            finish(producer, stop, &mut report);
         }
     }
     if let Some(t) = started {
@@ -151,14 +203,85 @@ pub fn run_forwarder(
     Ok(report)
 }
 
+/// Waits until `copied` completed (`Ok(true)`), `stop` is set (`Ok(false)`), or the upstream
+/// producer died (an error; the consumer then releases what waits on its signals). Spins for
+/// a short while first: a copy of a few MiB takes microseconds. (Polling without sleeping for
+/// 5 ms moved no more on 2×H200: the gap between two copies is the host's round of publish,
+/// receive, acquire and enqueue after each, not the wake-up.)
+fn wait_whole(
+    copied: &Event,
+    consumer: &Consumer<CudaConsumer>,
+    stop: &AtomicBool,
+) -> Result<bool, RelayError> {
+    let t0 = Instant::now();
+    let mut checked = t0;
+    loop {
+        if copied.query().map_err(err)? {
+            return Ok(true);
+        }
+        if stop.load(Ordering::Relaxed) {
+            return Ok(false);
+        }
+        let now = Instant::now();
+        if now.duration_since(checked) >= Duration::from_millis(1) {
+            consumer.check_producer().map_err(err)?;
+            checked = now;
+        }
+        if now.duration_since(t0) < Duration::from_micros(200) {
+            std::hint::spin_loop();
+        } else {
+            std::thread::sleep(Duration::from_micros(20));
+        }
+    }
+}
+
+fn wait_downstream<B: pipeline_core::ProducerBackend>(
+    producer: &Producer<B>,
+    opts: &ForwardOptions,
+) -> Result<(), RelayError> {
+    if opts.wait_for_consumers == 0 {
+        return Ok(());
+    }
+    producer
+        .wait_for_consumers(
+            opts.wait_for_consumers,
+            opts.wait_timeout.unwrap_or(Duration::from_secs(60)),
+        )
+        .map_err(|e| {
+            RelayError(format!(
+                "waiting for {} consumer(s) downstream: {e}",
+                opts.wait_for_consumers
+            ))
+        })
+}
+
+/// The upstream ring closed (or we were stopped): wait until the downstream consumers are
+/// done with the last batch, note when that was (a wall-clock time, so that a fan-out's
+/// runner can find when its last ring drained), and close.
+fn finish<B: pipeline_core::ProducerBackend>(
+    mut producer: Producer<B>,
+    stop: &AtomicBool,
+    report: &mut RelayReport,
+) {
+    if !stop.load(Ordering::Relaxed) {
+        match producer.flush(Duration::from_secs(60)) {
+            Ok(()) => {
+                report.drained_at_unix_s = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .ok()
+                    .map(|d| d.as_secs_f64());
+            }
+            Err(e) => report.error = Some(format!("draining the downstream ring: {e}")),
+        }
+    }
+    producer.close();
+}
+
 /// The upstream ring failed (its producer died, we were detached): leave the downstream ring
 /// as a crashed producer would, so that its consumers get `ProducerDied` when this process
 /// exits, not a clean end that would hide the batches that never came. The producer is
 /// deliberately not dropped (its drop closes the ring cleanly); the caller should exit.
-fn abandon<B: pipeline_core::ProducerBackend>(
-    producer: Producer<B>,
-    e: pipeline_core::Error,
-) -> RelayError {
+fn abandon<B: pipeline_core::ProducerBackend>(producer: Producer<B>, e: RelayError) -> RelayError {
     std::mem::forget(producer);
     RelayError(format!(
         "the upstream ring: {e}; the downstream ring is abandoned (its consumers will see \

@@ -52,6 +52,7 @@
 //! ```
 
 pub mod endpoint;
+pub mod fanout;
 pub mod forward;
 pub mod relay;
 pub mod rendezvous;
@@ -60,7 +61,8 @@ pub mod session;
 pub mod wire;
 
 pub use endpoint::{Endpoint, EndpointError, EndpointProblem};
-pub use forward::run_forwarder;
+pub use fanout::{Fanout, FanoutPlan, RingNode, plan as plan_fanout};
+pub use forward::{ForwardOptions, run_forwarder};
 pub use relay::{
     BenchSide, RelayError, RelayOptions, RelayReport, nccl_bench, run_receiver, run_sender,
 };

@@ -81,7 +81,7 @@ impl Default for RelayOptions {
 }
 
 /// What a side did.
-#[derive(Clone, Debug, Default, serde::Serialize)]
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct RelayReport {
     /// "cuda" or "host".
     pub backend: String,
@@ -97,6 +97,10 @@ pub struct RelayReport {
     pub sessions: u32,
     /// Why it stopped, if not because the ring closed.
     pub error: Option<String>,
+    /// Forwarder: when its consumers were done with the last batch (seconds since the Unix
+    /// epoch), if it got that far.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub drained_at_unix_s: Option<f64>,
 }
 
 impl RelayReport {
@@ -467,6 +471,7 @@ pub fn run_sender(
                 })
                 .map_err(err)?;
             let comm = Arc::new(Comm::init(consumer.backend().context(), &id, 2, 0).map_err(err)?);
+            connect_peer(&comm, consumer.backend().context(), 0, opts.connect_timeout)?;
             send_loop(consumer, &mut session, Some(comm), opts, stop, &mut report)
         }
         BackendKind::Host => {
@@ -928,6 +933,58 @@ impl Staging {
     }
 }
 
+/// NCCL connects two ranks lazily, at their first send/recv, which would make the first batch
+/// pay for setting up the link (and a run's first figures look slower than the link). The
+/// relay makes that connection at setup instead, with one small transfer from the sender
+/// (rank 0) to the receiver (rank 1), bounded by `timeout`: a peer that cannot complete it is
+/// found before any batch is taken from the ring.
+fn connect_peer(
+    comm: &Comm,
+    ctx: &Arc<pipeline_cuda::driver::Context>,
+    rank: i32,
+    timeout: Duration,
+) -> Result<(), RelayError> {
+    const BYTES: usize = 256;
+    let buf = DeviceBuffer::new(ctx, BYTES).map_err(err)?;
+    let stream = Stream::new(ctx).map_err(err)?;
+    let done = Event::new_plain(ctx).map_err(err)?;
+    // SAFETY: our own buffer of BYTES, used by this transfer only, on our own stream, which
+    // is synchronised below before the buffer is dropped (also after an abort).
+    unsafe {
+        if rank == 0 {
+            comm.send(buf.ptr(), BYTES, 1, stream.raw())
+        } else {
+            comm.recv(buf.ptr(), BYTES, 0, stream.raw())
+        }
+    }
+    .map_err(err)?;
+    done.record(&stream).map_err(err)?;
+    let deadline = Instant::now() + timeout.min(Duration::from_secs(30));
+    let outcome = loop {
+        match done.query() {
+            Ok(true) => break Ok(()),
+            Ok(false) => {}
+            Err(e) => break Err(RelayError(format!("connecting to the peer over NCCL: {e}"))),
+        }
+        if let Err(e) = comm.async_error() {
+            break Err(RelayError(format!("connecting to the peer over NCCL: {e}")));
+        }
+        if Instant::now() >= deadline {
+            break Err(RelayError(
+                "connecting to the peer over NCCL: no transfer completed in time (is the peer \
+                 alive?)"
+                    .into(),
+            ));
+        }
+        std::thread::sleep(Duration::from_micros(100));
+    };
+    if outcome.is_err() {
+        comm.abort();
+    }
+    let _ = stream.synchronize();
+    outcome
+}
+
 #[allow(clippy::too_many_arguments)]
 fn recv_loop_cuda(
     producer: &mut Producer<CudaProducer>,
@@ -951,6 +1008,7 @@ fn recv_loop_cuda(
     let comm = Arc::new(
         Comm::init(producer.backend().context(), &payload.nccl_unique_id, 2, 1).map_err(err)?,
     );
+    connect_peer(&comm, producer.backend().context(), 1, opts.connect_timeout)?;
     let mut watch = Watch::start(Some(comm.clone()), &session, opts.tick)?;
     let mut inflight: std::collections::VecDeque<(BatchMeta, usize)> = Default::default();
     let mut next = 0usize;

@@ -4,7 +4,8 @@
 # transport and its socket transport (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1, as between
 # machines). Results under $OUT: tests.log, relay.jsonl (one line per run), summary.txt.
 #   bash scripts/gpu/relay.sh          # tests, then the benchmark
-#   bash scripts/gpu/relay.sh bench
+#   bash scripts/gpu/relay.sh tests    # the tests alone
+#   MPS=both bash scripts/gpu/relay.sh bench   # the benchmark without MPS, then with it
 set -u
 O=${OUT:-/tmp/o}; mkdir -p "$O"
 . .gpu/env.sh
@@ -16,19 +17,20 @@ if [ -z "${GPIPE_NCCL_LIB:-}" ]; then
   export GPIPE_NCCL_LIB
 fi
 echo "NCCL: $GPIPE_NCCL_LIB"; ls -la "$GPIPE_NCCL_LIB" || exit 1
-if [ "$what" = all ]; then
+if [ "$what" = all ] || [ "$what" = tests ]; then
   echo "== relay tests (host ones and the 2-GPU NCCL ones)"
   limit 240 .gpu/tests/relay --include-ignored --test-threads=1 > "$O/tests.log" 2>&1
   echo "relay tests rc=$?"; grep -E "^test |test result" "$O/tests.log"
+  [ "$what" = tests ] && exit 0
 fi
 W=$(mktemp -d /tmp/relay.XXXX)
 printf 'relay benchmark secret, local only\n' > "$W/secret"; chmod 600 "$W/secret"
 port=41000
-run() { # transport size batches
+run() { # transport size batches (MPS_NOW: on or off, for the record)
   local tr=$1 size=$2 n=$3 env=()
   [ "$tr" = sockets ] && env=(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1)
   port=$((port + 1))
-  local d="$W/$tr-$size"; mkdir -p "$d"
+  local d="$W/$tr-$size-$MPS_NOW"; mkdir -p "$d"
   env "${env[@]}" timeout -k 5 100 setsid gpipe produce --backend cuda --socket "$d/a.sock" --batch-bytes "$size" --slots 8 --batches "$n" --wait-for-consumers 1 2> "$d/p.err" &
   local pp=$!
   for _ in $(seq 100); do [ -S "$d/a.sock" ] && break; sleep 0.1; done
@@ -45,35 +47,45 @@ run() { # transport size batches
   local np=$!
   env "${env[@]}" timeout -k 5 60 setsid gpipe relay nccl-bench --connect 127.0.0.1:$port --secret-file "$W/secret" --device 1 --bytes "$size" --iters "$n" --json > "$d/nccl-recv.json" 2>> "$d/nccl.err"
   wait $np
-  python3 - "$tr" "$size" "$d" >> "$O/relay.jsonl" <<'PY'
+  python3 - "$tr" "$size" "$d" "$MPS_NOW" >> "$O/relay.jsonl" <<'PY'
 import json, sys
-tr, size, d = sys.argv[1:]
+tr, size, d, mps = sys.argv[1:]
 def last(p):
     try:
         return json.loads([l for l in open(p) if l.strip()][-1])
     except Exception as e:
         return {"error": f"{p}: {e}"}
-print(json.dumps({"transport": tr, "size": size, "recv": last(f"{d}/recv.json"), "send": last(f"{d}/send.json"),
+print(json.dumps({"transport": tr, "size": size, "mps": mps, "recv": last(f"{d}/recv.json"), "send": last(f"{d}/send.json"),
                   "far": last(f"{d}/far.json"), "nccl": last(f"{d}/nccl-recv.json")}))
 PY
   tail -n 2 "$d"/*.err | grep -iE "error|fail" | head -5
 }
-echo "== benchmark"
-for rep in 1 2; do
-  run default 2MiB 4000; run default 64MiB 800; run default 256MiB 200
-  run sockets 2MiB 800; run sockets 64MiB 80; run sockets 256MiB 20
+mps_on() {
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY; nvidia-cuda-mps-control -d
+}
+mps_off() { echo quit | nvidia-cuda-mps-control; sleep 1; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; }
+case "${MPS:-off}" in both) modes="off on";; on) modes=on;; *) modes=off;; esac
+for MPS_NOW in $modes; do
+  echo "== benchmark, MPS $MPS_NOW"
+  [ "$MPS_NOW" = on ] && mps_on
+  for rep in 1 2; do
+    run default 2MiB 20000; run default 64MiB 3000; run default 256MiB 800
+    [ "$MPS_NOW" = off ] && { run sockets 2MiB 800; run sockets 64MiB 80; run sockets 256MiB 20; }
+  done
+  [ "$MPS_NOW" = on ] && mps_off
 done
 python3 - "$O/relay.jsonl" <<'PY' | tee "$O/summary.txt"
 import json, sys, statistics
 from collections import defaultdict
 rows = defaultdict(list)
 for l in open(sys.argv[1]):
-    r = json.loads(l); rows[(r["transport"], r["size"])].append(r)
-print(f"{'transport':9} {'size':7} {'relay GB/s':>11} {'NCCL GB/s':>10} {'ratio':>6}  far consumer (received, mismatches)")
-for (tr, size), rs in sorted(rows.items()):
+    r = json.loads(l); rows[(r["transport"], r.get("mps", "off"), r["size"])].append(r)
+print(f"{'transport':9} {'MPS':3} {'size':7} {'relay GB/s':>11} {'NCCL GB/s':>10} {'ratio':>6}  far consumer (received, mismatches)")
+for (tr, mps, size), rs in sorted(rows.items()):
     rel = [r["recv"].get("gb_per_s", 0) for r in rs]; nc = [r["nccl"].get("gb_per_s", 0) for r in rs]
     ratios = [a / b if b else 0 for a, b in zip(rel, nc)]
     far = [(r["far"].get("received"), r["far"].get("mismatches")) for r in rs]
-    print(f"{tr:9} {size:7} {statistics.median(rel):11.1f} {statistics.median(nc):10.1f} {statistics.median(ratios):6.2f}  {far}")
+    print(f"{tr:9} {mps:3} {size:7} {statistics.median(rel):11.1f} {statistics.median(nc):10.1f} {statistics.median(ratios):6.2f}  {far}")
 PY
 rm -rf "$W"

@@ -32,6 +32,8 @@ from ._gpipe import (
     Tensor,
     Timeout,
     __version__,
+    fanout_plan,
+    forward,
 )
 
 __all__ = [
@@ -55,6 +57,8 @@ __all__ = [
     "Tensor",
     "Timeout",
     "__version__",
+    "fanout_plan",
+    "forward",
 ]
 
 

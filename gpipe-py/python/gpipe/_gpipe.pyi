@@ -302,3 +302,32 @@ class Producer:
         waiting up to drain_timeout for them. Returns the run's counters."""
     def __enter__(self) -> Producer: ...
     def __exit__(self, *args: Any) -> Literal[False]: ...
+
+def forward(
+    upstream: str,
+    socket: str,
+    *,
+    device: Optional[int] = None,
+    slots: int = 8,
+    max_consumers: int = 16,
+    wait_for_consumers: int = 0,
+) -> dict[str, Any]:
+    """Consumes the ring at `upstream` and re-publishes every batch in a ring of its own at
+    `socket` (same slot size and mode) on CUDA device `device` (default: the upstream
+    producer's), so that consumers on that GPU read their own memory; forwarders chain.
+    Blocks until the upstream ring closes, then closes its own ring once its consumers are
+    done, and returns {"backend", "batches", "bytes", "elapsed_s", "gb_per_s", "error"}.
+    wait_for_consumers: take no batch until that many consumers attached downstream. Raises
+    Error if the upstream ring fails (its consumers then see the producer die);
+    KeyboardInterrupt stops it."""
+
+def fanout_plan(
+    consumer_devices: Sequence[int],
+    shape: str = "auto",
+    batch_bytes: int = 64 << 20,
+    producer_device: int = 0,
+) -> dict[str, Any]:
+    """How `shape` ("direct", "chain", "tree" or "auto") reaches one consumer per entry of
+    `consumer_devices` from a producer on `producer_device`: {"shape", "rings": [{"device",
+    "parent"}], "consumer_ring", "depth"}. Ring 0 is the producer's; run one forward() per
+    other ring, from its parent's socket, on its device."""

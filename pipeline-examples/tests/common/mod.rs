@@ -539,5 +539,5 @@ pub fn assert_producer_died(e: Exit, name: &str) {
         err.contains("producer died"),
         "consumer {name} error: {err:?}"
     );
-    assert_eq!(r["mismatches"], 0);
+    assert_eq!(r["mismatches"], 0, "consumer {name}: {r}");
 }

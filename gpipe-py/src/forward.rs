@@ -1,0 +1,126 @@
+//! `gpipe.forward` and `gpipe.fanout_plan`: re-publishing a ring on another GPU (issue #20),
+//! on `pipeline_relay`'s forwarder.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use pipeline_core::ProducerConfig;
+use pipeline_relay::{Fanout, ForwardOptions};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::{GpipeError, SLICE};
+
+/// forward(upstream, socket, *, device=None, slots=8, max_consumers=16,
+///         wait_for_consumers=0) -> dict
+///
+/// Consumes the ring at ``upstream`` and re-publishes every batch in a ring of its own at
+/// ``socket`` (same slot size and mode), on CUDA device ``device`` (default: the upstream
+/// producer's GPU): GPU 0's ring forwarded to GPU 1, whose consumers then read their own
+/// GPU's memory. Blocks until the upstream ring closes (then closes its own once its
+/// consumers are done) and returns the report (``batches``, ``bytes``, ``elapsed_s``,
+/// ``gb_per_s``). ``wait_for_consumers``: take no batch until that many consumers attached
+/// downstream. Ctrl-C stops it (closing its ring) and raises ``KeyboardInterrupt``; if the
+/// upstream ring fails (its producer died), it raises ``gpipe.Error`` and leaves its ring as a
+/// crashed producer would, so that its consumers see the producer die.
+#[pyfunction]
+#[pyo3(signature = (upstream, socket, *, device=None, slots=8, max_consumers=16, wait_for_consumers=0))]
+pub fn forward<'py>(
+    py: Python<'py>,
+    upstream: PathBuf,
+    socket: PathBuf,
+    device: Option<usize>,
+    slots: u32,
+    max_consumers: u32,
+    wait_for_consumers: u32,
+) -> PyResult<Bound<'py, PyDict>> {
+    if slots == 0 || max_consumers == 0 {
+        return Err(PyValueError::new_err(
+            "slots and max_consumers must be at least 1",
+        ));
+    }
+    let config = ProducerConfig {
+        slots,
+        max_consumers: max_consumers.max(wait_for_consumers),
+        ..ProducerConfig::default()
+    };
+    let opts = ForwardOptions {
+        device,
+        wait_for_consumers,
+        wait_timeout: None,
+        sync: None,
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    let flag = stop.clone();
+    let worker = std::thread::spawn(move || {
+        let r = pipeline_relay::run_forwarder(&upstream, &socket, config, &opts, &flag);
+        let _ = tx.send(r);
+    });
+    let result = loop {
+        match py.detach(|| rx.recv_timeout(SLICE)) {
+            Ok(r) => break r,
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                if let Err(e) = py.check_signals() {
+                    stop.store(true, Ordering::Relaxed);
+                    py.detach(|| {
+                        let _ = worker.join();
+                    });
+                    return Err(e);
+                }
+            }
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
+                return Err(GpipeError::new_err("the forwarder thread ended abnormally"));
+            }
+        }
+    };
+    let _ = worker.join();
+    let report = result.map_err(|e| GpipeError::new_err(e.0))?;
+    let d = PyDict::new(py);
+    d.set_item("backend", &report.backend)?;
+    d.set_item("batches", report.batches)?;
+    d.set_item("bytes", report.bytes)?;
+    d.set_item("elapsed_s", report.elapsed_s)?;
+    d.set_item("gb_per_s", report.gb_per_s())?;
+    d.set_item("error", report.error.clone())?;
+    Ok(d)
+}
+
+/// fanout_plan(consumer_devices, shape="auto", batch_bytes=64 << 20, producer_device=0)
+///     -> dict
+///
+/// How ``shape`` (``"direct"``, ``"chain"``, ``"tree"`` or ``"auto"``) reaches one consumer
+/// per entry of ``consumer_devices`` (its GPU) from a producer on ``producer_device``:
+/// ``{"shape", "rings": [{"device", "parent"}], "consumer_ring": [...], "depth"}``. Ring 0 is
+/// the producer's; start one :func:`forward` per other ring, from its parent's socket, on its
+/// device, and attach each consumer to its ring.
+#[pyfunction]
+#[pyo3(signature = (consumer_devices, shape="auto", batch_bytes=64 << 20, producer_device=0))]
+pub fn fanout_plan<'py>(
+    py: Python<'py>,
+    consumer_devices: Vec<usize>,
+    shape: &str,
+    batch_bytes: u64,
+    producer_device: usize,
+) -> PyResult<Bound<'py, PyDict>> {
+    let shape: Fanout = shape.parse().map_err(PyValueError::new_err)?;
+    let plan = pipeline_relay::plan_fanout(shape, producer_device, &consumer_devices, batch_bytes);
+    let d = PyDict::new(py);
+    d.set_item("shape", plan.shape.to_string())?;
+    let rings = plan
+        .rings
+        .iter()
+        .map(|r| {
+            let x = PyDict::new(py);
+            x.set_item("device", r.device)?;
+            x.set_item("parent", r.parent)?;
+            Ok(x)
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    d.set_item("rings", rings)?;
+    d.set_item("consumer_ring", plan.consumer_ring.clone())?;
+    d.set_item("depth", plan.depth())?;
+    Ok(d)
+}

@@ -1,0 +1,77 @@
+"""gpipe.forward: a ring re-published as another ring (issue #20's building block), and
+gpipe.fanout_plan. Host rings here; tests/test_gpu.py forwards a GPU ring to another GPU."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import gpipe
+
+
+def test_forward_republishes_every_batch_with_its_tensors(sock):
+    down = sock.replace(".sock", "-b.sock")
+    p = gpipe.Producer(sock, slots=4, batch_bytes=1 << 20, backend="host")
+    result = {}
+
+    def run():
+        try:
+            result["report"] = gpipe.forward(sock, down, slots=4, wait_for_consumers=1)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            result["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    p.wait_for_consumers(1, timeout=10)
+    # The forwarder binds its ring, then waits for our consumer there.
+    c = None
+    for _ in range(200):
+        try:
+            c = gpipe.Consumer(down, timeout=5)
+            break
+        except gpipe.AttachError:
+            threading.Event().wait(0.02)
+    assert c is not None, "the forwarded ring never came up"
+    n = 50
+    got = []
+
+    def consume():
+        with c:
+            for b in c:
+                with b:
+                    got.append((b.seq, np.from_dlpack(b["x"]).copy(), b.meta))
+
+    ct = threading.Thread(target=consume)
+    ct.start()
+    for i in range(n):
+        p.send({"x": np.full((4, 8), i, dtype=np.float32)}, meta=[i, 7], timeout=10)
+    p.close()
+    t.join(30)
+    ct.join(30)
+    assert not t.is_alive() and not ct.is_alive()
+    assert "error" not in result, result
+    assert result["report"]["batches"] == n
+    assert [s for s, _, _ in got] == list(range(n))
+    for i, (_, x, h) in enumerate(got):
+        assert x.shape == (4, 8) and (x == i).all()
+        assert h[:2] == (i, 7)
+
+
+def test_forward_from_nothing_raises_a_clear_error(sock):
+    with pytest.raises(gpipe.Error, match="connect|No such file|not found|attach"):
+        gpipe.forward(sock, sock.replace(".sock", "-b.sock"))
+
+
+def test_fanout_plan_shapes():
+    p = gpipe.fanout_plan([0, 1, 2, 3], shape="chain")
+    assert p["shape"] == "chain"
+    assert [(r["device"], r["parent"]) for r in p["rings"]] == [(0, None), (1, 0), (2, 1), (3, 2)]
+    assert p["consumer_ring"] == [0, 1, 2, 3] and p["depth"] == 3
+    t = gpipe.fanout_plan(list(range(8)), shape="tree")
+    assert max(sum(r["parent"] == i for r in t["rings"]) for i in range(8)) == 2
+    assert gpipe.fanout_plan([0, 1], shape="auto")["shape"] == "direct"
+    assert gpipe.fanout_plan([1, 2, 3], shape="auto", batch_bytes=64 << 20)["shape"] == "chain"
+    with pytest.raises(ValueError, match="direct, chain"):
+        gpipe.fanout_plan([1], shape="ring")

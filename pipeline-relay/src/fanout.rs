@@ -1,0 +1,290 @@
+//! Fan-out shapes (issue #20): how one producer's batches reach consumers on several GPUs of
+//! a node.
+//!
+//! * [`Fanout::Direct`]: every consumer reads the producer's ring (in place or mirrored), so
+//!   the consumers on other GPUs share the producer GPU's link egress.
+//! * [`Fanout::Chain`]: one [forwarder](crate::run_forwarder) per other GPU; the first copies
+//!   the producer's batches into a ring on its GPU, the next copies from that ring into one on
+//!   its GPU, and so on. Every GPU receives each batch once, over one link, and sends it at
+//!   most once: each link carries the batch once, and the pipeline's depth adds latency, not
+//!   a per-GPU share of one GPU's egress.
+//! * [`Fanout::Tree`]: a binary tree of forwarders rooted at the producer's GPU: every GPU sends
+//!   each batch at most twice, and the depth is log2 of the GPUs.
+//! * [`Fanout::Auto`]: [`Fanout::resolve`] picks one (docs/multi-gpu.md gives the rule and
+//!   what it rests on).
+//!
+//! [`plan`] turns a shape and the consumers' devices into rings (one per GPU that has
+//! consumers, each fed by its parent's ring) and says which ring each consumer reads.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// A fan-out shape.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Fanout {
+    /// Every consumer reads the producer's ring.
+    #[default]
+    Direct,
+    /// A chain of forwarders, one per other GPU.
+    Chain,
+    /// A binary tree of forwarders.
+    Tree,
+    /// Chosen by [`Fanout::resolve`].
+    Auto,
+}
+
+impl fmt::Display for Fanout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Fanout::Direct => "direct",
+            Fanout::Chain => "chain",
+            Fanout::Tree => "tree",
+            Fanout::Auto => "auto",
+        })
+    }
+}
+
+impl FromStr for Fanout {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "direct" => Ok(Fanout::Direct),
+            "chain" => Ok(Fanout::Chain),
+            "tree" => Ok(Fanout::Tree),
+            "auto" => Ok(Fanout::Auto),
+            other => Err(format!(
+                "unknown fan-out {other:?}: use direct, chain, tree or auto"
+            )),
+        }
+    }
+}
+
+/// Slots of at least this many bytes count as large for [`Fanout::resolve`].
+pub const LARGE_BATCH: u64 = 8 << 20;
+
+impl Fanout {
+    /// The shape `auto` stands for, given how many GPUs other than the producer's have
+    /// consumers and the batch size; other shapes are returned as they are.
+    ///
+    /// * One other GPU (or none): `direct`. Measured on 2×H200 (docs/multi-gpu.md): a
+    ///   consumer on GPU 1 reading GPU 0's ring directly (mirrored for large slots) moved as
+    ///   much as or more than one fed through a forwarder, which adds a copy and a process.
+    /// * Two or more, large batches (≥ [`LARGE_BATCH`]): `chain`, so that no GPU's egress is
+    ///   split more than once; the per-hop latency is small next to a large batch's transfer.
+    /// * Two or more, small batches: `tree`, so that a batch crosses log2 of the GPUs rather
+    ///   than all of them before the last consumer has it.
+    ///
+    /// The rule for more than one other GPU rests on the link arithmetic, not on a
+    /// measurement: no machine with more than 2 GPUs was available to us.
+    pub fn resolve(self, other_gpus: usize, batch_bytes: u64) -> Fanout {
+        match self {
+            Fanout::Auto if other_gpus <= 1 => Fanout::Direct,
+            Fanout::Auto if batch_bytes >= LARGE_BATCH => Fanout::Chain,
+            Fanout::Auto => Fanout::Tree,
+            s => s,
+        }
+    }
+}
+
+/// One ring of a fan-out.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct RingNode {
+    /// The GPU the ring's slots live on.
+    pub device: usize,
+    /// The ring it is forwarded from (an index into [`FanoutPlan::rings`]); None for the
+    /// producer's own ring (index 0).
+    pub parent: Option<usize>,
+}
+
+/// Where every ring lives and which ring every consumer reads.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct FanoutPlan {
+    /// The shape planned (never `auto`).
+    pub shape: Fanout,
+    /// Ring 0 is the producer's; every other is fed by a forwarder on its device.
+    pub rings: Vec<RingNode>,
+    /// For each consumer, the ring it reads.
+    pub consumer_ring: Vec<usize>,
+}
+
+impl FanoutPlan {
+    /// The rings forwarded from ring `r`.
+    pub fn children(&self, r: usize) -> impl Iterator<Item = usize> + '_ {
+        self.rings
+            .iter()
+            .enumerate()
+            .filter(move |(_, n)| n.parent == Some(r))
+            .map(|(i, _)| i)
+    }
+
+    /// How many consumers ring `r` has: its own consumers and the forwarders it feeds.
+    pub fn attachments(&self, r: usize) -> u32 {
+        let own = self.consumer_ring.iter().filter(|&&c| c == r).count();
+        (own + self.children(r).count()) as u32
+    }
+
+    /// How many batches cross from one ring to another for each batch published (the
+    /// forwarders' copies).
+    pub fn hops(&self) -> usize {
+        self.rings.len() - 1
+    }
+
+    /// The most forwarders between the producer and a consumer.
+    pub fn depth(&self) -> usize {
+        (0..self.rings.len())
+            .map(|mut r| {
+                let mut d = 0;
+                while let Some(p) = self.rings[r].parent {
+                    r = p;
+                    d += 1;
+                }
+                d
+            })
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+/// Plans `shape` for a producer on `producer_device` and one consumer per entry of
+/// `consumer_devices` (its GPU). `auto` is resolved with [`Fanout::resolve`]. The GPUs other
+/// than the producer's are taken in the order they first appear.
+pub fn plan(
+    shape: Fanout,
+    producer_device: usize,
+    consumer_devices: &[usize],
+    batch_bytes: u64,
+) -> FanoutPlan {
+    let mut others: Vec<usize> = Vec::new();
+    for &d in consumer_devices {
+        if d != producer_device && !others.contains(&d) {
+            others.push(d);
+        }
+    }
+    let shape = shape.resolve(others.len(), batch_bytes);
+    let mut rings = vec![RingNode {
+        device: producer_device,
+        parent: None,
+    }];
+    if shape != Fanout::Direct {
+        for (i, &d) in others.iter().enumerate() {
+            // Ring i + 1: in a chain, fed by the ring before it; in a tree, node j's parent is
+            // (j - 1) / 2 (the producer's ring being node 0).
+            let j = i + 1;
+            let parent = match shape {
+                Fanout::Chain => j - 1,
+                _ => (j - 1) / 2,
+            };
+            rings.push(RingNode {
+                device: d,
+                parent: Some(parent),
+            });
+        }
+    }
+    let consumer_ring = consumer_devices
+        .iter()
+        .map(|d| rings.iter().position(|r| r.device == *d).unwrap_or(0))
+        .collect();
+    FanoutPlan {
+        shape,
+        rings,
+        consumer_ring,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn direct_puts_every_consumer_on_the_producers_ring() {
+        let p = plan(Fanout::Direct, 0, &[0, 1, 2, 2], 64 << 20);
+        assert_eq!(p.rings.len(), 1);
+        assert_eq!(p.consumer_ring, vec![0, 0, 0, 0]);
+        assert_eq!(p.attachments(0), 4);
+        assert_eq!((p.hops(), p.depth()), (0, 0));
+    }
+
+    #[test]
+    fn a_chain_links_each_gpu_to_the_one_before() {
+        let p = plan(Fanout::Chain, 0, &[0, 1, 2, 3, 3], 64 << 20);
+        let parents: Vec<_> = p.rings.iter().map(|r| (r.device, r.parent)).collect();
+        assert_eq!(
+            parents,
+            vec![(0, None), (1, Some(0)), (2, Some(1)), (3, Some(2))]
+        );
+        assert_eq!(p.consumer_ring, vec![0, 1, 2, 3, 3]);
+        // Ring 0: its consumer and the forwarder to GPU 1; ring 3: two consumers.
+        assert_eq!(p.attachments(0), 2);
+        assert_eq!(p.attachments(1), 2);
+        assert_eq!(p.attachments(3), 2);
+        assert_eq!((p.hops(), p.depth()), (3, 3));
+    }
+
+    #[test]
+    fn a_tree_gives_each_ring_at_most_two_children() {
+        let devs: Vec<usize> = (0..8).collect();
+        let p = plan(Fanout::Tree, 0, &devs, 64 << 20);
+        for r in 0..p.rings.len() {
+            assert!(p.children(r).count() <= 2, "ring {r}");
+        }
+        let parents: Vec<_> = p.rings.iter().map(|r| r.parent).collect();
+        assert_eq!(
+            parents,
+            vec![
+                None,
+                Some(0),
+                Some(0),
+                Some(1),
+                Some(1),
+                Some(2),
+                Some(2),
+                Some(3)
+            ]
+        );
+        assert_eq!(p.depth(), 3);
+        assert_eq!(p.consumer_ring, devs);
+    }
+
+    #[test]
+    fn the_producers_gpu_needs_no_consumer_and_order_of_appearance_counts() {
+        let p = plan(Fanout::Chain, 0, &[2, 1], 64 << 20);
+        let devices: Vec<_> = p.rings.iter().map(|r| r.device).collect();
+        assert_eq!(devices, vec![0, 2, 1]);
+        assert_eq!(p.consumer_ring, vec![1, 2]);
+        assert_eq!(p.attachments(0), 1);
+    }
+
+    #[test]
+    fn auto_is_direct_for_one_other_gpu_else_chain_or_tree_by_batch_size() {
+        assert_eq!(
+            plan(Fanout::Auto, 0, &[0, 1], 256 << 20).shape,
+            Fanout::Direct
+        );
+        assert_eq!(
+            plan(Fanout::Auto, 0, &[0, 0], 2 << 20).shape,
+            Fanout::Direct
+        );
+        assert_eq!(
+            plan(Fanout::Auto, 0, &[1, 2, 3], 64 << 20).shape,
+            Fanout::Chain
+        );
+        assert_eq!(
+            plan(Fanout::Auto, 0, &[1, 2, 3], 2 << 20).shape,
+            Fanout::Tree
+        );
+    }
+
+    #[test]
+    fn shapes_parse_and_print() {
+        for s in ["direct", "chain", "tree", "auto"] {
+            assert_eq!(s.parse::<Fanout>().unwrap().to_string(), s);
+        }
+        assert!(
+            "ring"
+                .parse::<Fanout>()
+                .unwrap_err()
+                .contains("direct, chain")
+        );
+    }
+}
