@@ -83,9 +83,17 @@ pub struct RingArgs {
     /// Delivery mode: every consumer gets every batch, or each batch goes to one consumer.
     #[arg(long, value_enum, default_value = "broadcast")]
     pub mode: ModeArg,
-    /// Slots in the ring.
-    #[arg(long, default_value_t = 8)]
-    pub slots: u32,
+    /// Slots in the ring, or `auto`: 8 with MPS running (or on the host backend); without
+    /// MPS, where GPU time-slicing between the processes makes a deeper ring move more, the
+    /// deepest of 16, 32 and 64 that fits --depth-budget (`gpipe bench` measures them and takes
+    /// the best).
+    #[arg(long, default_value = "8", value_parser = parse_slots)]
+    pub slots: SlotsArg,
+    /// The most slot memory `--slots auto` may take (units: KiB, MiB, GiB). The default, 2 GiB,
+    /// is from a measurement: on an H100 without MPS a 4 GiB ring (64 x 64 MiB) moved less
+    /// than a 2 GiB one (32 x 64 MiB).
+    #[arg(long, value_parser = size::parse, default_value = "2GiB")]
+    pub depth_budget: u64,
     /// Bytes per batch (units: KiB, MiB, GiB, K, M, G); slots are rounded up to 2 MiB.
     #[arg(long, value_parser = size::parse, default_value = "4MiB")]
     pub batch_bytes: u64,
@@ -95,6 +103,60 @@ pub struct RingArgs {
     /// size and the batch size (on the host backend: the ring's own bound).
     #[arg(long, value_parser = parse_lead)]
     pub max_lead: Option<LeadArg>,
+}
+
+/// `--slots`: a number, or `auto`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotsArg {
+    /// Chosen by [`RingArgs::depth`] (or measured by `gpipe bench`).
+    Auto,
+    /// This many slots.
+    Count(u32),
+}
+
+fn parse_slots(s: &str) -> Result<SlotsArg, String> {
+    if s == "auto" {
+        return Ok(SlotsArg::Auto);
+    }
+    match s.parse::<u32>() {
+        Ok(n) if n >= 1 => Ok(SlotsArg::Count(n)),
+        _ => Err(format!(
+            "{s:?} is not a slot count: give a number (1 or more) or auto"
+        )),
+    }
+}
+
+/// The depths `--slots auto` considers without MPS (with MPS, and on the host, it is 8).
+pub const AUTO_DEPTHS: [u32; 4] = [8, 16, 32, 64];
+
+/// Slot sizes are rounded up to 2 MiB.
+fn slot_size(batch_bytes: u64) -> u64 {
+    batch_bytes.div_ceil(2 << 20).max(1) * (2 << 20)
+}
+
+/// The depths of [`AUTO_DEPTHS`] whose slots fit `budget` (always at least 8).
+pub fn depths_within(batch_bytes: u64, budget: u64) -> Vec<u32> {
+    let slot = slot_size(batch_bytes);
+    let fit: Vec<u32> = AUTO_DEPTHS
+        .iter()
+        .copied()
+        .filter(|&d| u64::from(d) * slot <= budget)
+        .collect();
+    if fit.is_empty() { vec![8] } else { fit }
+}
+
+/// How `--slots` was resolved.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct DepthChoice {
+    /// The slot count.
+    pub slots: u32,
+    /// It came from `auto`.
+    pub auto: bool,
+    /// Why (in words), for `auto`.
+    pub why: Option<String>,
+    /// `gpipe bench`'s trial runs: (slots, batches/s).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub trials: Vec<(u32, f64)>,
 }
 
 /// `--max-lead`: a number of batches, or `auto`.
@@ -130,8 +192,58 @@ pub struct LeadChoice {
 }
 
 impl RingArgs {
-    /// Resolves `--max-lead` for the backend the ring runs on (CUDA: the producer's device 0).
-    pub fn lead(&self, cuda: bool) -> Result<LeadChoice, String> {
+    /// The slot count, `auto` resolved by rule (no measurement): 8 on the host backend or
+    /// with MPS running; without MPS the deepest of [`AUTO_DEPTHS`] within --depth-budget,
+    /// because time-slicing between processes hands the GPU over in slices of a few
+    /// milliseconds and a deeper ring lets each process do more per slice (docs/benchmarks.md).
+    pub fn depth(&self, cuda: bool) -> DepthChoice {
+        match self.slots {
+            SlotsArg::Count(n) => DepthChoice {
+                slots: n,
+                ..DepthChoice::default()
+            },
+            SlotsArg::Auto => {
+                let mps = cuda
+                    && pipeline_cuda::probe::probe()
+                        .map(|r| r.mps_active())
+                        .unwrap_or(false);
+                let (slots, why) = if !cuda {
+                    (8, "the host backend".to_string())
+                } else if mps {
+                    (8, "MPS is running".to_string())
+                } else {
+                    let d = *depths_within(self.batch_bytes, self.depth_budget)
+                        .last()
+                        .unwrap_or(&8);
+                    (
+                        d,
+                        format!(
+                            "MPS is not running: the deepest ring within the {} budget",
+                            size::format(self.depth_budget)
+                        ),
+                    )
+                };
+                DepthChoice {
+                    slots,
+                    auto: true,
+                    why: Some(why),
+                    trials: Vec::new(),
+                }
+            }
+        }
+    }
+
+    /// The slot count when it is a number (before `auto` is resolved: 8).
+    pub fn slots_or_default(&self) -> u32 {
+        match self.slots {
+            SlotsArg::Count(n) => n,
+            SlotsArg::Auto => 8,
+        }
+    }
+
+    /// Resolves `--max-lead` for the backend the ring runs on (CUDA: the producer's device 0),
+    /// with `slots` the resolved slot count.
+    pub fn lead(&self, cuda: bool, slots: u32) -> Result<LeadChoice, String> {
         match self.max_lead {
             None => Ok(LeadChoice::default()),
             Some(LeadArg::Batches(n)) => Ok(LeadChoice {
@@ -143,9 +255,8 @@ impl RingArgs {
                 ..LeadChoice::default()
             }),
             Some(LeadArg::Auto) => {
-                let (lead, l2) =
-                    pipeline_cuda::probe::auto_max_lead(0, self.batch_bytes, self.slots)
-                        .map_err(|e| format!("--max-lead auto: reading the L2 size: {e}"))?;
+                let (lead, l2) = pipeline_cuda::probe::auto_max_lead(0, self.batch_bytes, slots)
+                    .map_err(|e| format!("--max-lead auto: reading the L2 size: {e}"))?;
                 eprintln!(
                     "gpipe: --max-lead auto: {} ({} MiB L2, {} per batch, {} slots)",
                     lead.map_or("the ring's own bound".to_string(), |n| format!(
@@ -153,7 +264,7 @@ impl RingArgs {
                     )),
                     l2 >> 20,
                     crate::size::format(self.batch_bytes),
-                    self.slots
+                    slots
                 );
                 Ok(LeadChoice {
                     max_lead: lead,
@@ -179,5 +290,30 @@ pub fn resolve_backend(b: BackendArg) -> Result<BackendArg, String> {
             .map(|_| BackendArg::Cuda)
             .map_err(|why| format!("--backend cuda: {why}")),
         other => Ok(other),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_parse_as_a_count_or_auto() {
+        assert_eq!(parse_slots("auto"), Ok(SlotsArg::Auto));
+        assert_eq!(parse_slots("16"), Ok(SlotsArg::Count(16)));
+        assert!(parse_slots("0").unwrap_err().contains("slot count"));
+        assert!(parse_slots("deep").is_err());
+    }
+
+    #[test]
+    fn auto_depths_stay_within_the_budget() {
+        // 2 MiB slots: 64 x 2 MiB = 128 MiB fits 2 GiB.
+        assert_eq!(depths_within(2 << 20, 2 << 30), vec![8, 16, 32, 64]);
+        // 64 MiB slots within 2 GiB: 32 x 64 MiB = 2 GiB fits, 64 x does not.
+        assert_eq!(depths_within(64 << 20, 2 << 30), vec![8, 16, 32]);
+        // A batch of 3 MiB takes a 4 MiB slot.
+        assert_eq!(depths_within(3 << 20, 64 << 20), vec![8, 16]);
+        // Nothing fits: still 8 (the ring's usual depth).
+        assert_eq!(depths_within(1 << 30, 1 << 30), vec![8]);
     }
 }

@@ -14,7 +14,7 @@ use pipeline_cuda::backend::CudaProducer;
 
 use pipeline_relay::{Fanout, FanoutPlan, RelayReport};
 
-use crate::args::{BackendArg, CudaArgs, RingArgs, resolve_backend};
+use crate::args::{BackendArg, CudaArgs, DepthChoice, RingArgs, SlotsArg, resolve_backend};
 use crate::work::{self, ConsumerReport, Fill};
 use crate::{cuda_work, duration};
 
@@ -74,7 +74,7 @@ pub fn command(cmd: BenchCmd) -> Result<ExitCode, String> {
     let mut args = BenchArgs {
         consumers: cmd.consumers,
         mode: cmd.ring.mode.into(),
-        slots: cmd.ring.slots,
+        slots: cmd.ring.slots_or_default(),
         batch_bytes: cmd.ring.batch_bytes,
         max_lead: None,
         batches: cmd.batches,
@@ -90,7 +90,7 @@ pub fn command(cmd: BenchCmd) -> Result<ExitCode, String> {
         delivery: cmd.delivery.clone(),
         fanout: cmd.fanout,
     };
-    if cmd.round_trip && cmd.ring.slots != 1 {
+    if cmd.round_trip && cmd.ring.slots != SlotsArg::Count(1) {
         return Err("--round-trip measures a single-slot round trip: add --slots 1".into());
     }
     if cmd.delivery.len() != 1 && cmd.delivery.len() != cmd.consumers as usize {
@@ -108,7 +108,16 @@ pub fn command(cmd: BenchCmd) -> Result<ExitCode, String> {
         ));
     }
     let backend = resolve_backend(cmd.backend)?;
-    let lead = cmd.ring.lead(backend == BackendArg::Cuda)?;
+    let mut depth = cmd.ring.depth(backend == BackendArg::Cuda);
+    if depth.auto && backend == BackendArg::Cuda && depth.slots > 8 {
+        // No MPS: measure the depths within the budget, and take the best.
+        depth = measure_depth(&args, &cmd)?;
+    }
+    if let Some(why) = &depth.why {
+        eprintln!("gpipe bench: --slots auto: {} slots ({why})", depth.slots);
+    }
+    args.slots = depth.slots;
+    let lead = cmd.ring.lead(backend == BackendArg::Cuda, depth.slots)?;
     args.max_lead = lead.max_lead;
     let shape = args.plan().shape;
     if shape != Fanout::Direct && args.mode != Mode::Broadcast {
@@ -138,6 +147,9 @@ pub fn command(cmd: BenchCmd) -> Result<ExitCode, String> {
                 if lead.auto {
                     r.extra["max_lead_auto"] = serde_json::to_value(lead).unwrap_or_default();
                 }
+                if depth.auto {
+                    r.extra["slots_auto"] = serde_json::to_value(&depth).unwrap_or_default();
+                }
                 r
             }
         };
@@ -148,6 +160,54 @@ pub fn command(cmd: BenchCmd) -> Result<ExitCode, String> {
     }
     let report = fold_repetitions(reports);
     crate::print_report(&report, cmd.json, report.problems.is_empty())
+}
+
+/// `--slots auto` on a GPU without MPS: a short run at each depth within the budget (the
+/// same consumers, batch size and mode), and the depth that moved the most batches.
+fn measure_depth(args: &BenchArgs, cmd: &BenchCmd) -> Result<DepthChoice, String> {
+    let depths = crate::args::depths_within(cmd.ring.batch_bytes, cmd.ring.depth_budget);
+    let mut trial = args.clone();
+    trial.json = true;
+    trial.backend = "cuda";
+    trial.round_trip = false;
+    // About a quarter of a second each at the rates seen without MPS, at least 200 batches.
+    trial.batches = (args.batches / 4).clamp(200, 2000);
+    let options = cmd.cuda.options()?;
+    let mut trials = Vec::new();
+    for &d in &depths {
+        trial.slots = d;
+        let r = run::<CudaProducer, _>(&trial, options, &mut cuda_work::CudaFill::default())?;
+        if !r.problems.is_empty() {
+            return Err(format!(
+                "--slots auto: the trial run at {d} slots failed: {}",
+                r.problems.join("; ")
+            ));
+        }
+        eprintln!(
+            "gpipe bench: --slots auto: {d} slots: {:.0} batches/s",
+            r.batches_per_s
+        );
+        trials.push((d, r.batches_per_s));
+    }
+    let best = trials
+        .iter()
+        .copied()
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .map_or(8, |t| t.0);
+    Ok(DepthChoice {
+        slots: best,
+        auto: true,
+        why: Some(format!(
+            "MPS is not running: measured {} within the {} budget; {best} moved the most",
+            trials
+                .iter()
+                .map(|(d, r)| format!("{d}: {}/s", compact_rate(*r)))
+                .collect::<Vec<_>>()
+                .join(", "),
+            crate::size::format(cmd.ring.depth_budget)
+        )),
+        trials,
+    })
 }
 
 /// The CUDA bench: the run itself, then, in this process, the single-process ceilings it is

@@ -53,7 +53,7 @@ pub struct ProduceCmd {
 /// Runs `gpipe produce`.
 pub fn command(cmd: ProduceCmd) -> Result<ExitCode, String> {
     let mut config = ProducerConfig {
-        slots: cmd.ring.slots,
+        slots: cmd.ring.slots_or_default(),
         batch_bytes: cmd.ring.batch_bytes,
         mode: cmd.ring.mode.into(),
         max_lead: None,
@@ -70,7 +70,15 @@ pub fn command(cmd: ProduceCmd) -> Result<ExitCode, String> {
         return Err("--batch-bytes must be a multiple of 8".into());
     }
     let backend = resolve_backend(cmd.backend)?;
-    config.max_lead = cmd.ring.lead(backend == BackendArg::Cuda)?.max_lead;
+    let depth = cmd.ring.depth(backend == BackendArg::Cuda);
+    if let Some(why) = &depth.why {
+        eprintln!("gpipe: --slots auto: {} slots ({why})", depth.slots);
+    }
+    config.slots = depth.slots;
+    config.max_lead = cmd
+        .ring
+        .lead(backend == BackendArg::Cuda, depth.slots)?
+        .max_lead;
     match backend {
         BackendArg::Host => produce::<HostProducer, _>(
             &cmd.socket,

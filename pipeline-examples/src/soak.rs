@@ -49,14 +49,18 @@ pub fn command(cmd: SoakCmd) -> Result<ExitCode, String> {
         duration: cmd.duration,
         max_consumers: cmd.max_consumers,
         mode: cmd.ring.mode.into(),
-        slots: cmd.ring.slots,
+        slots: cmd.ring.slots_or_default(),
         batch_bytes: cmd.ring.batch_bytes,
         max_lead: None,
         seed: cmd.seed,
         backend: "host",
     };
     let backend = resolve_backend(cmd.backend)?;
-    args.max_lead = cmd.ring.lead(backend == BackendArg::Cuda)?.max_lead;
+    args.slots = cmd.ring.depth(backend == BackendArg::Cuda).slots;
+    args.max_lead = cmd
+        .ring
+        .lead(backend == BackendArg::Cuda, args.slots)?
+        .max_lead;
     let report = match backend {
         BackendArg::Host => {
             run::<HostProducer, _>(&args, HostOptions::default(), &mut work::HostFill)?

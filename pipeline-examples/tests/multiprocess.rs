@@ -730,3 +730,33 @@ fn bench_fanout_refuses_shared_mode_and_auto_stays_direct_for_one_group() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("applies to the CUDA backend"));
 }
+
+#[test]
+fn bench_slots_auto_on_the_host_is_eight_and_says_why() {
+    let out = std::process::Command::new(GPIPE)
+        .args([
+            "bench",
+            "--backend",
+            "host",
+            "--consumers",
+            "1",
+            "--slots",
+            "auto",
+            "--batches",
+            "100",
+            "--batch-bytes",
+            "64KiB",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["slots"], 8);
+    assert_eq!(r["lost"], 0);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--slots auto: 8 slots (the host backend)"),
+        "{err}"
+    );
+}
