@@ -679,6 +679,9 @@ pub struct Producer<B: ProducerBackend> {
     /// policy's clock, kept across `acquire` calls that time out (a binding acquires in short
     /// slices to stay interruptible).
     stalled_since: Option<(u64, Instant)>,
+    /// One past the last batch whose slot was taken ahead ([`Producer::acquire_ahead`]):
+    /// batches `head..reserved` have their slots waited for and are not yet published.
+    reserved: u64,
 }
 
 impl<B: ProducerBackend> Producer<B> {
@@ -745,6 +748,7 @@ impl<B: ProducerBackend> Producer<B> {
             socket_path,
             closed: false,
             stalled_since: None,
+            reserved: 0,
         })
     }
 
@@ -816,6 +820,94 @@ impl<B: ProducerBackend> Producer<B> {
             return Err(Error::Closed);
         }
         let s = self.head;
+        if s < self.reserved {
+            // Taken ahead already (its waits are done): the same slot again.
+            return Ok(Slot {
+                seq: s,
+                slot: ring::slot_of(s, self.shared.layout.slot_count),
+                producer: self,
+            });
+        }
+        self.wait_for_slot(s, deadline)?;
+        Ok(Slot {
+            seq: s,
+            slot: ring::slot_of(s, self.shared.layout.slot_count),
+            producer: self,
+        })
+    }
+
+    /// Takes the slot of the next batch not yet taken, while earlier ones are still being
+    /// written: a pipeline (a forwarder copying, a relay receiving) can have several batches
+    /// in flight and publish each once it is whole. Returns a loan; write the slot through
+    /// [`Producer::loan_memory`], and publish the batches in order: [`Producer::resume`] takes
+    /// a loan back when it is the next batch (`loan.seq() == next_seq()`). At most as many
+    /// batches as the ring has slots (and as `max_lead`) may be taken at once.
+    /// [`Producer::acquire`] hands out the oldest taken one again.
+    pub fn acquire_ahead(&mut self, timeout: Duration) -> Result<SlotLoan, Error> {
+        if self.closed {
+            return Err(Error::Closed);
+        }
+        let s = self.reserved.max(self.head);
+        let n = u64::from(self.shared.layout.slot_count);
+        let limit = self
+            .shared
+            .config
+            .max_lead
+            .map_or(n, |l| u64::from(l).min(n));
+        if s - self.head >= limit {
+            return Err(Error::InvalidArgument(format!(
+                "{} batches are taken ahead and unpublished: at most {limit} may be (the ring's \
+                 slots{})",
+                s - self.head,
+                if limit < n { " and max_lead" } else { "" }
+            )));
+        }
+        self.wait_for_slot(s, Some(Instant::now() + timeout))?;
+        self.reserved = s + 1;
+        Ok(SlotLoan {
+            seq: s,
+            slot: ring::slot_of(s, self.shared.layout.slot_count),
+        })
+    }
+
+    /// The memory of a slot taken with [`Producer::acquire_ahead`] and not yet published.
+    pub fn loan_memory(&mut self, loan: &SlotLoan) -> Result<B::SlotMut<'_>, Error> {
+        if loan.seq < self.head
+            || loan.seq >= self.reserved
+            || loan.slot != ring::slot_of(loan.seq, self.shared.layout.slot_count)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "slot loan for batch {} is not an unpublished batch taken ahead ({}..{})",
+                loan.seq, self.head, self.reserved
+            )));
+        }
+        // SAFETY: the slot of an unpublished batch taken ahead: its previous holders released
+        // it and the backend ordered after them (acquire_ahead); nothing else hands it out
+        // until it is published (acquire returns it only as the head batch, through a Slot
+        // that borrows the producer mutably, as this memory does).
+        Ok(unsafe { self.shared.backend.slot_mut(loan.slot) })
+    }
+
+    /// Gives back every slot taken ahead and not published (e.g. after the pipeline filling
+    /// them failed): the next batch taken is the next to publish again.
+    pub fn cancel_ahead(&mut self) {
+        self.reserved = self.head;
+    }
+
+    /// The producer-lead bound it was configured with (None: the ring's own, its slots).
+    pub fn max_lead(&self) -> Option<u32> {
+        self.shared.config.max_lead
+    }
+
+    /// Batches taken ahead and not yet published.
+    pub fn taken_ahead(&self) -> u64 {
+        self.reserved.saturating_sub(self.head)
+    }
+
+    /// Waits until the slot of batch `s` may be written: its previous batch released by every
+    /// holder (and, through the backend, their work done), and under `max_lead` the batch
+    /// that far back done with too.
+    fn wait_for_slot(&mut self, s: u64, deadline: Option<Instant>) -> Result<(), Error> {
         if s > MAX_SEQ {
             return Err(Error::InvalidArgument(
                 "sequence numbers exhausted (2^48 batches)".into(),
@@ -853,11 +945,7 @@ impl<B: ProducerBackend> Producer<B> {
                 .wait_finished(k, prev, holders)
                 .map_err(Error::Backend)?;
         }
-        Ok(Slot {
-            producer: self,
-            seq: s,
-            slot: k,
-        })
+        Ok(())
     }
 
     /// Takes back a slot let go with [`Slot::into_loan`]. Refused once the producer has
@@ -1239,6 +1327,7 @@ impl<'p, B: ProducerBackend> Slot<'p, B> {
         crate::fault::point("producer.after_publish");
         p.holders[self.slot as usize] = mask;
         p.head = self.seq + 1;
+        p.reserved = p.reserved.max(p.head);
         wait::notify(&h.data_wake.value, &h.data_sleepers.value, true);
         Ok(self.seq)
     }

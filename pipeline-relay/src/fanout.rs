@@ -68,8 +68,9 @@ impl Fanout {
     /// consumers and the batch size; other shapes are returned as they are.
     ///
     /// * One other GPU (or none): `direct`. Measured on 2×H200 (docs/multi-gpu.md): a
-    ///   consumer on GPU 1 reading GPU 0's ring directly (mirrored for large slots) moved as
-    ///   much as or more than one fed through a forwarder, which adds a copy and a process.
+    ///   forwarder to GPU 1 moved up to 10% more than reading GPU 0's ring directly at 64 MiB
+    ///   and above, and less at 2 MiB; it costs a process and a ring of its own, which one
+    ///   other GPU does not need.
     /// * Two or more, large batches (≥ [`LARGE_BATCH`]): `chain`, so that no GPU's egress is
     ///   split more than once; the per-hop latency is small next to a large batch's transfer.
     /// * Two or more, small batches: `tree`, so that a batch crosses log2 of the GPUs rather

@@ -8,17 +8,19 @@
 //! holds the upstream batch, and through it the upstream producer), the batch is copied into it
 //! (CUDA: on the downstream slot's stream, after the upstream `ready`; the upstream `finished` is
 //! written on that stream after the copy), and, once the copy is complete, it is published with
-//! the upstream header and tensor table. A forwarded ring only ever holds whole batches: if the
+//! the upstream header and tensor table; up to three copies are in flight at once, in slots
+//! taken ahead (`Producer::acquire_ahead`). A forwarded ring only ever holds whole batches: if the
 //! upstream producer dies with batches whose `ready` never came, they are not passed on. If the forwarder dies, its downstream consumers get `ProducerDied` and the
 //! upstream ring goes on without it (a departed consumer).
 
+use std::collections::VecDeque;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use pipeline_core::{
     BackendKind, Consumer, ConsumerConfig, HostConsumer, HostOptions, HostProducer, PendingAttach,
-    Producer, ProducerConfig,
+    Producer, ProducerConfig, SlotLoan,
 };
 use pipeline_cuda::backend::{CudaConsumer, CudaOptions, CudaProducer};
 use pipeline_cuda::driver::{self, Event};
@@ -127,72 +129,126 @@ pub fn run_forwarder(
             )
             .map_err(err)?;
             wait_downstream(&producer, opts)?;
-            let joined = Event::new_plain(producer.backend().context()).map_err(err)?;
-            let copied = Event::new_plain(producer.backend().context()).map_err(err)?;
-            while !stop.load(Ordering::Relaxed) {
-                let batch = match consumer.recv_timeout(tick) {
-                    Ok(Some(b)) => b,
-                    Ok(None) => break,
-                    Err(pipeline_core::Error::Timeout(_)) => continue,
-                    Err(e) => return Err(abandon(producer, err(e))),
-                };
-                started.get_or_insert_with(Instant::now);
-                // While we wait for room downstream, the upstream producer may die: then
-                // our consumers' GPU work waits on batches that never come, and so would we.
-                let loan = match acquire_loan(&mut producer, stop, tick, || {
-                    consumer.check_producer().map_err(err)
-                }) {
-                    Ok(Some(l)) => l,
-                    Ok(None) => break,
-                    Err(e) => return Err(abandon(producer, e)),
-                };
-                let mut slot = producer.resume(loan).map_err(err)?;
-                let mem = slot.memory();
-                let view = batch.data();
-                // The slot's stream waits for the upstream batch's `ready` (which the
-                // consumer's stream waits for), then copies it.
-                joined.record(view.stream).map_err(err)?;
-                mem.stream.wait_event(&joined).map_err(err)?;
-                if view.len > 0 {
-                    // The upstream batch is published and held until after the `finished`
-                    // written below on this stream, after the copy; the slot is ours until
-                    // publish and its stream waits for its previous consumers.
-                    // SAFETY: both are `view.len <= slot_bytes` bytes (same slot size), unshared.
+            // Copies in flight at once: each batch is published once its copy is complete
+            // (whole batches only), while the next ones are already copying.
+            let layout = producer.layout();
+            let depth = (DEPTH as u32)
+                .min(layout.slot_count)
+                .min(producer.max_lead().unwrap_or(u32::MAX)) as usize;
+            let ctx = producer.backend().context().clone();
+            let joined = Event::new_plain(&ctx).map_err(err)?;
+            let copied = (0..depth)
+                .map(|_| Event::new_plain(&ctx))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(err)?;
+            let mut inflight: VecDeque<InFlight> = VecDeque::new();
+            let mut next_event = 0usize;
+            let outcome = (|| -> Result<(), RelayError> {
+                loop {
+                    if stop.load(Ordering::Relaxed) {
+                        return Ok(());
+                    }
+                    // Publish, without waiting, what is whole already.
+                    while let Some(f) = inflight.front() {
+                        if !copied[f.event].query().map_err(err)? {
+                            break;
+                        }
+                        publish_front(&mut producer, &mut inflight, &mut report)?;
+                    }
+                    let wait = if inflight.is_empty() {
+                        tick
+                    } else {
+                        Duration::ZERO
+                    };
+                    let batch = match consumer.recv_timeout(wait) {
+                        Ok(Some(b)) => b,
+                        Ok(None) => {
+                            // The upstream ring closed: publish what is in flight, then end.
+                            while let Some(f) = inflight.front() {
+                                if !wait_whole(&copied[f.event], &consumer, stop)? {
+                                    return Ok(());
+                                }
+                                publish_front(&mut producer, &mut inflight, &mut report)?;
+                            }
+                            return Ok(());
+                        }
+                        Err(pipeline_core::Error::Timeout(_)) => {
+                            // Nothing new: the oldest copy is what there is to wait for.
+                            if let Some(f) = inflight.front() {
+                                if !wait_whole(&copied[f.event], &consumer, stop)? {
+                                    return Ok(());
+                                }
+                                publish_front(&mut producer, &mut inflight, &mut report)?;
+                            }
+                            continue;
+                        }
+                        Err(e) => return Err(err(e)),
+                    };
+                    started.get_or_insert_with(Instant::now);
+                    if inflight.len() == depth {
+                        let f = inflight.front().map(|f| f.event).unwrap_or(0);
+                        if !wait_whole(&copied[f], &consumer, stop)? {
+                            return Ok(());
+                        }
+                        publish_front(&mut producer, &mut inflight, &mut report)?;
+                    }
+                    // While we wait for room downstream, the upstream producer may die: then
+                    // our consumers' GPU work waits on batches that never come, and so would
+                    // we.
+                    let loan = loop {
+                        if stop.load(Ordering::Relaxed) {
+                            return Ok(());
+                        }
+                        consumer.check_producer().map_err(err)?;
+                        match producer.acquire_ahead(tick) {
+                            Ok(l) => break l,
+                            Err(pipeline_core::Error::Timeout(_)) => continue,
+                            Err(e) => return Err(err(e)),
+                        }
+                    };
+                    let mem = producer.loan_memory(&loan).map_err(err)?;
+                    let view = batch.data();
+                    // The slot's stream waits for the upstream batch's `ready` (which the
+                    // consumer's stream waits for), then copies it.
+                    joined.record(view.stream).map_err(err)?;
+                    mem.stream.wait_event(&joined).map_err(err)?;
+                    if view.len > 0 {
+                        // The upstream batch is published and held until after the
+                        // `finished` written below on this stream, after the copy; the slot
+                        // is ours (taken ahead, unpublished) and its stream waits for its
+                        // previous consumers.
+                        // SAFETY: both are `view.len <= slot_bytes` bytes (same slot size),
+                        // unshared.
+                        unsafe {
+                            driver::memcpy_async(mem.ptr, view.ptr, view.len as usize, mem.stream)
+                        }
+                        .map_err(err)?;
+                    }
+                    // SAFETY: the slot's stream is a live stream of the same (primary)
+                    // context as the consumer's; it holds every use of the upstream batch
+                    // (the copy).
                     unsafe {
-                        driver::memcpy_async(mem.ptr, view.ptr, view.len as usize, mem.stream)
+                        batch.backend().signal_finished_on(
+                            mem.stream.raw(),
+                            batch.slot(),
+                            batch.seq(),
+                        )
                     }
                     .map_err(err)?;
+                    copied[next_event].record(mem.stream).map_err(err)?;
+                    inflight.push_back(InFlight {
+                        loan,
+                        event: next_event,
+                        len: batch.len(),
+                        header: *batch.header(),
+                        tensors: batch.tensors().to_vec(),
+                    });
+                    next_event = (next_event + 1) % depth;
+                    drop(batch);
                 }
-                // SAFETY: the slot's stream is a live stream of the same (primary) context as
-                // the consumer's; it holds every use of the upstream batch (the copy).
-                unsafe {
-                    batch
-                        .backend()
-                        .signal_finished_on(mem.stream.raw(), batch.slot(), batch.seq())
-                }
-                .map_err(err)?;
-                copied.record(mem.stream).map_err(err)?;
-                // Publish whole batches only: if the upstream producer dies with this batch's
-                // `ready` never signalled, the copy never completes (or completes with what
-                // the slot held), and the batch must not reach our consumers as if it were
-                // whole. Waiting here costs the gap between two copies, not their overlap
-                // with the consumers' work.
-                match wait_whole(&copied, &consumer, stop) {
-                    Ok(true) => {}
-                    Ok(false) => break,
-                    Err(e) => {
-                        // The slot goes back unpublished (it borrows the producer).
-                        let _ = slot;
-                        drop(batch);
-                        return Err(abandon(producer, e));
-                    }
-                }
-                let (len, header, tensors) =
-                    (batch.len(), *batch.header(), batch.tensors().to_vec());
-                drop(batch);
-                slot.publish_with(len, &header, &tensors).map_err(err)?;
-                report.batches += 1;
-                report.bytes += len;
+            })();
+            if let Err(e) = outcome {
+                return Err(abandon(producer, e));
             }
             finish(producer, stop, &mut report);
         }
@@ -203,11 +259,41 @@ pub fn run_forwarder(
     Ok(report)
 }
 
+/// Copies in flight at once in a CUDA forwarder.
+const DEPTH: usize = 3;
+
+/// A batch being copied into a slot taken ahead, published once the copy is complete.
+struct InFlight {
+    loan: SlotLoan,
+    event: usize,
+    len: u64,
+    header: [u64; pipeline_core::USER_HEADER_WORDS],
+    tensors: Vec<pipeline_core::TensorInfo>,
+}
+
+/// Publishes the oldest batch in flight (its copy is complete).
+fn publish_front(
+    producer: &mut Producer<CudaProducer>,
+    inflight: &mut VecDeque<InFlight>,
+    report: &mut RelayReport,
+) -> Result<(), RelayError> {
+    let Some(f) = inflight.pop_front() else {
+        return Ok(());
+    };
+    producer
+        .resume(f.loan)
+        .map_err(err)?
+        .publish_with(f.len, &f.header, &f.tensors)
+        .map_err(err)?;
+    report.batches += 1;
+    report.bytes += f.len;
+    Ok(())
+}
+
 /// Waits until `copied` completed (`Ok(true)`), `stop` is set (`Ok(false)`), or the upstream
 /// producer died (an error; the consumer then releases what waits on its signals). Spins for
-/// a short while first: a copy of a few MiB takes microseconds. (Polling without sleeping for
-/// 5 ms moved no more on 2×H200: the gap between two copies is the host's round of publish,
-/// receive, acquire and enqueue after each, not the wake-up.)
+/// a short while first: a copy of a few MiB takes microseconds. Copies in flight behind it
+/// keep the copy engine busy meanwhile.
 fn wait_whole(
     copied: &Event,
     consumer: &Consumer<CudaConsumer>,

@@ -7,9 +7,10 @@
 //! the send is complete on the GPU) for a CUDA ring, inline in the message for a host ring.
 //!
 //! **Receiver** (host B, [`run_receiver`]): an ordinary producer of a ring of its own, with
-//! the sender's shape. A CUDA batch is received with `ncclRecv` into one of three staging
-//! buffers, and only once the receive has completed without an NCCL error is it copied into a
-//! slot and published: a sender that dies mid-batch can never hand B's consumers half a batch.
+//! the sender's shape. A CUDA batch is received with `ncclRecv` straight into a slot taken
+//! ahead (`Producer::acquire_ahead`; up to four receives in flight), and only once the receive
+//! has completed without an NCCL error is it published: a sender that dies mid-batch can never
+//! hand B's consumers half a batch.
 //! B's consumers are plain gpipe consumers.
 //!
 //! Back-pressure carries across: B acquires a slot only when B's consumers have released one,
@@ -898,36 +899,29 @@ fn recv_loop_host(
     }
 }
 
-/// The receiver's staging buffers (CUDA): a batch is received into one, and copied into a
-/// slot only once the receive completed.
-struct Staging {
-    buffers: Vec<DeviceBuffer>,
-    /// Recorded after each buffer's receive (on `stream`).
+/// The receiver's receives in flight (CUDA): each batch is received straight into a slot
+/// taken ahead, and published once the host saw the receive complete.
+struct Receives {
+    /// Recorded after each receive (on `stream`).
     received: Vec<Event>,
-    /// Recorded after each buffer's copy into a slot (on the producer's stream).
-    copied: Vec<Event>,
-    used: Vec<bool>,
+    /// Recorded on the producer's stream once a slot is taken (its previous consumers' work
+    /// ordered there), waited by `stream` before the receive.
+    taken: Event,
     stream: Stream,
 }
 
 /// Receives in flight before the oldest is published.
-const STAGING: usize = 3;
+const RECEIVES: usize = 4;
 
-impl Staging {
-    fn new(producer: &Producer<CudaProducer>, bytes: u64) -> Result<Staging, RelayError> {
+impl Receives {
+    fn new(producer: &Producer<CudaProducer>) -> Result<Receives, RelayError> {
         let ctx = producer.backend().context();
-        let mut buffers = Vec::new();
-        let (mut received, mut copied) = (Vec::new(), Vec::new());
-        for _ in 0..STAGING {
-            buffers.push(DeviceBuffer::new(ctx, bytes as usize).map_err(err)?);
-            received.push(Event::new_plain(ctx).map_err(err)?);
-            copied.push(Event::new_plain(ctx).map_err(err)?);
-        }
-        Ok(Staging {
-            buffers,
-            received,
-            copied,
-            used: vec![false; STAGING],
+        Ok(Receives {
+            received: (0..RECEIVES)
+                .map(|_| Event::new_plain(ctx))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(err)?,
+            taken: Event::new_plain(ctx).map_err(err)?,
             stream: Stream::new(ctx).map_err(err)?,
         })
     }
@@ -1004,24 +998,30 @@ fn recv_loop_cuda(
         )));
     }
     // Fresh per session: nothing of a session that ended in an abort is reused.
-    let mut st = Staging::new(producer, slot_bytes)?;
+    let st = Receives::new(producer)?;
     let comm = Arc::new(
         Comm::init(producer.backend().context(), &payload.nccl_unique_id, 2, 1).map_err(err)?,
     );
     connect_peer(&comm, producer.backend().context(), 1, opts.connect_timeout)?;
     let mut watch = Watch::start(Some(comm.clone()), &session, opts.tick)?;
-    let mut inflight: std::collections::VecDeque<(BatchMeta, usize)> = Default::default();
+    let layout = producer.layout();
+    let depth = RECEIVES
+        .min(layout.slot_count as usize)
+        .min(producer.max_lead().map_or(usize::MAX, |l| l as usize))
+        .max(1);
+    let mut inflight: std::collections::VecDeque<(BatchMeta, pipeline_core::SlotLoan, usize)> =
+        Default::default();
     let mut next = 0usize;
     let mut started: Option<Instant> = None;
     let mut ended = false;
     let result = (|| -> Result<(), RelayError> {
         loop {
-            // Publish the oldest receive once it is complete, when the staging is full or
-            // nothing more is coming.
-            while inflight.len() == STAGING || (ended && !inflight.is_empty()) {
-                let (meta, k) = inflight
+            // Publish the oldest receive once it is complete, when as many are in flight as
+            // may be, or nothing more is coming.
+            while inflight.len() == depth || (ended && !inflight.is_empty()) {
+                let (meta, loan, k) = inflight
                     .pop_front()
-                    .ok_or_else(|| RelayError("staging".into()))?;
+                    .ok_or_else(|| RelayError("receives in flight".into()))?;
                 let mut closed_at: Option<Instant> = None;
                 loop {
                     if st.received[k].query().map_err(err)? {
@@ -1048,29 +1048,10 @@ fn recv_loop_cuda(
                 if let Some(why) = watch.nccl_failure() {
                     return Err(RelayError(format!("batch {}: {why}", meta.seq)));
                 }
-                let Some(loan) = acquire_checked(producer, &watch, opts, stop)? else {
-                    return Ok(());
-                };
-                let mut slot = producer.resume(loan).map_err(err)?;
-                let mem = slot.memory();
-                if meta.len > 0 {
-                    // The staging buffer holds the whole batch (its receive completed, checked
-                    // above; meta.len <= the staging size, checked when it was posted); the
-                    // slot is ours until publish and its stream waits for its last consumers.
-                    // SAFETY: both ranges hold meta.len bytes and nothing else uses them.
-                    unsafe {
-                        driver::memcpy_async(
-                            mem.ptr,
-                            st.buffers[k].ptr(),
-                            meta.len as usize,
-                            mem.stream,
-                        )
-                    }
-                    .map_err(err)?;
-                }
-                st.copied[k].record(mem.stream).map_err(err)?;
-                st.used[k] = true;
-                slot.publish_with(meta.len, &meta.header, &meta.tensors)
+                producer
+                    .resume(loan)
+                    .map_err(err)?
+                    .publish_with(meta.len, &meta.header, &meta.tensors)
                     .map_err(err)?;
                 report.batches += 1;
                 report.bytes += meta.len;
@@ -1111,21 +1092,37 @@ fn recv_loop_cuda(
                 )));
             }
             started.get_or_insert_with(Instant::now);
+            // The batch is received straight into the next slot, taken ahead of the ones
+            // still in flight; it is published only once the receive completed.
+            let loan = loop {
+                if stop.load(Ordering::Relaxed) {
+                    return Ok(());
+                }
+                if let Some(why) = watch.nccl_failure() {
+                    return Err(RelayError(format!("the sender is gone: {why}")));
+                }
+                match producer.acquire_ahead(opts.tick) {
+                    Ok(l) => break l,
+                    Err(pipeline_core::Error::Timeout(_)) => continue,
+                    Err(e) => return Err(err(e)),
+                }
+            };
             let k = next;
-            next = (next + 1) % STAGING;
-            if st.used[k] {
-                // The buffer's last copy into a slot must be done before we receive into it.
-                st.stream.wait_event(&st.copied[k]).map_err(err)?;
-            }
+            next = (next + 1) % depth;
+            let mem = producer.loan_memory(&loan).map_err(err)?;
+            // The receive waits for what the slot's stream ordered before its writes (its
+            // previous consumers' work).
+            st.taken.record(mem.stream).map_err(err)?;
+            st.stream.wait_event(&st.taken).map_err(err)?;
             if meta.len > 0 {
-                // SAFETY: our staging buffer of slot_bytes >= len (checked above), not read
-                // by anything until `received[k]` completes (the copy waits for it on the
-                // host); the stream is ours.
-                unsafe { comm.recv(st.buffers[k].ptr(), meta.len as usize, 0, st.stream.raw()) }
+                // SAFETY: the slot (taken ahead, unpublished: ours alone) holds slot_bytes >=
+                // meta.len (checked above); nothing reads it before the receive completed
+                // (seen on the host before publish); the stream is ours.
+                unsafe { comm.recv(mem.ptr, meta.len as usize, 0, st.stream.raw()) }
                     .map_err(err)?;
             }
             st.received[k].record(&st.stream).map_err(err)?;
-            inflight.push_back((meta, k));
+            inflight.push_back((meta, loan, k));
         }
     })();
     if result.is_err() || stop.load(Ordering::Relaxed) {
@@ -1133,11 +1130,12 @@ fn recv_loop_cuda(
     } else {
         watch.arm();
     }
-    // Our staging stream and the slot copies are done (or released by the abort) before the
-    // communicator goes.
+    // Our receives are done (or ended by the abort) before the communicator goes; slots
+    // taken ahead and not published go back (a rejoined session starts at the next batch).
     if let Err(e) = st.stream.synchronize() {
-        tracing::warn!("relay: synchronizing the staging stream: {e}");
+        tracing::warn!("relay: synchronizing the receive stream: {e}");
     }
+    producer.cancel_ahead();
     drop(watch);
     drop(comm);
     result
