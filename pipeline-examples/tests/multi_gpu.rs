@@ -7,6 +7,7 @@
 mod common;
 
 use std::process::Command;
+use std::time::{Duration, Instant};
 
 use common::*;
 
@@ -259,4 +260,136 @@ fn two_gpu_bench_chain_fanout_verifies_every_batch_on_both_gpus() {
             assert_eq!(c["delivery"], "in-place", "{memory}: {c}");
         }
     }
+}
+
+fn need_gpus(n: usize) {
+    let have = cuda_devices();
+    assert!(have >= n, "needs {n} CUDA GPUs; this machine has {have}");
+}
+
+/// Issue #20 on 4 or more GPUs (never run: no such machine was lent to us): a consumer on
+/// every GPU of the machine, each shape, every batch verified on its GPU; the forwarded rings
+/// one per other GPU, each forwarder carrying every batch.
+#[test]
+#[ignore = "needs 4 CUDA GPUs"]
+fn four_gpu_every_fanout_shape_verifies_every_batch_on_every_gpu() {
+    need_gpus(4);
+    let g = cuda_devices() as u32;
+    let devices: Vec<u32> = (0..g).collect();
+    for (shape, delivery) in [
+        ("direct", "auto"),
+        ("chain", "in-place"),
+        ("tree", "in-place"),
+    ] {
+        for size in ["2MiB", "64MiB"] {
+            let extra = ["--fanout", shape, "--batch-bytes", size];
+            let r = bench_checked("broadcast", &devices, &[delivery], 300, &extra);
+            if shape == "direct" {
+                assert!(r.get("fanout").is_none() || r["fanout"].is_null(), "{r}");
+                continue;
+            }
+            let rings = r["fanout"]["rings"].as_array().unwrap();
+            assert_eq!(rings.len(), g as usize, "{shape} {size}: one ring per GPU");
+            for ring in &rings[1..] {
+                assert_eq!(ring["forwarder"]["batches"], 300, "{shape} {size}: {ring}");
+            }
+            let depth = r["fanout"]["depth"].as_u64().unwrap();
+            if shape == "chain" {
+                assert_eq!(depth, u64::from(g) - 1);
+            } else {
+                assert!(
+                    depth <= u64::from(g).ilog2() as u64 + 1,
+                    "tree depth {depth}"
+                );
+            }
+        }
+    }
+}
+
+/// Issue #20's fault on 4 GPUs (never run: no such machine was lent to us): a chain GPU 0 →
+/// 1 → 2 → 3 with a consumer on each GPU; the forwarder to GPU 2 SIGKILLed mid-stream. The
+/// forwarder after it and the consumers on GPUs 2 and 3 end with "producer died" within
+/// seconds, having checked nothing wrong; the consumers on GPUs 0 and 1 go on and get every
+/// batch until the producer closes.
+#[test]
+#[ignore = "needs 4 CUDA GPUs"]
+fn four_gpu_chain_with_its_middle_forwarder_killed_fails_downstream_only() {
+    need_gpus(4);
+    watchdog(180, |procs| {
+        let dir = tmpdir("chain4-kill");
+        let sock = |n: &str| dir.join(format!("{n}.sock"));
+        let p = producer_on(
+            &procs,
+            &sock("r0"),
+            "cuda",
+            &["--rate", "1000", "--batch-bytes", "8MiB"],
+        );
+        let on = |d: &'static str| -> [&'static str; 2] { ["--device", d] };
+        let c0 = consumer_with(&procs, &sock("r0"), &dir.join("c0.seq"), &on("0"), &[]);
+        let forward = |up: &str, down: &str, device: &str, consumers: &str| {
+            let (u, d) = (sock(up), sock(down));
+            let f = spawn(
+                &procs,
+                &[
+                    "relay",
+                    "forward",
+                    "--upstream",
+                    u.to_str().unwrap(),
+                    "--socket",
+                    d.to_str().unwrap(),
+                    "--device",
+                    device,
+                    "--wait-for-consumers",
+                    consumers,
+                ],
+            );
+            wait_until(Duration::from_secs(60), "a forwarded ring", || {
+                std::os::unix::net::UnixStream::connect(&d).is_ok()
+            });
+            f
+        };
+        // Each forwarded ring waits for its consumer and the next forwarder (the last: its
+        // consumer only) before it takes a batch.
+        let f1 = forward("r0", "r1", "1", "2");
+        let c1 = consumer_with(&procs, &sock("r1"), &dir.join("c1.seq"), &on("1"), &[]);
+        let mut f2 = forward("r1", "r2", "2", "2");
+        let c2 = consumer_with(&procs, &sock("r2"), &dir.join("c2.seq"), &on("2"), &[]);
+        let f3 = forward("r2", "r3", "3", "1");
+        let c3 = consumer_with(&procs, &sock("r3"), &dir.join("c3.seq"), &on("3"), &[]);
+        let r3 = sock("r3");
+        wait_until(
+            Duration::from_secs(60),
+            "batches at the end of the chain",
+            || head(&r3) > 200,
+        );
+        f2.kill().unwrap();
+        let _ = f2.wait();
+        let t = Instant::now();
+        let e3 = finish(f3, Duration::from_secs(10));
+        assert_ne!(e3.code, Some(0), "the forwarder after the killed one");
+        assert!(e3.stderr.contains("producer died"), "{}", e3.stderr);
+        assert_producer_died(finish(c2, Duration::from_secs(10)), "on GPU 2");
+        assert_producer_died(finish(c3, Duration::from_secs(10)), "on GPU 3");
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "took {:?}",
+            t.elapsed()
+        );
+        // GPUs 0 and 1 go on.
+        let r1 = sock("r1");
+        let h = head(&r1);
+        wait_until(Duration::from_secs(20), "ring 1 to go on", || {
+            head(&r1) > h + 200
+        });
+        signal(p.id(), libc::SIGINT);
+        assert_eq!(finish(p, Duration::from_secs(30)).code, Some(0));
+        assert_eq!(finish(f1, Duration::from_secs(30)).code, Some(0));
+        for (name, c, log) in [("c0", c0, "c0.seq"), ("c1", c1, "c1.seq")] {
+            let e = finish(c, Duration::from_secs(30));
+            assert_eq!(e.code, Some(0), "{name}: {}", e.stderr);
+            assert_eq!(report(&e)["mismatches"], 0, "{name}");
+            assert_contiguous(&seqs(&dir.join(log)), name);
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    });
 }
