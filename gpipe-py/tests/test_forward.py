@@ -75,3 +75,60 @@ def test_fanout_plan_shapes():
     assert gpipe.fanout_plan([1, 2, 3], shape="auto", batch_bytes=64 << 20)["shape"] == "chain"
     with pytest.raises(ValueError, match="direct, chain"):
         gpipe.fanout_plan([1], shape="ring")
+
+
+def test_forward_whose_upstream_dies_raises_and_its_consumers_see_the_producer_die(sock, child):
+    """In-process: when the upstream producer is SIGKILLed, gpipe.forward raises and leaves
+    its ring as a dead producer would, so its consumers get ProducerDied at once (not a clean
+    end), though the forwarding process goes on."""
+    down = sock.replace(".sock", "-b.sock")
+    up = child(
+        """
+import sys, numpy as np, gpipe
+p = gpipe.Producer(sys.argv[1], slots=4, batch_bytes=1 << 20, backend="host")
+print("ready", flush=True)
+i = 0
+while True:
+    p.send({"x": np.full(8, i, dtype=np.int64)}, meta=[i], timeout=30)
+    i += 1
+""",
+        sock,
+    )
+    assert up.readline(timeout=30) == "ready"
+    result = {}
+
+    def run():
+        try:
+            result["report"] = gpipe.forward(sock, down, slots=4, wait_for_consumers=1)
+        except gpipe.Error as e:
+            result["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    c = None
+    for _ in range(500):
+        try:
+            c = gpipe.Consumer(down, timeout=5)
+            break
+        except gpipe.AttachError:
+            threading.Event().wait(0.02)
+    assert c is not None, "the forwarded ring never came up"
+    got = []
+    died = None
+    with c:
+        while True:
+            try:
+                b = c.recv(timeout=10)
+            except gpipe.ProducerDied as e:
+                died = e
+                break
+            with b:
+                got.append(b.meta[0])
+            if len(got) == 50:
+                up.kill()
+    t.join(10)
+    assert not t.is_alive()
+    assert died is not None
+    assert "error" in result and "upstream" in str(result["error"]), result
+    # What arrived came in order, every batch from the first the forwarder took.
+    assert got == list(range(got[0], got[0] + len(got)))

@@ -404,11 +404,15 @@ impl<B: ConsumerBackend> Consumer<B> {
     }
 
     /// Checks, without waiting for a batch, whether the producer is still there: `Ok(())`
-    /// while it runs or after it closed the ring cleanly, [`Error::ProducerDied`] if it died
-    /// (and then, as `recv` would, the backend releases what waits on its signals). For a
+    /// while it runs or after it closed the ring cleanly, [`Error::Detached`] if it detached
+    /// us, [`Error::ProducerDied`] if it died (and then, as `recv` would, the backend releases
+    /// the waits on its signals: on a GPU ring with timeline words, every consumer's). For a
     /// process that blocks elsewhere while holding this ring's batches, such as a forwarder
     /// waiting for room in its own ring, whose consumers' GPU work waits on ours.
     pub fn check_producer(&self) -> Result<(), Error> {
+        // Detached (our socket was cut by a live producer): not a death, and nothing of the
+        // ring's signals may be released.
+        self.check_active()?;
         let h = self.link.seg.header();
         if h.constants.producer_state.load(Ordering::Acquire) == producer_state::CLOSED {
             return Ok(());

@@ -889,7 +889,10 @@ impl<B: ProducerBackend> Producer<B> {
     }
 
     /// Gives back every slot taken ahead and not published (e.g. after the pipeline filling
-    /// them failed): the next batch taken is the next to publish again.
+    /// them failed): the next batch taken is the next to publish again, and the loans taken
+    /// before are void (do not publish them). Asynchronous writes into those slots (a copy or
+    /// a receive on a stream) must have finished or been ended first: the slots are handed out
+    /// again.
     pub fn cancel_ahead(&mut self) {
         self.reserved = self.head;
     }
@@ -1160,6 +1163,32 @@ impl<B: ProducerBackend> Producer<B> {
             let _ = t.join();
         }
         let _ = std::fs::remove_file(&self.socket_path);
+    }
+
+    /// Leaves the ring as a crashed producer would, for a producer whose own source failed
+    /// (a forwarder whose upstream died, a relay whose sender vanished): consumers get
+    /// [`Error::ProducerDied`] at once, not a clean end that would hide the batches that never
+    /// came, while this process goes on. The connections are cut and the socket removed; the
+    /// ring's memory (and on a GPU its streams, which may wait on work that never comes) is
+    /// left to the process's exit rather than torn down here, where that could block.
+    pub fn abandon(mut self) {
+        self.closed = true;
+        let sh = &*self.shared;
+        sh.closing.store(true, Ordering::Release);
+        sh.stop_supervisor.store(true, Ordering::Release);
+        sh.waker.wake();
+        if let Some(t) = self.supervisor.take() {
+            let _ = t.join();
+        }
+        {
+            let mut m = sh.members.lock();
+            for member in m.conns.iter_mut().filter_map(Option::take) {
+                let _ = member.conn.shutdown(std::net::Shutdown::Both);
+            }
+        }
+        let _ = std::fs::remove_file(&self.socket_path);
+        // The backend stays alive to the end of the process (see above).
+        std::mem::forget(Arc::clone(&self.shared));
     }
 }
 

@@ -103,3 +103,50 @@ fn a_slot_taken_ahead_waits_for_its_previous_batch_to_be_released() {
     let l = p.acquire_ahead(WAIT).unwrap();
     assert_eq!(l.seq(), 2);
 }
+
+/// `Producer::abandon`: the consumers see the producer die (not a clean end) while this
+/// process goes on, and the socket is free for a new producer.
+#[test]
+fn an_abandoned_ring_looks_to_its_consumers_like_a_dead_producer() {
+    let sock =
+        std::env::temp_dir().join(format!("gpipe-ahead-abandon-{}.sock", std::process::id()));
+    let config = ProducerConfig {
+        slots: 4,
+        batch_bytes: 1 << 20,
+        ..Default::default()
+    };
+    let mut p =
+        Producer::<HostProducer>::bind(&sock, config.clone(), HostOptions::default()).unwrap();
+    let mut c = Consumer::<HostConsumer>::attach_with(
+        &sock,
+        ConsumerConfig::default(),
+        HostOptions::default(),
+    )
+    .unwrap();
+    p.wait_for_consumers(1, WAIT).unwrap();
+    let l = p.acquire_ahead(WAIT).unwrap();
+    fill(&mut p, &l, 7);
+    p.resume(l).unwrap().publish(4096).unwrap();
+    // A batch taken ahead and never published is lost with the ring.
+    let _never = p.acquire_ahead(WAIT).unwrap();
+    let t = std::time::Instant::now();
+    p.abandon();
+    let b = c.recv_timeout(WAIT).unwrap().unwrap();
+    assert_eq!(b.seq(), 0, "what was published is still delivered");
+    b.release().unwrap();
+    match c.recv_timeout(WAIT) {
+        Err(Error::ProducerDied) => {}
+        other => panic!(
+            "expected ProducerDied, got {:?}",
+            other.map(|b| b.map(|b| b.seq()))
+        ),
+    }
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        t.elapsed()
+    );
+    assert!(!sock.exists(), "the socket is removed");
+    let again = Producer::<HostProducer>::bind(&sock, config, HostOptions::default());
+    assert!(again.is_ok(), "a new producer can take the path");
+}

@@ -85,8 +85,8 @@ pub struct RingArgs {
     pub mode: ModeArg,
     /// Slots in the ring, or `auto`: 8 with MPS running (or on the host backend); without
     /// MPS, where GPU time-slicing between the processes makes a deeper ring move more, the
-    /// deepest of 16, 32 and 64 that fits --depth-budget (`gpipe bench` measures them and takes
-    /// the best).
+    /// deepest of 8, 16, 32 and 64 whose slots fit --depth-budget, 8 when none does
+    /// (`gpipe bench` measures those that fit and takes the best).
     #[arg(long, default_value = "8", value_parser = parse_slots)]
     pub slots: SlotsArg,
     /// The most slot memory `--slots auto` may take (units: KiB, MiB, GiB). The default, 2 GiB,

@@ -877,11 +877,18 @@ fn collect_forwarders(
             .lines()
             .rev()
             .find_map(|l| serde_json::from_str::<RelayReport>(l).ok());
+        // A forwarder that failed prints {"error": "..."} instead of a report.
+        let failure = text
+            .lines()
+            .rev()
+            .find_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .and_then(|v| v["error"].as_str().map(str::to_string));
         let ring = i + 1;
         match (&status, &report) {
             (None, _) => problems.push(format!("the forwarder of ring {ring} hung and was killed")),
             (Some(st), None) => problems.push(format!(
-                "the forwarder of ring {ring} gave no report ({st})"
+                "the forwarder of ring {ring} failed ({st}): {}",
+                failure.as_deref().unwrap_or("no report")
             )),
             (Some(st), Some(r)) => {
                 if let Some(e) = &r.error {

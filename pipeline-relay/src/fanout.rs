@@ -289,3 +289,60 @@ mod tests {
         );
     }
 }
+
+#[cfg(test)]
+mod props {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Whatever the devices and shape: ring 0 is the producer's; every other ring is fed
+        /// by an earlier one (so forwarders can start in ring order) and sits on a GPU no
+        /// other ring has; every consumer reads the ring of its own GPU (direct: ring 0);
+        /// a chain's depth is its hops, a tree gives no ring more than two children.
+        #[test]
+        fn plans_are_well_formed(
+            devices in proptest::collection::vec(0usize..8, 0..24),
+            producer in 0usize..8,
+            shape in prop_oneof![
+                Just(Fanout::Direct),
+                Just(Fanout::Chain),
+                Just(Fanout::Tree),
+                Just(Fanout::Auto)
+            ],
+            mib in 1u64..512,
+        ) {
+            let p = plan(shape, producer, &devices, mib << 20);
+            prop_assert_ne!(p.shape, Fanout::Auto);
+            prop_assert_eq!(p.rings[0].device, producer);
+            prop_assert_eq!(p.rings[0].parent, None);
+            for (i, r) in p.rings.iter().enumerate().skip(1) {
+                let parent = r.parent.unwrap();
+                prop_assert!(parent < i);
+                prop_assert!(p.rings.iter().filter(|x| x.device == r.device).count() == 1);
+            }
+            prop_assert_eq!(p.consumer_ring.len(), devices.len());
+            for (c, &d) in devices.iter().enumerate() {
+                let ring = &p.rings[p.consumer_ring[c]];
+                if p.shape == Fanout::Direct {
+                    prop_assert_eq!(p.consumer_ring[c], 0);
+                } else {
+                    prop_assert_eq!(ring.device, d);
+                }
+            }
+            match p.shape {
+                Fanout::Chain => prop_assert_eq!(p.depth(), p.hops()),
+                Fanout::Tree => {
+                    for r in 0..p.rings.len() {
+                        prop_assert!(p.children(r).count() <= 2);
+                    }
+                }
+                _ => prop_assert_eq!(p.rings.len(), 1),
+            }
+            // Every ring is read by someone: a consumer or a forwarder.
+            for r in 1..p.rings.len() {
+                prop_assert!(p.attachments(r) >= 1);
+            }
+        }
+    }
+}

@@ -99,11 +99,14 @@ pub fn run_forwarder(
                     Ok(None) => break,
                     Err(e) => return Err(abandon(producer, e)),
                 };
-                let mut slot = producer.resume(loan).map_err(err)?;
-                let n = batch.len() as usize;
-                slot.memory()[..n].copy_from_slice(batch.data());
-                slot.publish_with(batch.len(), batch.header(), batch.tensors())
-                    .map_err(err)?;
+                let published = producer.resume(loan).and_then(|mut slot| {
+                    let n = batch.len() as usize;
+                    slot.memory()[..n].copy_from_slice(batch.data());
+                    slot.publish_with(batch.len(), batch.header(), batch.tensors())
+                });
+                if let Err(e) = published {
+                    return Err(abandon(producer, err(e)));
+                }
                 report.batches += 1;
                 report.bytes += batch.len();
             }
@@ -153,7 +156,7 @@ pub fn run_forwarder(
                         if !copied[f.event].query().map_err(err)? {
                             break;
                         }
-                        publish_front(&mut producer, &mut inflight, &mut report)?;
+                        publish_front(&mut producer, &consumer, &mut inflight, &mut report)?;
                     }
                     let wait = if inflight.is_empty() {
                         tick
@@ -168,7 +171,12 @@ pub fn run_forwarder(
                                 if !wait_whole(&copied[f.event], &consumer, stop)? {
                                     return Ok(());
                                 }
-                                publish_front(&mut producer, &mut inflight, &mut report)?;
+                                publish_front(
+                                    &mut producer,
+                                    &consumer,
+                                    &mut inflight,
+                                    &mut report,
+                                )?;
                             }
                             return Ok(());
                         }
@@ -178,7 +186,12 @@ pub fn run_forwarder(
                                 if !wait_whole(&copied[f.event], &consumer, stop)? {
                                     return Ok(());
                                 }
-                                publish_front(&mut producer, &mut inflight, &mut report)?;
+                                publish_front(
+                                    &mut producer,
+                                    &consumer,
+                                    &mut inflight,
+                                    &mut report,
+                                )?;
                             }
                             continue;
                         }
@@ -190,7 +203,7 @@ pub fn run_forwarder(
                         if !wait_whole(&copied[f], &consumer, stop)? {
                             return Ok(());
                         }
-                        publish_front(&mut producer, &mut inflight, &mut report)?;
+                        publish_front(&mut producer, &consumer, &mut inflight, &mut report)?;
                     }
                     // While we wait for room downstream, the upstream producer may die: then
                     // our consumers' GPU work waits on batches that never come, and so would
@@ -200,7 +213,21 @@ pub fn run_forwarder(
                             return Ok(());
                         }
                         consumer.check_producer().map_err(err)?;
-                        match producer.acquire_ahead(tick) {
+                        // Publish what is whole while we wait: a consumer may hold its
+                        // batches until it gets the next one, which would otherwise wait
+                        // here for a slot that consumer holds.
+                        while let Some(f) = inflight.front() {
+                            if !copied[f.event].query().map_err(err)? {
+                                break;
+                            }
+                            publish_front(&mut producer, &consumer, &mut inflight, &mut report)?;
+                        }
+                        let wait = if inflight.is_empty() {
+                            tick
+                        } else {
+                            Duration::from_millis(1)
+                        };
+                        match producer.acquire_ahead(wait) {
                             Ok(l) => break l,
                             Err(pipeline_core::Error::Timeout(_)) => continue,
                             Err(e) => return Err(err(e)),
@@ -271,12 +298,16 @@ struct InFlight {
     tensors: Vec<pipeline_core::TensorInfo>,
 }
 
-/// Publishes the oldest batch in flight (its copy is complete).
+/// Publishes the oldest batch in flight (its copy is complete). The upstream producer is
+/// checked first: if it died, a consumer of its ring may have released the waits on its
+/// `ready` (they are shared), and a copy that completed may hold a half-written batch.
 fn publish_front(
     producer: &mut Producer<CudaProducer>,
+    consumer: &Consumer<CudaConsumer>,
     inflight: &mut VecDeque<InFlight>,
     report: &mut RelayReport,
 ) -> Result<(), RelayError> {
+    consumer.check_producer().map_err(err)?;
     let Some(f) = inflight.pop_front() else {
         return Ok(());
     };
@@ -364,13 +395,12 @@ fn finish<B: pipeline_core::ProducerBackend>(
 }
 
 /// The upstream ring failed (its producer died, we were detached): leave the downstream ring
-/// as a crashed producer would, so that its consumers get `ProducerDied` when this process
-/// exits, not a clean end that would hide the batches that never came. The producer is
-/// deliberately not dropped (its drop closes the ring cleanly); the caller should exit.
+/// as a crashed producer would ([`Producer::abandon`]), so that its consumers get
+/// `ProducerDied` at once, not a clean end that would hide the batches that never came.
 fn abandon<B: pipeline_core::ProducerBackend>(producer: Producer<B>, e: RelayError) -> RelayError {
-    std::mem::forget(producer);
+    producer.abandon();
     RelayError(format!(
-        "the upstream ring: {e}; the downstream ring is abandoned (its consumers will see \
-         the producer die when this process exits)"
+        "the upstream ring: {e}; the downstream ring is abandoned (its consumers see the \
+         producer die)"
     ))
 }

@@ -10,7 +10,9 @@
 //! the sender's shape. A CUDA batch is received with `ncclRecv` straight into a slot taken
 //! ahead (`Producer::acquire_ahead`; up to four receives in flight), and only once the receive
 //! has completed without an NCCL error is it published: a sender that dies mid-batch can never
-//! hand B's consumers half a batch.
+//! hand B's consumers half a batch. A completed receive is published when the next batch's
+//! description arrives, when B waits for room, or when four are in flight; a sender that
+//! pauses leaves its last batch unpublished until it sends again or ends.
 //! B's consumers are plain gpipe consumers.
 //!
 //! Back-pressure carries across: B acquires a slot only when B's consumers have released one,
@@ -765,14 +767,12 @@ fn rejoin(
 }
 
 /// The sender failed and no other will come: leave this side's ring as a crashed producer
-/// would, so that its consumers get `ProducerDied` when this process exits rather than a
-/// clean end that would hide the batches that never came. Deliberately not dropped (its drop
-/// closes the ring cleanly); the caller should exit.
+/// would ([`Producer::abandon`]), so that its consumers get `ProducerDied` rather than a clean
+/// end that would hide the batches that never came.
 fn abandon<B: pipeline_core::ProducerBackend>(producer: Producer<B>, e: RelayError) -> RelayError {
-    std::mem::forget(producer);
+    producer.abandon();
     RelayError(format!(
-        "{e}; this ring is abandoned (its consumers will see the producer die when this \
-         process exits)"
+        "{e}; this ring is abandoned (its consumers see the producer die)"
     ))
 }
 
@@ -1101,7 +1101,36 @@ fn recv_loop_cuda(
                 if let Some(why) = watch.nccl_failure() {
                     return Err(RelayError(format!("the sender is gone: {why}")));
                 }
-                match producer.acquire_ahead(opts.tick) {
+                // Publish the receives that completed while we wait: a consumer may hold its
+                // batches until it gets the next one, which would otherwise wait here for a
+                // slot that consumer holds.
+                while let Some(&(_, _, k)) = inflight.front() {
+                    if !st.received[k].query().map_err(err)? {
+                        break;
+                    }
+                    if let Some(why) = watch.nccl_failure() {
+                        return Err(RelayError(format!("the sender is gone: {why}")));
+                    }
+                    let Some((meta, loan, _)) = inflight.pop_front() else {
+                        break;
+                    };
+                    producer
+                        .resume(loan)
+                        .map_err(err)?
+                        .publish_with(meta.len, &meta.header, &meta.tensors)
+                        .map_err(err)?;
+                    report.batches += 1;
+                    report.bytes += meta.len;
+                    if let Some(t) = started {
+                        report.elapsed_s = t.elapsed().as_secs_f64();
+                    }
+                }
+                let wait = if inflight.is_empty() {
+                    opts.tick
+                } else {
+                    Duration::from_millis(1)
+                };
+                match producer.acquire_ahead(wait) {
                     Ok(l) => break l,
                     Err(pipeline_core::Error::Timeout(_)) => continue,
                     Err(e) => return Err(err(e)),
