@@ -22,7 +22,7 @@ def test_forward_republishes_every_batch_with_its_tensors(sock):
         except BaseException as e:  # noqa: BLE001 - reported below
             result["error"] = e
 
-    t = threading.Thread(target=run)
+    t = threading.Thread(target=run, daemon=True)
     t.start()
     p.wait_for_consumers(1, timeout=10)
     # The forwarder binds its ring, then waits for our consumer there.
@@ -89,7 +89,7 @@ p = gpipe.Producer(sys.argv[1], slots=4, batch_bytes=1 << 20, backend="host")
 print("ready", flush=True)
 i = 0
 while True:
-    p.send({"x": np.full(8, i, dtype=np.int64)}, meta=[i], timeout=30)
+    p.send({"x": np.full(8, i, dtype=np.int64)}, meta=[i])
     i += 1
 """,
         sock,
@@ -103,7 +103,7 @@ while True:
         except gpipe.Error as e:
             result["error"] = e
 
-    t = threading.Thread(target=run)
+    t = threading.Thread(target=run, daemon=True)
     t.start()
     c = None
     for _ in range(500):

@@ -993,8 +993,15 @@ impl<B: ProducerBackend> Producer<B> {
         let desc = sh.seg.slot(k);
         let shared_mode = sh.shared_mode();
         let h = sh.seg.header();
+        // Sleep no longer than the deadline: a caller polling with short timeouts (a pipeline
+        // that publishes between them) must get control back on time.
+        let mut policy = sh.config.wait;
+        if let Some(d) = deadline {
+            let left = d.saturating_duration_since(Instant::now());
+            policy.tick = policy.tick.min(left.max(Duration::from_micros(50)));
+        }
         wait::wait_for(
-            sh.config.wait,
+            policy,
             &h.space_wake.value,
             &h.space_sleepers.value,
             || {
@@ -1174,20 +1181,24 @@ impl<B: ProducerBackend> Producer<B> {
     pub fn abandon(mut self) {
         self.closed = true;
         let sh = &*self.shared;
-        sh.closing.store(true, Ordering::Release);
-        sh.stop_supervisor.store(true, Ordering::Release);
-        sh.waker.wake();
-        if let Some(t) = self.supervisor.take() {
-            let _ = t.join();
-        }
         {
+            // Under the lock an attach checks `closing` with: no consumer joins after this.
             let mut m = sh.members.lock();
+            sh.closing.store(true, Ordering::Release);
             for member in m.conns.iter_mut().filter_map(Option::take) {
                 let _ = member.conn.shutdown(std::net::Shutdown::Both);
             }
         }
+        // Consumers asleep waiting for a batch look at the producer now.
+        let h = sh.seg.header();
+        wait::notify(&h.data_wake.value, &h.data_sleepers.value, true);
         let _ = std::fs::remove_file(&self.socket_path);
-        // The backend stays alive to the end of the process (see above).
+        // The supervisor is told to stop but not joined: a handshake it waits for may be stuck
+        // in the backend (a GPU stream that waits on work that never comes). It and the
+        // backend stay alive to the end of the process (see above).
+        sh.stop_supervisor.store(true, Ordering::Release);
+        sh.waker.wake();
+        drop(self.supervisor.take());
         std::mem::forget(Arc::clone(&self.shared));
     }
 }

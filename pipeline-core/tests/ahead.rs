@@ -150,3 +150,41 @@ fn an_abandoned_ring_looks_to_its_consumers_like_a_dead_producer() {
     let again = Producer::<HostProducer>::bind(&sock, config, HostOptions::default());
     assert!(again.is_ok(), "a new producer can take the path");
 }
+
+/// A short timeout is kept even when the producer's sleep tick is long: a pipeline polls
+/// with short waits and publishes between them.
+#[test]
+fn a_short_acquire_timeout_returns_on_time_with_a_long_tick() {
+    let sock = std::env::temp_dir().join(format!("gpipe-ahead-tick-{}.sock", std::process::id()));
+    let config = ProducerConfig {
+        slots: 2,
+        batch_bytes: 1 << 20,
+        wait: pipeline_core::WaitPolicy {
+            spin: Duration::ZERO,
+            tick: Duration::from_secs(5),
+        },
+        ..Default::default()
+    };
+    let mut p = Producer::<HostProducer>::bind(&sock, config, HostOptions::default()).unwrap();
+    let mut c = Consumer::<HostConsumer>::attach_with(
+        &sock,
+        ConsumerConfig::default(),
+        HostOptions::default(),
+    )
+    .unwrap();
+    p.wait_for_consumers(1, WAIT).unwrap();
+    for i in 0..2u8 {
+        let l = p.acquire_ahead(WAIT).unwrap();
+        fill(&mut p, &l, i);
+        p.resume(l).unwrap().publish(4096).unwrap();
+    }
+    let _held = c.recv_timeout(WAIT).unwrap().unwrap();
+    let t = std::time::Instant::now();
+    let e = p.acquire_ahead(Duration::from_millis(20)).unwrap_err();
+    assert!(matches!(e, Error::Timeout(_)), "{e}");
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "a 20 ms wait took {:?} with a 5 s tick",
+        t.elapsed()
+    );
+}

@@ -81,7 +81,9 @@ pub fn run_forwarder(
                 pending.finish(HostOptions::default()).map_err(err)?;
             let mut producer: Producer<HostProducer> =
                 Producer::bind(downstream, config, HostOptions::default()).map_err(err)?;
-            wait_downstream(&producer, opts)?;
+            if let Err(e) = wait_downstream(&producer, opts) {
+                return Err(abandon(producer, e));
+            }
             while !stop.load(Ordering::Relaxed) {
                 let batch = match consumer.recv_timeout(tick) {
                     Ok(Some(b)) => b,
@@ -131,7 +133,9 @@ pub fn run_forwarder(
                 },
             )
             .map_err(err)?;
-            wait_downstream(&producer, opts)?;
+            if let Err(e) = wait_downstream(&producer, opts) {
+                return Err(abandon(producer, e));
+            }
             // Copies in flight at once: each batch is published once its copy is complete
             // (whole batches only), while the next ones are already copying.
             let layout = producer.layout();
@@ -139,11 +143,16 @@ pub fn run_forwarder(
                 .min(layout.slot_count)
                 .min(producer.max_lead().unwrap_or(u32::MAX)) as usize;
             let ctx = producer.backend().context().clone();
-            let joined = Event::new_plain(&ctx).map_err(err)?;
-            let copied = (0..depth)
-                .map(|_| Event::new_plain(&ctx))
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(err)?;
+            let events = Event::new_plain(&ctx).and_then(|j| {
+                (0..depth)
+                    .map(|_| Event::new_plain(&ctx))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map(|c| (j, c))
+            });
+            let (joined, copied) = match events {
+                Ok(e) => e,
+                Err(e) => return Err(abandon(producer, err(e))),
+            };
             let mut inflight: VecDeque<InFlight> = VecDeque::new();
             let mut next_event = 0usize;
             let outcome = (|| -> Result<(), RelayError> {

@@ -1094,12 +1094,22 @@ fn recv_loop_cuda(
             started.get_or_insert_with(Instant::now);
             // The batch is received straight into the next slot, taken ahead of the ones
             // still in flight; it is published only once the receive completed.
+            let mut gone_at: Option<Instant> = None;
             let loan = loop {
                 if stop.load(Ordering::Relaxed) {
                     return Ok(());
                 }
                 if let Some(why) = watch.nccl_failure() {
                     return Err(RelayError(format!("the sender is gone: {why}")));
+                }
+                // The connection's end while we wait: as when publishing, a receive still
+                // pending a moment later will never complete (nor will this wait end, if our
+                // consumers hold every slot until they get it).
+                if let Some(why) = watch.failure() {
+                    let t = *gone_at.get_or_insert_with(Instant::now);
+                    if t.elapsed() > Duration::from_secs(2) {
+                        return Err(RelayError(format!("the sender is gone: {why}")));
+                    }
                 }
                 // Publish the receives that completed while we wait: a consumer may hold its
                 // batches until it gets the next one, which would otherwise wait here for a
