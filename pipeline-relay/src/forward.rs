@@ -156,18 +156,19 @@ pub fn run_forwarder(
             let mut inflight: VecDeque<InFlight> = VecDeque::new();
             let mut next_event = 0usize;
             let outcome = (|| -> Result<(), RelayError> {
+                let mut out = Out {
+                    producer: &mut producer,
+                    inflight: &mut inflight,
+                    copied: &copied,
+                    report: &mut report,
+                };
                 loop {
                     if stop.load(Ordering::Relaxed) {
                         return Ok(());
                     }
                     // Publish, without waiting, what is whole already.
-                    while let Some(f) = inflight.front() {
-                        if !copied[f.event].query().map_err(err)? {
-                            break;
-                        }
-                        publish_front(&mut producer, &consumer, &mut inflight, &mut report)?;
-                    }
-                    let wait = if inflight.is_empty() {
+                    out.settle(&consumer, Settle::Whole, stop)?;
+                    let wait = if out.inflight.is_empty() {
                         tick
                     } else {
                         Duration::ZERO
@@ -176,43 +177,23 @@ pub fn run_forwarder(
                         Ok(Some(b)) => b,
                         Ok(None) => {
                             // The upstream ring closed: publish what is in flight, then end.
-                            while let Some(f) = inflight.front() {
-                                if !wait_whole(&copied[f.event], &consumer, stop)? {
-                                    return Ok(());
-                                }
-                                publish_front(
-                                    &mut producer,
-                                    &consumer,
-                                    &mut inflight,
-                                    &mut report,
-                                )?;
-                            }
+                            out.settle(&consumer, Settle::All, stop)?;
                             return Ok(());
                         }
                         Err(pipeline_core::Error::Timeout(_)) => {
                             // Nothing new: the oldest copy is what there is to wait for.
-                            if let Some(f) = inflight.front() {
-                                if !wait_whole(&copied[f.event], &consumer, stop)? {
-                                    return Ok(());
-                                }
-                                publish_front(
-                                    &mut producer,
-                                    &consumer,
-                                    &mut inflight,
-                                    &mut report,
-                                )?;
+                            if !out.settle(&consumer, Settle::Oldest, stop)? {
+                                return Ok(());
                             }
                             continue;
                         }
                         Err(e) => return Err(err(e)),
                     };
                     started.get_or_insert_with(Instant::now);
-                    if inflight.len() == depth {
-                        let f = inflight.front().map(|f| f.event).unwrap_or(0);
-                        if !wait_whole(&copied[f], &consumer, stop)? {
-                            return Ok(());
-                        }
-                        publish_front(&mut producer, &consumer, &mut inflight, &mut report)?;
+                    if out.inflight.len() == depth
+                        && !out.settle(&consumer, Settle::Oldest, stop)?
+                    {
+                        return Ok(());
                     }
                     // While we wait for room downstream, the upstream producer may die: then
                     // our consumers' GPU work waits on batches that never come, and so would
@@ -225,24 +206,19 @@ pub fn run_forwarder(
                         // Publish what is whole while we wait: a consumer may hold its
                         // batches until it gets the next one, which would otherwise wait
                         // here for a slot that consumer holds.
-                        while let Some(f) = inflight.front() {
-                            if !copied[f.event].query().map_err(err)? {
-                                break;
-                            }
-                            publish_front(&mut producer, &consumer, &mut inflight, &mut report)?;
-                        }
-                        let wait = if inflight.is_empty() {
+                        out.settle(&consumer, Settle::Whole, stop)?;
+                        let wait = if out.inflight.is_empty() {
                             tick
                         } else {
                             Duration::from_millis(1)
                         };
-                        match producer.acquire_ahead(wait) {
+                        match out.producer.acquire_ahead(wait) {
                             Ok(l) => break l,
                             Err(pipeline_core::Error::Timeout(_)) => continue,
                             Err(e) => return Err(err(e)),
                         }
                     };
-                    let mem = producer.loan_memory(&loan).map_err(err)?;
+                    let mem = out.producer.loan_memory(&loan).map_err(err)?;
                     let view = batch.data();
                     // The slot's stream waits for the upstream batch's `ready` (which the
                     // consumer's stream waits for), then copies it.
@@ -272,7 +248,7 @@ pub fn run_forwarder(
                     }
                     .map_err(err)?;
                     copied[next_event].record(mem.stream).map_err(err)?;
-                    inflight.push_back(InFlight {
+                    out.inflight.push_back(InFlight {
                         loan,
                         event: next_event,
                         len: batch.len(),
@@ -307,27 +283,68 @@ struct InFlight {
     tensors: Vec<pipeline_core::TensorInfo>,
 }
 
-/// Publishes the oldest batch in flight (its copy is complete). The upstream producer is
-/// checked first: if it died, a consumer of its ring may have released the waits on its
-/// `ready` (they are shared), and a copy that completed may hold a half-written batch.
-fn publish_front(
-    producer: &mut Producer<CudaProducer>,
-    consumer: &Consumer<CudaConsumer>,
-    inflight: &mut VecDeque<InFlight>,
-    report: &mut RelayReport,
-) -> Result<(), RelayError> {
-    consumer.check_producer().map_err(err)?;
-    let Some(f) = inflight.pop_front() else {
-        return Ok(());
-    };
-    producer
-        .resume(f.loan)
-        .map_err(err)?
-        .publish_with(f.len, &f.header, &f.tensors)
-        .map_err(err)?;
-    report.batches += 1;
-    report.bytes += f.len;
-    Ok(())
+/// Where a CUDA forwarder publishes its copies: the downstream producer, the copies in flight
+/// and their events.
+struct Out<'a> {
+    producer: &'a mut Producer<CudaProducer>,
+    inflight: &'a mut VecDeque<InFlight>,
+    copied: &'a [Event],
+    report: &'a mut RelayReport,
+}
+
+/// What [`Out::settle`] waits for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Settle {
+    /// Nothing: publish the oldest copies that are already complete.
+    Whole,
+    /// The oldest copy, then the ones after it that are already complete.
+    Oldest,
+    /// Every copy in flight.
+    All,
+}
+
+impl Out<'_> {
+    /// Publishes copies in flight, oldest first, as `how` says; `consumer` is the upstream
+    /// one (checked before each publish). `Ok(false)`: stopped while waiting.
+    fn settle(
+        &mut self,
+        consumer: &Consumer<CudaConsumer>,
+        how: Settle,
+        stop: &AtomicBool,
+    ) -> Result<bool, RelayError> {
+        let mut waited = false;
+        while let Some(f) = self.inflight.front() {
+            let wait = how == Settle::All || (how == Settle::Oldest && !waited);
+            if wait {
+                if !wait_whole(&self.copied[f.event], consumer, stop)? {
+                    return Ok(false);
+                }
+            } else if !self.copied[f.event].query().map_err(err)? {
+                break;
+            }
+            waited = true;
+            self.publish_front(consumer)?;
+        }
+        Ok(true)
+    }
+
+    /// Publishes the oldest batch in flight (its copy is complete). The upstream producer is
+    /// checked first: if it died, a consumer of its ring may have released the waits on its
+    /// `ready` (they are shared), and a copy that completed may hold a half-written batch.
+    fn publish_front(&mut self, consumer: &Consumer<CudaConsumer>) -> Result<(), RelayError> {
+        consumer.check_producer().map_err(err)?;
+        let Some(f) = self.inflight.pop_front() else {
+            return Ok(());
+        };
+        self.producer
+            .resume(f.loan)
+            .map_err(err)?
+            .publish_with(f.len, &f.header, &f.tensors)
+            .map_err(err)?;
+        self.report.batches += 1;
+        self.report.bytes += f.len;
+        Ok(())
+    }
 }
 
 /// Waits until `copied` completed (`Ok(true)`), `stop` is set (`Ok(false)`), or the upstream
