@@ -682,6 +682,8 @@ pub struct Producer<B: ProducerBackend> {
     /// One past the last batch whose slot was taken ahead ([`Producer::acquire_ahead`]):
     /// batches `head..reserved` have their slots waited for and are not yet published.
     reserved: u64,
+    /// Bumped by [`Producer::cancel_ahead`]: loans from before are refused.
+    loan_epoch: u64,
 }
 
 impl<B: ProducerBackend> Producer<B> {
@@ -749,6 +751,7 @@ impl<B: ProducerBackend> Producer<B> {
             closed: false,
             stalled_since: None,
             reserved: 0,
+            loan_epoch: 0,
         })
     }
 
@@ -867,12 +870,17 @@ impl<B: ProducerBackend> Producer<B> {
         Ok(SlotLoan {
             seq: s,
             slot: ring::slot_of(s, self.shared.layout.slot_count),
+            epoch: self.loan_epoch,
         })
     }
 
     /// The memory of a slot taken with [`Producer::acquire_ahead`] and not yet published.
     pub fn loan_memory(&mut self, loan: &SlotLoan) -> Result<B::SlotMut<'_>, Error> {
-        if loan.seq < self.head
+        if self.closed {
+            return Err(Error::Closed);
+        }
+        if loan.epoch != self.loan_epoch
+            || loan.seq < self.head
             || loan.seq >= self.reserved
             || loan.slot != ring::slot_of(loan.seq, self.shared.layout.slot_count)
         {
@@ -895,6 +903,7 @@ impl<B: ProducerBackend> Producer<B> {
     /// again.
     pub fn cancel_ahead(&mut self) {
         self.reserved = self.head;
+        self.loan_epoch += 1;
     }
 
     /// The producer-lead bound it was configured with (None: the ring's own, its slots).
@@ -956,6 +965,12 @@ impl<B: ProducerBackend> Producer<B> {
     pub fn resume(&mut self, loan: SlotLoan) -> Result<Slot<'_, B>, Error> {
         if self.closed {
             return Err(Error::Closed);
+        }
+        if loan.epoch != self.loan_epoch {
+            return Err(Error::InvalidArgument(format!(
+                "slot loan for batch {} was cancelled (cancel_ahead)",
+                loan.seq
+            )));
         }
         if loan.seq != self.head
             || loan.slot != ring::slot_of(self.head, self.shared.layout.slot_count)
@@ -1215,6 +1230,7 @@ impl<B: ProducerBackend> Drop for Producer<B> {
 pub struct SlotLoan {
     seq: u64,
     slot: u32,
+    epoch: u64,
 }
 
 impl SlotLoan {
@@ -1260,6 +1276,7 @@ impl<'p, B: ProducerBackend> Slot<'p, B> {
         SlotLoan {
             seq: self.seq,
             slot: self.slot,
+            epoch: self.producer.loan_epoch,
         }
     }
 

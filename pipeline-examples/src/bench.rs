@@ -176,6 +176,8 @@ fn measure_depth(args: &BenchArgs, cmd: &BenchCmd) -> Result<DepthChoice, String
     let mut trials = Vec::new();
     for &d in &depths {
         trial.slots = d;
+        // The lead bound the run will have at this depth (--max-lead auto depends on it).
+        trial.max_lead = cmd.ring.lead(true, d)?.max_lead;
         let r = run::<CudaProducer, _>(&trial, options, &mut cuda_work::CudaFill::default())?;
         if !r.problems.is_empty() {
             return Err(format!(
