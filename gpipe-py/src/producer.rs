@@ -129,6 +129,7 @@ pub struct PyProducer {
     slot_bytes: u64,
     device: DLDevice,
     max_lead: Option<u32>,
+    slots_auto: Option<String>,
 }
 
 fn parse_mode(mode: &str) -> PyResult<Mode> {
@@ -138,12 +139,12 @@ fn parse_mode(mode: &str) -> PyResult<Mode> {
 #[pymethods]
 impl PyProducer {
     #[new]
-    #[pyo3(signature = (socket, *, slots=8, batch_bytes=8 << 20, mode="broadcast", backend="auto", device=0, detach_after_ms=None, max_consumers=16, drain_timeout=5.0, sync="auto", max_lead=None))]
+    #[pyo3(signature = (socket, *, slots=None, batch_bytes=8 << 20, mode="broadcast", backend="auto", device=0, detach_after_ms=None, max_consumers=16, drain_timeout=5.0, sync="auto", max_lead=None, depth_budget=2 << 30))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         socket: PathBuf,
-        slots: u32,
+        slots: Option<Bound<'_, PyAny>>,
         batch_bytes: u64,
         mode: &str,
         backend: &str,
@@ -153,7 +154,23 @@ impl PyProducer {
         drain_timeout: f64,
         sync: &str,
         max_lead: Option<Bound<'_, PyAny>>,
+        depth_budget: u64,
     ) -> PyResult<Self> {
+        // None: 8; Some(None): "auto", resolved once the backend is known.
+        let slots_arg: Option<u32> = match &slots {
+            None => Some(8),
+            Some(v) => match v.extract::<String>() {
+                Ok(s) if s == "auto" => None,
+                Ok(s) => {
+                    return Err(PyValueError::new_err(format!(
+                        "slots must be a number or \"auto\" (8 with MPS; without it the deepest ring within depth_budget), not {s:?}"
+                    )));
+                }
+                // A number; the ring's layout checks its range (0 is refused there).
+                Err(_) => Some(v.extract::<u32>()?),
+            },
+        };
+        let mut slots = slots_arg.unwrap_or(8);
         // None: the ring's own bound; Some(None): "auto", resolved once the backend is known.
         let lead_err = || {
             PyValueError::new_err(
@@ -224,6 +241,29 @@ impl PyProducer {
                 )));
             }
         };
+        let mut slots_auto = None;
+        if slots_arg.is_none() {
+            let (n, why) = if cuda.is_none() {
+                (8, "the host backend".to_string())
+            } else if pipeline_cuda::probe::probe().is_ok_and(|r| r.mps_active()) {
+                (8, "MPS is running".to_string())
+            } else {
+                (
+                    pipeline_cuda::probe::rule_depth(false, batch_bytes, depth_budget),
+                    format!(
+                        "MPS is not running: the deepest ring within depth_budget ({} MiB)",
+                        depth_budget >> 20
+                    ),
+                )
+            };
+            slots = n;
+            config.slots = n;
+            config
+                .layout()
+                .validate()
+                .map_err(|e| PyValueError::new_err(e.to_string()))?;
+            slots_auto = Some(format!("{n} slots: {why}"));
+        }
         if max_lead == Some(None) && cuda.is_some() {
             // auto on a GPU: as many batches as fit in its L2 (pipeline_cuda::probe::l2_max_lead).
             let (lead, _l2) =
@@ -275,6 +315,7 @@ impl PyProducer {
             slot_bytes: layout.slot_bytes,
             device: dl,
             max_lead: resolved_lead,
+            slots_auto,
         })
     }
 
@@ -403,6 +444,12 @@ impl PyProducer {
     #[getter]
     fn max_lead(&self) -> Option<u32> {
         self.max_lead
+    }
+
+    /// With slots="auto": the depth chosen and why (None otherwise).
+    #[getter]
+    fn slots_auto(&self) -> Option<String> {
+        self.slots_auto.clone()
     }
 
     /// True after close().

@@ -132,3 +132,15 @@ while True:
     assert "error" in result and "upstream" in str(result["error"]), result
     # What arrived came in order, every batch from the first the forwarder took.
     assert got == list(range(got[0], got[0] + len(got)))
+
+
+def test_slots_auto_on_the_host_is_eight_and_says_why(sock):
+    with gpipe.Producer(sock, slots="auto", batch_bytes=1 << 20, backend="host") as p:
+        assert p.slots == 8
+        assert p.slots_auto == "8 slots: the host backend"
+    with gpipe.Producer(sock + "2", slots=4, batch_bytes=1 << 20, backend="host") as p:
+        assert p.slots == 4 and p.slots_auto is None
+    with pytest.raises(ValueError, match="slots must be"):
+        gpipe.Producer(sock, slots="deep", backend="host")
+    with pytest.raises(ValueError, match="slot count"):
+        gpipe.Producer(sock, slots=0, backend="host")

@@ -466,6 +466,36 @@ pub fn auto_max_lead(
     Ok((l2_max_lead(l2, slot, slots), l2))
 }
 
+/// The ring depths `slots = "auto"` considers without MPS (with MPS it is 8).
+pub const AUTO_DEPTHS: [u32; 4] = [8, 16, 32, 64];
+
+/// The depths of [`AUTO_DEPTHS`] whose slots (of `batch_bytes`, rounded as the ring rounds
+/// them) fit `budget` bytes; 8 alone when none does.
+pub fn depths_within(batch_bytes: u64, budget: u64) -> Vec<u32> {
+    let slot = pipeline_core::round_slot_bytes(batch_bytes);
+    let fit: Vec<u32> = AUTO_DEPTHS
+        .iter()
+        .copied()
+        .filter(|&d| u64::from(d) * slot <= budget)
+        .collect();
+    if fit.is_empty() { vec![8] } else { fit }
+}
+
+/// The depth `slots = "auto"` takes without a measurement: 8 with MPS running (handovers
+/// are cheap); without it, where the GPU time-slices between the processes and a deeper ring
+/// lets each do more per slice, the deepest of [`depths_within`] the budget. Measured on an
+/// H100 (docs/benchmarks.md): without MPS a 2 MiB ring moved 2.4x more at 64 slots than at 8,
+/// and a 64 MiB one 1.4x more at 32, but less at 64 (4 GiB), hence a budget.
+pub fn rule_depth(mps: bool, batch_bytes: u64, budget: u64) -> u32 {
+    if mps {
+        return 8;
+    }
+    depths_within(batch_bytes, budget)
+        .last()
+        .copied()
+        .unwrap_or(8)
+}
+
 /// Probes the driver and every visible device. Returns [`CudaError::NoDriver`] (never panics)
 /// when `libcuda` cannot be loaded.
 pub fn probe() -> Result<ProbeReport, CudaError> {

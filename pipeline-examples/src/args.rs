@@ -126,24 +126,7 @@ fn parse_slots(s: &str) -> Result<SlotsArg, String> {
     }
 }
 
-/// The depths `--slots auto` considers without MPS (with MPS, and on the host, it is 8).
-pub const AUTO_DEPTHS: [u32; 4] = [8, 16, 32, 64];
-
-/// Slot sizes are rounded up to 2 MiB.
-fn slot_size(batch_bytes: u64) -> u64 {
-    batch_bytes.div_ceil(2 << 20).max(1) * (2 << 20)
-}
-
-/// The depths of [`AUTO_DEPTHS`] whose slots fit `budget` (always at least 8).
-pub fn depths_within(batch_bytes: u64, budget: u64) -> Vec<u32> {
-    let slot = slot_size(batch_bytes);
-    let fit: Vec<u32> = AUTO_DEPTHS
-        .iter()
-        .copied()
-        .filter(|&d| u64::from(d) * slot <= budget)
-        .collect();
-    if fit.is_empty() { vec![8] } else { fit }
-}
+pub use pipeline_cuda::probe::depths_within;
 
 /// How `--slots` was resolved.
 #[derive(Clone, Debug, Default, serde::Serialize)]
@@ -212,9 +195,11 @@ impl RingArgs {
                 } else if mps {
                     (8, "MPS is running".to_string())
                 } else {
-                    let d = *depths_within(self.batch_bytes, self.depth_budget)
-                        .last()
-                        .unwrap_or(&8);
+                    let d = pipeline_cuda::probe::rule_depth(
+                        false,
+                        self.batch_bytes,
+                        self.depth_budget,
+                    );
                     (
                         d,
                         format!(

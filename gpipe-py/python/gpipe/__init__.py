@@ -138,7 +138,9 @@ class Producer(_gpipe.Producer):
     """The producing side of a ring.
 
     ``Producer(socket, *, slots=8, batch_bytes=8 MiB, mode="broadcast", backend="auto",
-    device=0, detach_after_ms=None, max_consumers=16, drain_timeout=5.0)``
+    device=0, detach_after_ms=None, max_consumers=16, drain_timeout=5.0, sync="auto",
+    max_lead=None, depth_budget=2 GiB)``; ``slots="auto"`` picks the depth (see
+    ``slots_auto``).
     """
 
     def send(

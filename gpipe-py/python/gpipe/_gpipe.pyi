@@ -265,11 +265,15 @@ class Producer:
     """Consumers attached now."""
     next_seq: int
     closed: bool
+    max_lead: Optional[int]
+    """The producer-lead bound in batches (None: the ring's own); "auto" resolved."""
+    slots_auto: Optional[str]
+    """With slots="auto": the depth chosen and why; None otherwise."""
     def __init__(
         self,
         socket: str,
         *,
-        slots: int = 8,
+        slots: Union[int, str, None] = 8,
         batch_bytes: int = 8 << 20,
         mode: str = "broadcast",
         backend: str = "auto",
@@ -279,6 +283,7 @@ class Producer:
         drain_timeout: float = 5.0,
         sync: str = "auto",
         max_lead: Union[int, str, None] = None,
+        depth_budget: int = 2 << 30,
     ) -> None:
         """Creates the ring and listens on `socket` (mode 0600). detach_after_ms: detach a
         consumer that holds a slot the producer needs for longer than this (default: wait
@@ -287,7 +292,10 @@ class Producer:
         producer dies; "events" = IPC events. max_lead: write a batch only once the batch
         this many back was consumed by everyone who got it (default: the ring's own bound,
         slots); below slots it keeps the data in flight small enough for a GPU's L2 cache;
-        "auto" derives it from the GPU's L2 size and batch_bytes (host rings: None)."""
+        "auto" derives it from the GPU's L2 size and batch_bytes (host rings: None).
+        slots="auto": 8 with MPS running (and on the host); without MPS, where the GPU
+        time-slices between processes and a deeper ring moves more, the deepest of 8, 16, 32
+        and 64 whose slots fit depth_budget bytes (`slots_auto` says which and why)."""
     def acquire(self, timeout: Optional[float] = None, stream: Any = None) -> Slot:
         """The next slot, once every consumer that had its previous batch released it.
         One slot at a time. On CUDA, `stream` (default: torch's current stream, else the
