@@ -725,6 +725,19 @@ mod tests {
         assert_eq!(l2_max_lead(l2, 0, 8), None);
     }
 
+    #[test]
+    fn auto_depth_is_eight_with_mps_else_the_deepest_within_the_budget() {
+        let mib = 1u64 << 20;
+        assert_eq!(rule_depth(true, 2 * mib, 2 << 30), 8);
+        assert_eq!(rule_depth(false, 2 * mib, 2 << 30), 64);
+        assert_eq!(rule_depth(false, 64 * mib, 2 << 30), 32);
+        assert_eq!(rule_depth(false, 256 * mib, 2 << 30), 8);
+        // Nothing fits the budget: the ring's usual 8.
+        assert_eq!(rule_depth(false, 1 << 30, 1 << 30), 8);
+        // Slots are rounded up to 2 MiB: 3 MiB batches take 4 MiB each.
+        assert_eq!(depths_within(3 * mib, 64 * mib), vec![8, 16]);
+    }
+
     use super::*;
 
     fn h100() -> Capabilities {
