@@ -126,8 +126,8 @@ impl Timelines {
         let map = MmapOptions::new().len(bytes as usize).map_raw(&fd)?;
         // SAFETY: the mapping is page-aligned, `bytes` long (a page multiple), and owned by
         // this struct, whose field order drops the registration before the mapping.
-        let reg =
-            unsafe { HostRegistration::new(ctx, map.as_mut_ptr(), bytes as usize) }.map_err(be)?;
+        let registered = unsafe { HostRegistration::new(ctx, map.as_mut_ptr(), bytes as usize) };
+        let reg = registered.map_err(be)?;
         Ok(Self {
             reg,
             map,

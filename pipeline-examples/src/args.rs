@@ -176,7 +176,7 @@ pub struct LeadChoice {
 
 impl RingArgs {
     /// The slot count, `auto` resolved by rule (no measurement): 8 on the host backend or
-    /// with MPS running; without MPS the deepest of [`AUTO_DEPTHS`] within --depth-budget,
+    /// with MPS running; without MPS the deepest of [`pipeline_cuda::probe::AUTO_DEPTHS`] within --depth-budget,
     /// because time-slicing between processes hands the GPU over in slices of a few
     /// milliseconds and a deeper ring lets each process do more per slice (docs/benchmarks.md).
     pub fn depth(&self, cuda: bool) -> DepthChoice {

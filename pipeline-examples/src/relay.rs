@@ -129,6 +129,15 @@ impl Common {
     fn secret(&self) -> Result<SharedSecret, String> {
         SharedSecret::from_file(&self.secret_file).map_err(|e| e.to_string())
     }
+
+    /// The relay options both sides take from the command line.
+    fn options(&self) -> RelayOptions {
+        RelayOptions {
+            connect_timeout: self.connect_timeout,
+            device: self.device,
+            ..RelayOptions::default()
+        }
+    }
 }
 
 fn endpoint(s: &str) -> Result<Endpoint, String> {
@@ -144,11 +153,7 @@ pub fn command(cmd: RelayCmd) -> Result<ExitCode, String> {
             common,
         } => {
             let secret = common.secret()?;
-            let opts = RelayOptions {
-                connect_timeout: common.connect_timeout,
-                device: common.device,
-                ..RelayOptions::default()
-            };
+            let opts = common.options();
             eprintln!(
                 "gpipe relay: sending the ring at {} to the receiver that connects to {listen}",
                 socket.display()
@@ -166,11 +171,9 @@ pub fn command(cmd: RelayCmd) -> Result<ExitCode, String> {
         } => {
             let secret = common.secret()?;
             let opts = RelayOptions {
-                connect_timeout: common.connect_timeout,
-                device: common.device,
                 rejoin,
                 slots,
-                ..RelayOptions::default()
+                ..common.options()
             };
             let config = ProducerConfig {
                 lag: detach_after_ms

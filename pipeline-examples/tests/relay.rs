@@ -127,16 +127,12 @@ fn end_to_end(
             env,
         );
         let send = r.sender(&procs, &[], env);
-        let recv = r.receiver(
-            &procs,
-            &["--device", "1"][..if backend == "cuda" { 2 } else { 0 }],
-            env,
-        );
+        let recv = r.receiver(&procs, far_device(backend), env);
         let far = consumer_with(
             &procs,
             &r.b,
             &r.dir.join("far.seq"),
-            &["--device", "1"][..if backend == "cuda" { 2 } else { 0 }],
+            far_device(backend),
             env,
         );
         wait_until(Duration::from_secs(30), "batches at the far ring", || {
@@ -170,14 +166,35 @@ fn end_to_end(
     });
 }
 
-/// Kill the receiver: the sender ends with an error naming the receiver within seconds, and
-/// ring A goes on for its other consumer.
-fn receiver_killed(backend: &'static str, env: &'static [(&'static str, &'static str)]) {
-    let dev: &'static [&'static str] = if backend == "cuda" {
+/// The device arguments of the far side (GPU 1 on the CUDA backend).
+fn far_device(backend: &str) -> &'static [&'static str] {
+    if backend == "cuda" {
         &["--device", "1"]
     } else {
         &[]
-    };
+    }
+}
+
+/// Ring `a` goes on for its `other` consumer (logging to `log`) after a fault elsewhere; then
+/// its producer `p` closes it cleanly and the other consumer ends cleanly with every batch in
+/// order. Returns the other consumer's exit.
+fn ring_goes_on(p: std::process::Child, other: std::process::Child, a: &Path, log: &Path) -> Exit {
+    let h = head(a);
+    wait_until(Duration::from_secs(10), "ring A to go on", || {
+        head(a) > h + 200
+    });
+    signal(p.id(), libc::SIGINT);
+    assert_eq!(finish(p, Duration::from_secs(20)).code, Some(0));
+    let oe = finish(other, Duration::from_secs(20));
+    assert_eq!(oe.code, Some(0), "{}", oe.stderr);
+    assert_contiguous(&seqs(log), "the other consumer");
+    oe
+}
+
+/// Kill the receiver: the sender ends with an error naming the receiver within seconds, and
+/// ring A goes on for its other consumer.
+fn receiver_killed(backend: &'static str, env: &'static [(&'static str, &'static str)]) {
+    let dev = far_device(backend);
     // The receiver dies.
     watchdog(120, move |procs| {
         let r = Relay::new(&format!("relay-kr-{backend}"));
@@ -204,16 +221,8 @@ fn receiver_killed(backend: &'static str, env: &'static [(&'static str, &'static
             se.stderr
         );
         // Ring A goes on for its other consumer.
-        let h = head(&r.a);
-        wait_until(Duration::from_secs(10), "ring A to go on", || {
-            head(&r.a) > h + 200
-        });
-        signal(p.id(), libc::SIGINT);
-        assert_eq!(finish(p, Duration::from_secs(20)).code, Some(0));
-        let oe = finish(other, Duration::from_secs(20));
-        assert_eq!(oe.code, Some(0), "{}", oe.stderr);
+        let oe = ring_goes_on(p, other, &r.a, &r.dir.join("other.seq"));
         assert_eq!(report(&oe)["mismatches"], 0);
-        assert_contiguous(&seqs(&r.dir.join("other.seq")), "the other consumer");
         let _ = std::fs::remove_dir_all(&r.dir);
     });
 }
@@ -221,11 +230,7 @@ fn receiver_killed(backend: &'static str, env: &'static [(&'static str, &'static
 /// The sender dies: a receiver with --rejoin keeps its ring and takes a restarted sender; its
 /// consumer goes on and every batch it gets verifies.
 fn sender_killed_and_rejoined(backend: &'static str, env: &'static [(&'static str, &'static str)]) {
-    let dev: &'static [&'static str] = if backend == "cuda" {
-        &["--device", "1"]
-    } else {
-        &[]
-    };
+    let dev = far_device(backend);
     watchdog(150, move |procs| {
         let r = Relay::new(&format!("relay-ks-{backend}"));
         let p = producer_on_env(&procs, &r.a, backend, &["--rate", "1000"], env);
@@ -461,15 +466,7 @@ fn chain(backend: &'static str, dev: &'static [&'static str]) {
             "took {:?}",
             t.elapsed()
         );
-        let h = head(&a);
-        wait_until(Duration::from_secs(10), "ring A to go on", || {
-            head(&a) > h + 200
-        });
-        signal(p.id(), libc::SIGINT);
-        assert_eq!(finish(p, Duration::from_secs(20)).code, Some(0));
-        let oe = finish(other, Duration::from_secs(20));
-        assert_eq!(oe.code, Some(0), "{}", oe.stderr);
-        assert_contiguous(&seqs(&dir.join("other.seq")), "the other consumer");
+        ring_goes_on(p, other, &a, &dir.join("other.seq"));
         let _ = std::fs::remove_dir_all(&dir);
     });
 }

@@ -629,6 +629,13 @@ pub fn run_receiver(
     };
     let first = (payload, session);
     let ring = (backend, mode);
+    let to = Rejoin {
+        connect,
+        secret,
+        opts,
+        stop,
+        ring,
+    };
     match backend {
         BackendKind::Cuda => {
             let (lib, _) = nccl::load()
@@ -640,13 +647,6 @@ pub fn run_receiver(
             };
             let producer: Producer<CudaProducer> =
                 Producer::bind(downstream, config, options).map_err(err)?;
-            let to = Rejoin {
-                connect,
-                secret,
-                opts,
-                stop,
-                ring,
-            };
             serve(
                 producer,
                 first,
@@ -660,13 +660,6 @@ pub fn run_receiver(
         BackendKind::Host => {
             let producer: Producer<HostProducer> =
                 Producer::bind(downstream, config, HostOptions::default()).map_err(err)?;
-            let to = Rejoin {
-                connect,
-                secret,
-                opts,
-                stop,
-                ring,
-            };
             serve(
                 producer,
                 first,
@@ -927,6 +920,28 @@ impl Receives {
     }
 }
 
+/// Publishes a batch whose receive completed (into the slot of `loan`, the next to publish)
+/// and counts it; the clock runs from `started`.
+fn publish_received(
+    producer: &mut Producer<CudaProducer>,
+    meta: BatchMeta,
+    loan: pipeline_core::SlotLoan,
+    started: Option<Instant>,
+    report: &mut RelayReport,
+) -> Result<(), RelayError> {
+    producer
+        .resume(loan)
+        .map_err(err)?
+        .publish_with(meta.len, &meta.header, &meta.tensors)
+        .map_err(err)?;
+    report.batches += 1;
+    report.bytes += meta.len;
+    if let Some(t) = started {
+        report.elapsed_s = t.elapsed().as_secs_f64();
+    }
+    Ok(())
+}
+
 /// NCCL connects two ranks lazily, at their first send/recv, which would make the first batch
 /// pay for setting up the link (and a run's first figures look slower than the link). The
 /// relay makes that connection at setup instead, with one small transfer from the sender
@@ -1048,16 +1063,7 @@ fn recv_loop_cuda(
                 if let Some(why) = watch.nccl_failure() {
                     return Err(RelayError(format!("batch {}: {why}", meta.seq)));
                 }
-                producer
-                    .resume(loan)
-                    .map_err(err)?
-                    .publish_with(meta.len, &meta.header, &meta.tensors)
-                    .map_err(err)?;
-                report.batches += 1;
-                report.bytes += meta.len;
-                if let Some(t) = started {
-                    report.elapsed_s = t.elapsed().as_secs_f64();
-                }
+                publish_received(producer, meta, loan, started, report)?;
             }
             if ended {
                 return Ok(());
@@ -1124,16 +1130,7 @@ fn recv_loop_cuda(
                     let Some((meta, loan, _)) = inflight.pop_front() else {
                         break;
                     };
-                    producer
-                        .resume(loan)
-                        .map_err(err)?
-                        .publish_with(meta.len, &meta.header, &meta.tensors)
-                        .map_err(err)?;
-                    report.batches += 1;
-                    report.bytes += meta.len;
-                    if let Some(t) = started {
-                        report.elapsed_s = t.elapsed().as_secs_f64();
-                    }
+                    publish_received(producer, meta, loan, started, report)?;
                 }
                 let wait = if inflight.is_empty() {
                     opts.tick
