@@ -67,6 +67,11 @@ pub struct BenchCmd {
     /// host backend, --consumer-devices then names groups of consumers, each with its own ring.
     #[arg(long, default_value = "direct")]
     fanout: Fanout,
+    /// Times each consumer reads every batch (the first read verifies it): a stand-in for a
+    /// model that reads its input more than once. One value for all, or one per consumer
+    /// (16,1). The fair ceiling does the same reads.
+    #[arg(long, value_delimiter = ',', default_value = "1", value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    passes: Vec<u32>,
 }
 
 /// Runs `gpipe bench`.
@@ -89,6 +94,7 @@ pub fn command(cmd: BenchCmd) -> Result<ExitCode, String> {
         consumer_devices: cmd.consumer_devices.clone(),
         delivery: cmd.delivery.clone(),
         fanout: cmd.fanout,
+        passes: cmd.passes.clone(),
     };
     if cmd.round_trip && cmd.ring.slots != SlotsArg::Count(1) {
         return Err("--round-trip measures a single-slot round trip: add --slots 1".into());
@@ -97,6 +103,13 @@ pub fn command(cmd: BenchCmd) -> Result<ExitCode, String> {
         return Err(format!(
             "--delivery names {} choices for {}: give one for all, or one per consumer",
             cmd.delivery.len(),
+            duration::plural(u64::from(cmd.consumers), "consumer", "consumers")
+        ));
+    }
+    if cmd.passes.len() != 1 && cmd.passes.len() != cmd.consumers as usize {
+        return Err(format!(
+            "--passes names {} values for {}: give one for all, or one per consumer",
+            cmd.passes.len(),
             duration::plural(u64::from(cmd.consumers), "consumer", "consumers")
         ));
     }
@@ -231,10 +244,11 @@ fn run_cuda(args: &BenchArgs, cuda: &CudaArgs) -> Result<BenchReport, String> {
     let pool = cuda_work::pool_ceiling(bytes, slots, batches)
         .map_err(|e| format!("measuring the pool ceiling: {e}"))?;
     // The fair ceiling: the run's own work per batch (1 fill + N verifies in broadcast with N
-    // consumers, 1 + 1 in shared), on one stream and spread over streams; the better counts.
+    // consumers, 1 + 1 in shared; each consumer's --passes times), on one stream and spread
+    // over streams; the better counts.
     let verifies = match args.mode {
-        Mode::Broadcast => args.consumers.max(1),
-        Mode::Shared => 1,
+        Mode::Broadcast => (0..args.consumers.max(1)).map(|i| args.passes_of(i)).sum(),
+        Mode::Shared => args.passes_of(0),
     };
     let fair_one = cuda_work::fair_ceiling(bytes, slots, batches, verifies, false)
         .map_err(|e| format!("measuring the fair ceiling on one stream: {e}"))?;
@@ -334,9 +348,20 @@ pub struct BenchArgs {
     pub delivery: Vec<Delivery>,
     /// How batches reach the other GPUs.
     pub fanout: Fanout,
+    /// Reads of every batch by each consumer (one entry: all of them).
+    pub passes: Vec<u32>,
 }
 
 impl BenchArgs {
+    /// How many times consumer `i` reads every batch.
+    pub fn passes_of(&self, i: u32) -> u32 {
+        self.passes
+            .get(i as usize)
+            .or(self.passes.first())
+            .copied()
+            .unwrap_or(1)
+    }
+
     /// The rings of the run and which one each consumer reads.
     pub fn plan(&self) -> FanoutPlan {
         let devices = if self.consumer_devices.is_empty() {
@@ -362,6 +387,8 @@ pub struct BenchReport {
     /// The producer-lead bound, when one was set (`--max-lead`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_lead: Option<u32>,
+    /// Reads of every batch by each consumer (`--passes`), one entry per consumer.
+    pub passes: Vec<u32>,
     /// Bytes per batch.
     pub batch_bytes: u64,
     /// Batches published.
@@ -598,6 +625,8 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
             .arg("--bench-child")
             .arg("--seq-log")
             .arg(dir.join(format!("consumer-{i}.seq")))
+            .arg("--passes")
+            .arg(args.passes_of(i).to_string())
             .args(&args.consumer_args)
             .args(
                 device
@@ -798,6 +827,7 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
         consumers: args.consumers,
         slots: args.slots,
         max_lead: args.max_lead,
+        passes: (0..args.consumers).map(|i| args.passes_of(i)).collect(),
         batch_bytes: args.batch_bytes,
         published,
         elapsed_s: elapsed,
@@ -1373,6 +1403,7 @@ mod mps_hint_tests {
             consumers: 1,
             slots: 8,
             max_lead: None,
+            passes: vec![1],
             batch_bytes: 2 << 20,
             published: 2000,
             elapsed_s: 0.1,

@@ -35,6 +35,11 @@ pub struct ConsumeCmd {
     /// Sleep this many microseconds per batch (simulates work).
     #[arg(long, default_value_t = 0)]
     work_us: u64,
+    /// With --verify: read every batch this many times, on the GPU for a CUDA ring (the first
+    /// pass's verdict counts). A stand-in for a model that reads its input more than once, to
+    /// measure what a consumer elsewhere costs one that does real work on each batch.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=10_000), requires = "verify")]
+    passes: u32,
     /// Internal: run as a bench consumer (JSON report on stdout).
     #[arg(long, hide = true)]
     bench_child: bool,
@@ -94,7 +99,12 @@ pub fn command(cmd: ConsumeCmd) -> Result<ExitCode, String> {
                     mirror_buffers: cmd.mirror_buffers,
                 })
                 .map_err(|e| failed(e.to_string()))?;
-            consume(c, &mut work::HostCheck::default(), &opts, None)
+            consume(
+                c,
+                &mut work::HostCheck::with_passes(cmd.passes),
+                &opts,
+                None,
+            )
         }
         BackendKind::Cuda => {
             let c: Consumer<CudaConsumer> = pending
@@ -106,7 +116,12 @@ pub fn command(cmd: ConsumeCmd) -> Result<ExitCode, String> {
                 })
                 .map_err(|e| failed(e.to_string()))?;
             let attach = serde_json::to_value(c.backend().import_timings()).ok();
-            consume(c, &mut cuda_work::CudaCheck::default(), &opts, attach)
+            consume(
+                c,
+                &mut cuda_work::CudaCheck::with_passes(cmd.passes),
+                &opts,
+                attach,
+            )
         }
     }
 }

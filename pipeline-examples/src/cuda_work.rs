@@ -78,6 +78,8 @@ const RESULT_RING: usize = 1024;
 struct VerifyState {
     kernels: Kernels,
     results: DeviceBuffer,
+    /// Where the extra passes write their results, never read.
+    discard: DeviceBuffer,
     host: PinnedBuffer,
     seqs: Vec<u64>,
 }
@@ -90,9 +92,20 @@ pub struct CudaCheck {
     bad: Vec<u64>,
     /// The stamped sequence numbers seen.
     stamps: crate::work::StampCheck,
+    /// Extra verify passes over each batch after the one whose result counts.
+    extra_passes: u32,
 }
 
 impl CudaCheck {
+    /// Reads each batch `passes` times (at least once) on the GPU; the first pass's verdict
+    /// counts, the others stand in for a consumer's further work on the batch.
+    pub fn with_passes(passes: u32) -> Self {
+        Self {
+            extra_passes: passes.saturating_sub(1),
+            ..Self::default()
+        }
+    }
+
     fn drain(&mut self, stream: &Stream) -> Result<(), String> {
         let Some(st) = self.state.as_mut() else {
             return Ok(());
@@ -157,6 +170,7 @@ impl Check<CudaConsumer> for CudaCheck {
             self.state = Some(VerifyState {
                 kernels: Kernels::load(ctx).map_err(|e| e.to_string())?,
                 results,
+                discard: DeviceBuffer::new(ctx, VERIFY_RESULT_BYTES).map_err(|e| e.to_string())?,
                 host: PinnedBuffer::new(ctx, RESULT_RING * VERIFY_RESULT_BYTES)
                     .map_err(|e| e.to_string())?,
                 seqs: Vec::with_capacity(RESULT_RING),
@@ -186,6 +200,20 @@ impl Check<CudaConsumer> for CudaCheck {
                 .verify(view.stream, view.ptr, view.len as usize, stamped, out)
         }
         .map_err(|e| e.to_string())?;
+        for _ in 0..self.extra_passes {
+            // SAFETY: as above; `discard` is a result slot of ours that nothing reads, so
+            // concurrent passes adding to it are harmless.
+            unsafe {
+                st.kernels.verify(
+                    view.stream,
+                    view.ptr,
+                    view.len as usize,
+                    stamped,
+                    st.discard.ptr(),
+                )
+            }
+            .map_err(|e| e.to_string())?;
+        }
         st.seqs.push(batch.seq());
         Ok(())
     }

@@ -59,6 +59,18 @@ impl Fill<pipeline_core::HostProducer> for HostFill {
 pub struct HostCheck {
     bad: Vec<u64>,
     stamps: StampCheck,
+    /// Extra reads of each batch after the verifying one (`gpipe consume --passes`).
+    extra_passes: u32,
+}
+
+impl HostCheck {
+    /// Reads each batch `passes` times (at least once); the first read's verdict counts.
+    pub fn with_passes(passes: u32) -> Self {
+        Self {
+            extra_passes: passes.saturating_sub(1),
+            ..Self::default()
+        }
+    }
 }
 
 /// Checks a batch's stamped sequence number (the header's: the number in the ring whose
@@ -99,6 +111,9 @@ impl Check<pipeline_core::HostConsumer> for HostCheck {
             && pattern::checksum(batch.data()) == h[H_CHECKSUM];
         if !ok {
             self.bad.push(batch.seq());
+        }
+        for _ in 0..self.extra_passes {
+            std::hint::black_box(pattern::checksum(batch.data()));
         }
         Ok(())
     }

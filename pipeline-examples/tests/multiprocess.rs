@@ -760,3 +760,72 @@ fn bench_slots_auto_on_the_host_is_eight_and_says_why() {
         "{err}"
     );
 }
+
+#[test]
+fn consume_passes_reads_each_batch_again_and_still_verifies_every_one() {
+    watchdog(60, |procs| {
+        let dir = tmpdir("passes");
+        let sock = dir.join("ring.sock");
+        let p = producer(
+            &procs,
+            &sock,
+            &["--batches", "200", "--wait-for-consumers", "1"],
+        );
+        let args = [
+            "consume",
+            "--socket",
+            sock.to_str().unwrap(),
+            "--verify",
+            "--passes",
+            "3",
+            "--json",
+        ];
+        let c = spawn(&procs, &args);
+        let e = finish(c, Duration::from_secs(30));
+        assert_eq!(e.code, Some(0), "{}", e.stderr);
+        let r = report(&e);
+        assert_eq!(r["received"], 200, "{r}");
+        assert_eq!(r["verified"], true, "{r}");
+        assert_eq!(r["mismatches"], 0, "{r}");
+        assert_eq!(finish(p, Duration::from_secs(10)).code, Some(0));
+        // More than one pass without --verify is refused before attaching.
+        let refused = spawn(
+            &procs,
+            &[
+                "consume",
+                "--socket",
+                sock.to_str().unwrap(),
+                "--passes",
+                "2",
+            ],
+        );
+        let e = finish(refused, Duration::from_secs(10));
+        assert_eq!(e.code, Some(2), "{}", e.stderr);
+        assert!(e.stderr.contains("--verify"), "{}", e.stderr);
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}
+
+#[test]
+fn bench_passes_per_consumer_are_run_and_recorded() {
+    let r = bench_json(&[
+        "bench",
+        "--json",
+        "--backend",
+        "host",
+        "--consumers",
+        "2",
+        "--passes",
+        "3,1",
+        "--batches",
+        "200",
+        "--batch-bytes",
+        "256KiB",
+    ]);
+    assert_eq!(r["passes"], serde_json::json!([3, 1]), "{r}");
+    assert_eq!(r["mismatches"], 0, "{r}");
+    assert_eq!(r["lost"], 0, "{r}");
+    for c in r["per_consumer"].as_array().unwrap() {
+        assert_eq!(c["received"], 200, "{c}");
+    }
+}

@@ -8,6 +8,8 @@
 #   bash scripts/gpu/multi-gpu.sh suite    # the whole Rust suite + the 2-GPU Python tests
 #   bash scripts/gpu/multi-gpu.sh bench    # the benchmark alone (about 4 minutes)
 #   REPS=5 bash scripts/gpu/multi-gpu.sh bench
+#   bash scripts/gpu/multi-gpu.sh cost     # what a consumer on GPU 1 costs one on GPU 0 that
+#                                          # reads each batch PASSES times (default 16)
 #
 # Every child runs under a hard limit that kills its process group.
 set -u
@@ -34,13 +36,43 @@ if [ "$what" = all ] || [ "$what" = tests ] || [ "$what" = suite ]; then
   echo "pytest rc=$?"; tail -3 "$O/pytest.log"
   [ "$what" = all ] || exit 0
 fi
-echo "== benchmark: one consumer on GPU 1, in place and mirrored, x$REPS interleaved"
 bench() { # tag, then gpipe bench arguments
   local tag=$1; shift
   local line
   line=$(limit 90 gpipe bench --backend cuda --json "$@" 2>>"$O/bench.err" | python3 -c 'import json,sys; print(json.dumps(json.load(sys.stdin)))')
   [ -n "$line" ] && echo "{\"tag\": \"$tag\", \"report\": $line}" >> "$O/bench.jsonl" || echo "FAILED: $tag $*"
 }
+if [ "$what" = cost ]; then
+  # A consumer on GPU 0 that does real work on each batch (PASSES reads), alone and with a
+  # consumer on GPU 1 beside it: a light one reading in place, or one doing the same work on a
+  # mirrored copy. The ring moves at the slower consumer's pace; with GPU 0's the slower, the
+  # rate is GPU 0's consumer's own, and the question is whether GPU 1's costs it anything.
+  P=${PASSES:-16}
+  echo "== cost: GPU 0 consumer with $P passes, alone and beside a GPU 1 consumer, x$REPS interleaved"
+  for rep in $(seq "$REPS"); do
+    for size in 2MiB:20000 64MiB:2000; do
+      b=${size%%:*}; n=${size##*:}
+      bench "cost-alone-$b" --consumers 1 --consumer-devices 0 --passes "$P" --batch-bytes $b --batches $n --slots 8
+      bench "cost-with-gpu1-in-place-1pass-$b" --consumers 2 --consumer-devices 0,1 --delivery in-place --passes "$P",1 --batch-bytes $b --batches $n --slots 8
+      bench "cost-with-gpu1-mirror-${P}pass-$b" --consumers 2 --consumer-devices 0,1 --delivery in-place,mirror --passes "$P","$P" --batch-bytes $b --batches $n --slots 8
+    done
+  done
+  python3 - "$O/bench.jsonl" <<'PY' | tee "$O/cost.txt"
+import json, statistics, sys
+from collections import defaultdict
+rows = defaultdict(list)
+for l in open(sys.argv[1]):
+    r = json.loads(l)
+    if r["tag"].startswith("cost-"):
+        rows[r["tag"]].append(r["report"])
+for tag, rs in sorted(rows.items()):
+    rate = [x["batches_per_s"] for x in rs]
+    bad = sum(x["mismatches"] + x["lost"] for x in rs)
+    print(f"{tag:44} {statistics.median(rate):10.0f} batches/s (runs {[round(v) for v in rate]}), mismatched+lost {bad}")
+PY
+  exit 0
+fi
+echo "== benchmark: one consumer on GPU 1, in place and mirrored, x$REPS interleaved"
 for rep in $(seq "$REPS"); do
   echo "-- repetition $rep of $REPS"
   for size in 2MiB:20000 8MiB:8000 64MiB:3000 256MiB:800; do

@@ -6,6 +6,9 @@
 #   bash scripts/gpu/relay.sh          # tests, then the benchmark
 #   bash scripts/gpu/relay.sh tests    # the tests alone
 #   MPS=both bash scripts/gpu/relay.sh bench   # the benchmark without MPS, then with it
+#   MPS=on SIZES="64MiB:3000" REPS=3 FAR_VERIFY=0 bash scripts/gpu/relay.sh bench
+#     (sizes as SIZE:BATCHES for the default transport; FAR_VERIFY=0: the far consumer
+#     receives and releases without reading, to measure what its verify kernel costs)
 set -u
 O=${OUT:-/tmp/o}; mkdir -p "$O"
 . .gpu/env.sh
@@ -39,7 +42,8 @@ run() { # transport size batches (MPS_NOW: on or off, for the record)
   env "${env[@]}" timeout -k 5 100 setsid gpipe relay send --socket "$d/a.sock" --listen 127.0.0.1:$port --secret-file "$W/secret" --json > "$d/send.json" 2> "$d/send.err" &
   local sp=$!
   for _ in $(seq 200); do [ -S "$d/b.sock" ] && break; sleep 0.1; done
-  timeout -k 5 100 setsid gpipe consume --socket "$d/b.sock" --device 1 --verify --json > "$d/far.json" 2> "$d/far.err" &
+  local far=(--verify); [ "${FAR_VERIFY:-1}" = 0 ] && far=()
+  timeout -k 5 100 setsid gpipe consume --socket "$d/b.sock" --device 1 "${far[@]}" --json > "$d/far.json" 2> "$d/far.err" &
   local fp=$!
   wait $pp $sp $rp $fp
   port=$((port + 1))
@@ -48,14 +52,14 @@ run() { # transport size batches (MPS_NOW: on or off, for the record)
   env "${env[@]}" timeout -k 5 60 setsid gpipe relay nccl-bench --connect 127.0.0.1:$port --secret-file "$W/secret" --device 1 --bytes "$size" --iters "$n" --json > "$d/nccl-recv.json" 2>> "$d/nccl.err"
   wait $np
   python3 - "$tr" "$size" "$d" "$MPS_NOW" >> "$O/relay.jsonl" <<'PY'
-import json, sys
+import json, os, sys
 tr, size, d, mps = sys.argv[1:]
 def last(p):
     try:
         return json.loads([l for l in open(p) if l.strip()][-1])
     except Exception as e:
         return {"error": f"{p}: {e}"}
-print(json.dumps({"transport": tr, "size": size, "mps": mps, "recv": last(f"{d}/recv.json"), "send": last(f"{d}/send.json"),
+print(json.dumps({"transport": tr, "size": size, "mps": mps, "far_verify": os.environ.get("FAR_VERIFY", "1") != "0", "recv": last(f"{d}/recv.json"), "send": last(f"{d}/send.json"),
                   "far": last(f"{d}/far.json"), "nccl": last(f"{d}/nccl-recv.json")}))
 PY
   tail -n 2 "$d"/*.err | grep -iE "error|fail" | head -5
@@ -69,8 +73,8 @@ case "${MPS:-off}" in both) modes="off on";; on) modes=on;; *) modes=off;; esac
 for MPS_NOW in $modes; do
   echo "== benchmark, MPS $MPS_NOW"
   [ "$MPS_NOW" = on ] && mps_on
-  for rep in 1 2; do
-    run default 2MiB 20000; run default 64MiB 3000; run default 256MiB 800
+  for rep in $(seq "${REPS:-2}"); do
+    for sz in ${SIZES:-2MiB:20000 64MiB:3000 256MiB:800}; do run default "${sz%%:*}" "${sz##*:}"; done
     [ "$MPS_NOW" = off ] && { run sockets 2MiB 800; run sockets 64MiB 80; run sockets 256MiB 20; }
   done
   [ "$MPS_NOW" = on ] && mps_off
@@ -80,12 +84,12 @@ import json, sys, statistics
 from collections import defaultdict
 rows = defaultdict(list)
 for l in open(sys.argv[1]):
-    r = json.loads(l); rows[(r["transport"], r.get("mps", "off"), r["size"])].append(r)
-print(f"{'transport':9} {'MPS':3} {'size':7} {'relay GB/s':>11} {'NCCL GB/s':>10} {'ratio':>6}  far consumer (received, mismatches)")
-for (tr, mps, size), rs in sorted(rows.items()):
+    r = json.loads(l); rows[(r["transport"], r.get("mps", "off"), r["size"], r.get("far_verify", True))].append(r)
+print(f"{'transport':9} {'MPS':3} {'size':7} {'far reads':9} {'relay GB/s':>11} {'NCCL GB/s':>10} {'ratio':>6}  far consumer (received, mismatches)")
+for (tr, mps, size, fv), rs in sorted(rows.items()):
     rel = [r["recv"].get("gb_per_s", 0) for r in rs]; nc = [r["nccl"].get("gb_per_s", 0) for r in rs]
     ratios = [a / b if b else 0 for a, b in zip(rel, nc)]
     far = [(r["far"].get("received"), r["far"].get("mismatches")) for r in rs]
-    print(f"{tr:9} {mps:3} {size:7} {statistics.median(rel):11.1f} {statistics.median(nc):10.1f} {statistics.median(ratios):6.2f}  {far}")
+    print(f"{tr:9} {mps:3} {size:7} {'verify' if fv else 'no':9} {statistics.median(rel):11.1f} {statistics.median(nc):10.1f} {statistics.median(ratios):6.2f}  {far}")
 PY
 rm -rf "$W"
