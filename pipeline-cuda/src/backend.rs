@@ -106,6 +106,10 @@ pub struct CudaOptions {
     /// Consumer, mirror delivery: how many batches it may hold at once (buffers of
     /// `slot_bytes` each on its GPU); default: the ring's slot count.
     pub mirror_buffers: Option<u32>,
+    /// Consumer: create its stream with the device's highest priority, so that the blocks of
+    /// its kernels start ahead of other streams' waiting ones. The NCCL relay's sender uses it
+    /// for its sends, which run as SM kernels beside the producer's work.
+    pub high_priority: bool,
 }
 
 impl CudaOptions {
@@ -864,7 +868,12 @@ impl ConsumerBackend for CudaConsumer {
         let on_producer_gpu = device_with_uuid(&header.uuid)? == Some(ordinal);
         let ctx = Context::new(ordinal).map_err(be)?;
         check_capabilities(&ctx, memory, handle)?;
-        let stream = Stream::new(&ctx).map_err(be)?;
+        let stream = if options.high_priority {
+            Stream::new_high_priority(&ctx)
+        } else {
+            Stream::new(&ctx)
+        }
+        .map_err(be)?;
         timings.setup_us = micros(t);
         let scratch = Event::new_plain(&ctx).map_err(be)?;
         let read_only = layout.mode == pipeline_core::Mode::Broadcast
@@ -941,6 +950,7 @@ impl ConsumerBackend for CudaConsumer {
         debug_assert!(len <= self.slot_bytes);
         self.ctx.make_current().map_err(be)?;
         let j = m.copy_in(
+            slot,
             seq,
             self.slots.ptr(slot as usize),
             len,
@@ -1006,13 +1016,17 @@ impl ConsumerBackend for CudaConsumer {
             if m.give_back(seq, &self.stream).map_err(be)? {
                 return Ok(());
             }
-            // A batch refused before its copy: say so on the copy stream, where every one of
-            // this consumer's `finished` words is written, in order, so the word never goes
+            // A batch refused before its copy: say so on the slot's copy stream, where every one of
+            // this slot's `finished` words is written, in order, so the word never goes
             // backwards. No wait for `ready`: we read nothing of the batch, and one that
             // failed would leave the word unwritten and the producer waiting on it.
             // SAFETY: the copy stream is ours; the word is in our registered timelines.
             return unsafe {
-                driver::stream_write_value64(m.stream(), self.timelines.device(0, slot), seq + 1)
+                driver::stream_write_value64(
+                    m.stream(slot),
+                    self.timelines.device(0, slot),
+                    seq + 1,
+                )
             }
             .map_err(be);
         }

@@ -40,11 +40,26 @@ pub fn resolve(delivery: Delivery, on_producer_gpu: bool, slot_bytes: u64) -> bo
     }
 }
 
-/// A consumer's own buffers, its copy stream, per buffer the events that mark its copy done
+/// Copy streams of a mirroring consumer unless `GPIPE_MIRROR_STREAMS` says otherwise (1-8).
+/// Slot k's batches are copied on stream k mod n, so one slot's `finished` words are written
+/// in order on one stream, while consecutive batches' copies overlap each other's ordering
+/// work (the ready wait, the event, the `finished` write).
+pub const DEFAULT_MIRROR_STREAMS: usize = 1;
+
+/// The number of copy streams: `GPIPE_MIRROR_STREAMS` if set to 1-8, else the default.
+fn copy_streams() -> usize {
+    std::env::var("GPIPE_MIRROR_STREAMS")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|n| (1..=8).contains(n))
+        .unwrap_or(DEFAULT_MIRROR_STREAMS)
+}
+
+/// A consumer's own buffers, its copy streams, per buffer the events that mark its copy done
 /// and its last user's work done, and which batch each buffer holds.
 pub(crate) struct Mirror {
     buffers: Vec<DeviceBuffer>,
-    copy: Stream,
+    copy: Vec<Stream>,
     copied: Vec<Event>,
     freed: Vec<Event>,
     /// Per buffer: `freed` was recorded (the buffer held a batch before).
@@ -76,7 +91,10 @@ impl Mirror {
         }
         Ok(Mirror {
             buffers,
-            copy: Stream::new(ctx).map_err(be)?,
+            copy: (0..copy_streams())
+                .map(|_| Stream::new(ctx))
+                .collect::<Result<_, _>>()
+                .map_err(be)?,
             copied,
             freed,
             used: (0..count).map(|_| AtomicBool::new(false)).collect(),
@@ -85,9 +103,10 @@ impl Mirror {
         })
     }
 
-    /// The copy stream (copies and the `finished` writes of mirrored batches run on it).
-    pub(crate) fn stream(&self) -> &Stream {
-        &self.copy
+    /// The copy stream of slot `slot`'s batches (their copies and `finished` writes run on
+    /// it, always the same one for a slot).
+    pub(crate) fn stream(&self, slot: u32) -> &Stream {
+        &self.copy[slot as usize % self.copy.len()]
     }
 
     /// The number of buffers.
@@ -133,12 +152,13 @@ impl Mirror {
         r.map(|()| true)
     }
 
-    /// For batch `seq` in the producer's slot at `src` (`len` bytes): takes a free buffer and
-    /// enqueues on the copy stream, after `wait_ready` (which makes a stream wait for the
+    /// For batch `seq` in the producer's slot `slot` at `src` (`len` bytes): takes a free
+    /// buffer and enqueues on the slot's copy stream, after `wait_ready` (which makes a stream wait for the
     /// batch's `ready`) and the buffer's last release, the copy, the `copied` event and then
     /// `finished` (`write_finished`). On failure the buffer is free again.
     pub(crate) fn copy_in(
         &self,
+        slot: u32,
         seq: u64,
         src: CUdeviceptr,
         len: u64,
@@ -153,7 +173,7 @@ impl Mirror {
             )
         })?;
         self.next.store((j + 1) % self.len(), Ordering::Relaxed);
-        let s = &self.copy;
+        let s = self.stream(slot);
         let r = (|| {
             wait_ready(s)?;
             // The buffer's last users are usually long done: wait only when they are not.

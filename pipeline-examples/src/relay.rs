@@ -123,6 +123,17 @@ struct Common {
     /// Print the final report as JSON.
     #[arg(long)]
     json: bool,
+    /// Priority of the streams the NCCL transfers run on: high lets their blocks start ahead
+    /// of the work beside them on the same GPU (a producer, consumers).
+    #[arg(long, value_enum, default_value = "high")]
+    stream_priority: StreamPriority,
+}
+
+/// `--stream-priority`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum StreamPriority {
+    High,
+    Normal,
 }
 
 impl Common {
@@ -135,6 +146,7 @@ impl Common {
         RelayOptions {
             connect_timeout: self.connect_timeout,
             device: self.device,
+            high_priority: self.stream_priority == StreamPriority::High,
             ..RelayOptions::default()
         }
     }

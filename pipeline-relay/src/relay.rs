@@ -69,6 +69,10 @@ pub struct RelayOptions {
     pub rejoin: bool,
     /// Receiver: slots of its ring (default: the sender's ring's).
     pub slots: Option<u32>,
+    /// CUDA: run the NCCL transfers on streams of the device's highest priority, so that
+    /// their blocks start ahead of waiting blocks of the work beside them (the producer's on
+    /// the sending GPU, the consumers' on the receiving one). Default: on.
+    pub high_priority: bool,
 }
 
 impl Default for RelayOptions {
@@ -79,6 +83,7 @@ impl Default for RelayOptions {
             device: None,
             rejoin: false,
             slots: None,
+            high_priority: true,
         }
     }
 }
@@ -470,6 +475,7 @@ pub fn run_sender(
                 .finish(CudaOptions {
                     device: opts.device,
                     delivery: pipeline_core::Delivery::InPlace,
+                    high_priority: opts.high_priority,
                     ..CudaOptions::default()
                 })
                 .map_err(err)?;
@@ -907,7 +913,7 @@ struct Receives {
 const RECEIVES: usize = 4;
 
 impl Receives {
-    fn new(producer: &Producer<CudaProducer>) -> Result<Receives, RelayError> {
+    fn new(producer: &Producer<CudaProducer>, high_priority: bool) -> Result<Receives, RelayError> {
         let ctx = producer.backend().context();
         Ok(Receives {
             received: (0..RECEIVES)
@@ -915,7 +921,12 @@ impl Receives {
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(err)?,
             taken: Event::new_plain(ctx).map_err(err)?,
-            stream: Stream::new(ctx).map_err(err)?,
+            stream: if high_priority {
+                Stream::new_high_priority(ctx)
+            } else {
+                Stream::new(ctx)
+            }
+            .map_err(err)?,
         })
     }
 }
@@ -1013,7 +1024,7 @@ fn recv_loop_cuda(
         )));
     }
     // Fresh per session: nothing of a session that ended in an abort is reused.
-    let st = Receives::new(producer)?;
+    let st = Receives::new(producer, opts.high_priority)?;
     let comm = Arc::new(
         Comm::init(producer.backend().context(), &payload.nccl_unique_id, 2, 1).map_err(err)?,
     );

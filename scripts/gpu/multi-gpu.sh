@@ -8,6 +8,7 @@
 #   bash scripts/gpu/multi-gpu.sh suite    # the whole Rust suite + the 2-GPU Python tests
 #   bash scripts/gpu/multi-gpu.sh bench    # the benchmark alone (about 4 minutes)
 #   REPS=5 bash scripts/gpu/multi-gpu.sh bench
+#   bash scripts/gpu/multi-gpu.sh mirror-streams  # a mirror's copies on 1 stream against 2
 #   bash scripts/gpu/multi-gpu.sh cost     # what a consumer on GPU 1 costs one on GPU 0 that
 #                                          # reads each batch PASSES times (default 16)
 #
@@ -28,7 +29,8 @@ if [ "$what" = all ] || [ "$what" = tests ] || [ "$what" = suite ]; then
     echo "suite rc=$?"; grep -E "FAILED|panicked|test executables" "$O/tests.log"; grep -E "^test two_gpu" "$O/tests.log"
   else
     echo "== 2-GPU Rust tests"
-    limit 330 .gpu/tests/multi_gpu --include-ignored --test-threads=1 > "$O/tests.log" 2>&1
+    skip4=(); [ "$(nvidia-smi -L | grep -c "^GPU")" -lt 4 ] && skip4=(--skip four_gpu)
+    limit 330 .gpu/tests/multi_gpu --include-ignored --test-threads=1 "${skip4[@]}" > "$O/tests.log" 2>&1
     echo "multi_gpu tests rc=$?"; grep -E "^test |test result" "$O/tests.log"
   fi
   echo "== 2-GPU Python tests"
@@ -42,6 +44,19 @@ bench() { # tag, then gpipe bench arguments
   line=$(limit 90 gpipe bench --backend cuda --json "$@" 2>>"$O/bench.err" | python3 -c 'import json,sys; print(json.dumps(json.load(sys.stdin)))')
   [ -n "$line" ] && echo "{\"tag\": \"$tag\", \"report\": $line}" >> "$O/bench.jsonl" || echo "FAILED: $tag $*"
 }
+if [ "$what" = mirror-streams ]; then
+  echo "== mirror on GPU 1: copies on 1 and on 2 copy streams (GPIPE_MIRROR_STREAMS), x$REPS interleaved"
+  for rep in $(seq "$REPS"); do
+    for size in 2MiB:20000 64MiB:3000 256MiB:800; do
+      b=${size%%:*}; n=${size##*:}
+      for ns in 1 2; do
+        GPIPE_MIRROR_STREAMS=$ns bench "gpu1-mirror-s$ns-$b" --consumers 1 --consumer-devices 1 --delivery mirror --batch-bytes $b --batches $n --slots 8
+      done
+    done
+  done
+  python3 scripts/gpu/multi_gpu_summary.py "$O/bench.jsonl" | tee "$O/summary.txt"
+  exit 0
+fi
 if [ "$what" = cost ]; then
   # A consumer on GPU 0 that does real work on each batch (PASSES reads), alone and with a
   # consumer on GPU 1 beside it: a light one reading in place, or one doing the same work on a

@@ -8,7 +8,8 @@
 #   MPS=both bash scripts/gpu/relay.sh bench   # the benchmark without MPS, then with it
 #   MPS=on SIZES="64MiB:3000" REPS=3 FAR_VERIFY=0 bash scripts/gpu/relay.sh bench
 #     (sizes as SIZE:BATCHES for the default transport; FAR_VERIFY=0: the far consumer
-#     receives and releases without reading, to measure what its verify kernel costs)
+#     receives and releases without reading, to measure what its verify kernel costs;
+#     PRIORITY=normal: the relay's NCCL streams at normal priority instead of high)
 set -u
 O=${OUT:-/tmp/o}; mkdir -p "$O"
 . .gpu/env.sh
@@ -37,9 +38,9 @@ run() { # transport size batches (MPS_NOW: on or off, for the record)
   env "${env[@]}" timeout -k 5 100 setsid gpipe produce --backend cuda --socket "$d/a.sock" --batch-bytes "$size" --slots 8 --batches "$n" --wait-for-consumers 1 2> "$d/p.err" &
   local pp=$!
   for _ in $(seq 100); do [ -S "$d/a.sock" ] && break; sleep 0.1; done
-  env "${env[@]}" timeout -k 5 100 setsid gpipe relay recv --connect 127.0.0.1:$port --socket "$d/b.sock" --secret-file "$W/secret" --device 1 --json > "$d/recv.json" 2> "$d/recv.err" &
+  env "${env[@]}" timeout -k 5 100 setsid gpipe relay recv --connect 127.0.0.1:$port --socket "$d/b.sock" --secret-file "$W/secret" --device 1 --stream-priority "${PRIORITY:-high}" --json > "$d/recv.json" 2> "$d/recv.err" &
   local rp=$!
-  env "${env[@]}" timeout -k 5 100 setsid gpipe relay send --socket "$d/a.sock" --listen 127.0.0.1:$port --secret-file "$W/secret" --json > "$d/send.json" 2> "$d/send.err" &
+  env "${env[@]}" timeout -k 5 100 setsid gpipe relay send --socket "$d/a.sock" --listen 127.0.0.1:$port --secret-file "$W/secret" --stream-priority "${PRIORITY:-high}" --json > "$d/send.json" 2> "$d/send.err" &
   local sp=$!
   for _ in $(seq 200); do [ -S "$d/b.sock" ] && break; sleep 0.1; done
   local far=(--verify); [ "${FAR_VERIFY:-1}" = 0 ] && far=()
@@ -59,7 +60,7 @@ def last(p):
         return json.loads([l for l in open(p) if l.strip()][-1])
     except Exception as e:
         return {"error": f"{p}: {e}"}
-print(json.dumps({"transport": tr, "size": size, "mps": mps, "far_verify": os.environ.get("FAR_VERIFY", "1") != "0", "recv": last(f"{d}/recv.json"), "send": last(f"{d}/send.json"),
+print(json.dumps({"transport": tr, "size": size, "mps": mps, "far_verify": os.environ.get("FAR_VERIFY", "1") != "0", "priority": os.environ.get("PRIORITY", "high"), "recv": last(f"{d}/recv.json"), "send": last(f"{d}/send.json"),
                   "far": last(f"{d}/far.json"), "nccl": last(f"{d}/nccl-recv.json")}))
 PY
   tail -n 2 "$d"/*.err | grep -iE "error|fail" | head -5
@@ -84,12 +85,12 @@ import json, sys, statistics
 from collections import defaultdict
 rows = defaultdict(list)
 for l in open(sys.argv[1]):
-    r = json.loads(l); rows[(r["transport"], r.get("mps", "off"), r["size"], r.get("far_verify", True))].append(r)
-print(f"{'transport':9} {'MPS':3} {'size':7} {'far reads':9} {'relay GB/s':>11} {'NCCL GB/s':>10} {'ratio':>6}  far consumer (received, mismatches)")
-for (tr, mps, size, fv), rs in sorted(rows.items()):
+    r = json.loads(l); rows[(r["transport"], r.get("mps", "off"), r["size"], r.get("far_verify", True), r.get("priority", "normal"))].append(r)
+print(f"{'transport':9} {'MPS':3} {'size':7} {'far reads':9} {'priority':8} {'relay GB/s':>11} {'NCCL GB/s':>10} {'ratio':>6}  far consumer (received, mismatches)")
+for (tr, mps, size, fv, prio), rs in sorted(rows.items()):
     rel = [r["recv"].get("gb_per_s", 0) for r in rs]; nc = [r["nccl"].get("gb_per_s", 0) for r in rs]
     ratios = [a / b if b else 0 for a, b in zip(rel, nc)]
     far = [(r["far"].get("received"), r["far"].get("mismatches")) for r in rs]
-    print(f"{tr:9} {mps:3} {size:7} {'verify' if fv else 'no':9} {statistics.median(rel):11.1f} {statistics.median(nc):10.1f} {statistics.median(ratios):6.2f}  {far}")
+    print(f"{tr:9} {mps:3} {size:7} {'verify' if fv else 'no':9} {prio:8} {statistics.median(rel):11.1f} {statistics.median(nc):10.1f} {statistics.median(ratios):6.2f}  {far}")
 PY
 rm -rf "$W"

@@ -268,6 +268,29 @@ impl Stream {
         })
     }
 
+    /// Creates a non-blocking stream with the device's highest priority: where blocks of
+    /// several streams wait for the same SMs, the scheduler starts this stream's first. For
+    /// transfers that run SM kernels (NCCL) beside compute that fills the GPU.
+    pub fn new_high_priority(ctx: &Arc<Context>) -> Result<Stream, CudaError> {
+        ctx.make_current()?;
+        let (mut least, mut greatest): (c_int, c_int) = (0, 0);
+        // SAFETY: the context is current; both out-pointers are valid locals.
+        check("cuCtxGetStreamPriorityRange", unsafe {
+            sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest)
+        })?;
+        let mut raw: sys::CUstream = ptr::null_mut();
+        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as c_uint;
+        // SAFETY: the context is current; the out-pointer is a valid local; `greatest` is a
+        // priority the driver just reported for this context.
+        check("cuStreamCreateWithPriority", unsafe {
+            sys::cuStreamCreateWithPriority(&mut raw, flags, greatest)
+        })?;
+        Ok(Stream {
+            raw,
+            ctx: Arc::clone(ctx),
+        })
+    }
+
     /// The raw stream handle.
     pub fn raw(&self) -> CUstream {
         self.raw
