@@ -124,8 +124,9 @@ struct Common {
     #[arg(long)]
     json: bool,
     /// Priority of the streams the NCCL transfers run on: high lets their blocks start ahead
-    /// of the work beside them on the same GPU (a producer, consumers).
-    #[arg(long, value_enum, default_value = "high")]
+    /// of the work beside them on the same GPU (a producer, consumers). Measured on 2×H200
+    /// with MPS: no difference (docs/relay.md).
+    #[arg(long, value_enum, default_value = "normal")]
     stream_priority: StreamPriority,
 }
 

@@ -9,7 +9,7 @@
 #   MPS=on SIZES="64MiB:3000" REPS=3 FAR_VERIFY=0 bash scripts/gpu/relay.sh bench
 #     (sizes as SIZE:BATCHES for the default transport; FAR_VERIFY=0: the far consumer
 #     receives and releases without reading, to measure what its verify kernel costs;
-#     PRIORITY=normal: the relay's NCCL streams at normal priority instead of high)
+#     PRIORITY=high: the relay's NCCL streams at high priority instead of normal)
 set -u
 O=${OUT:-/tmp/o}; mkdir -p "$O"
 . .gpu/env.sh
@@ -38,9 +38,9 @@ run() { # transport size batches (MPS_NOW: on or off, for the record)
   env "${env[@]}" timeout -k 5 100 setsid gpipe produce --backend cuda --socket "$d/a.sock" --batch-bytes "$size" --slots 8 --batches "$n" --wait-for-consumers 1 2> "$d/p.err" &
   local pp=$!
   for _ in $(seq 100); do [ -S "$d/a.sock" ] && break; sleep 0.1; done
-  env "${env[@]}" timeout -k 5 100 setsid gpipe relay recv --connect 127.0.0.1:$port --socket "$d/b.sock" --secret-file "$W/secret" --device 1 --stream-priority "${PRIORITY:-high}" --json > "$d/recv.json" 2> "$d/recv.err" &
+  env "${env[@]}" timeout -k 5 100 setsid gpipe relay recv --connect 127.0.0.1:$port --socket "$d/b.sock" --secret-file "$W/secret" --device 1 --stream-priority "${PRIORITY:-normal}" --json > "$d/recv.json" 2> "$d/recv.err" &
   local rp=$!
-  env "${env[@]}" timeout -k 5 100 setsid gpipe relay send --socket "$d/a.sock" --listen 127.0.0.1:$port --secret-file "$W/secret" --stream-priority "${PRIORITY:-high}" --json > "$d/send.json" 2> "$d/send.err" &
+  env "${env[@]}" timeout -k 5 100 setsid gpipe relay send --socket "$d/a.sock" --listen 127.0.0.1:$port --secret-file "$W/secret" --stream-priority "${PRIORITY:-normal}" --json > "$d/send.json" 2> "$d/send.err" &
   local sp=$!
   for _ in $(seq 200); do [ -S "$d/b.sock" ] && break; sleep 0.1; done
   local far=(--verify); [ "${FAR_VERIFY:-1}" = 0 ] && far=()
@@ -60,7 +60,7 @@ def last(p):
         return json.loads([l for l in open(p) if l.strip()][-1])
     except Exception as e:
         return {"error": f"{p}: {e}"}
-print(json.dumps({"transport": tr, "size": size, "mps": mps, "far_verify": os.environ.get("FAR_VERIFY", "1") != "0", "priority": os.environ.get("PRIORITY", "high"), "recv": last(f"{d}/recv.json"), "send": last(f"{d}/send.json"),
+print(json.dumps({"transport": tr, "size": size, "mps": mps, "far_verify": os.environ.get("FAR_VERIFY", "1") != "0", "priority": os.environ.get("PRIORITY", "normal"), "recv": last(f"{d}/recv.json"), "send": last(f"{d}/send.json"),
                   "far": last(f"{d}/far.json"), "nccl": last(f"{d}/nccl-recv.json")}))
 PY
   tail -n 2 "$d"/*.err | grep -iE "error|fail" | head -5
