@@ -178,8 +178,7 @@ impl PyConsumer {
                             // Another GPU than the producer's reads the slots in place by
                             // peer access (the attach fails, naming both, where it cannot).
                             device: device.flatten(),
-                            // Auto: in place on the producer's GPU; on another, mirrored
-                            // for slots of 64 MiB or more.
+                            // Auto: in place on the producer's GPU, mirrored on another.
                             delivery,
                             mirror_buffers,
                             ..CudaOptions::default()

@@ -219,8 +219,8 @@ def test_a_consumer_on_another_gpu_reads_every_batch(sock, child, mode, delivery
     r = result(k)
     assert r["bad"] == 0 and r["seqs"] == list(range(200)), r
     assert r["devices"] == ["cuda:1"] and r["device"] == "cuda:1", r
-    # auto reads 2 MiB slots in place on another GPU (it mirrors 64 MiB and more).
-    assert r["delivery"] == ("in-place" if delivery == "auto" else delivery), r
+    # auto mirrors on another GPU.
+    assert r["delivery"] == ("mirror" if delivery == "auto" else delivery), r
 
 
 FORWARDER = r"""

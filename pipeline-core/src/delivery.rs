@@ -18,9 +18,8 @@ pub enum Delivery {
     InPlace,
     /// Copy each batch into a buffer of the consumer's own, then release the producer's slot.
     Mirror,
-    /// The backend decides (the CUDA backend: in place on the producer's GPU; on another,
-    /// mirrored for large slots (64 MiB or more), in place for smaller ones; the host
-    /// backend: in place).
+    /// The backend decides (the CUDA backend: in place on the producer's GPU, mirrored on
+    /// another; the host backend: in place).
     #[default]
     Auto,
 }

@@ -101,7 +101,7 @@ pub struct CudaOptions {
     pub defer_ready: bool,
     /// Consumer: read the producer's slots in place, or mirror each batch into buffers of its
     /// own on its GPU (see [`crate::mirror`]). Default [`Delivery::Auto`]: in place on the
-    /// producer's GPU; on another, mirrored for slots of 64 MiB or more, else in place.
+    /// producer's GPU, mirrored on another (measured faster there at every batch size).
     pub delivery: Delivery,
     /// Consumer, mirror delivery: how many batches it may hold at once (buffers of
     /// `slot_bytes` each on its GPU); default: the ring's slot count.
@@ -897,7 +897,7 @@ impl ConsumerBackend for CudaConsumer {
         // Our own `finished` words only: one row, written at index 0.
         let timelines = Timelines::map(&ctx, 1, layout.slot_count, timeline_fd)?;
         timings.timelines_us = micros(t);
-        let mirror = if mirror::resolve(options.delivery, on_producer_gpu, slot_bytes) {
+        let mirror = if mirror::resolve(options.delivery, on_producer_gpu) {
             let count = options.mirror_buffers.unwrap_or(layout.slot_count);
             Some(Mirror::new(&ctx, count, slot_bytes)?)
         } else {

@@ -14,12 +14,14 @@
 //!
 //! The rule of [`Delivery::Auto`], measured on 2×H200 (NVLink, driver 580.159.04,
 //! 2026-11-23, docs/multi-gpu.md): on the producer's GPU, in place (a copy only costs
-//! bandwidth); on another GPU, mirrored when the ring's slots are [`AUTO_MIRROR_MIN_BYTES`]
-//! or more, in place below. One consumer on GPU 1 verifying each batch once moved, in GB/s,
-//! in place vs mirrored: 137 vs 102 at 2 MiB, 252 vs 221 at 8 MiB, 332 vs 344 at 64 MiB and
-//! 315 vs 335 at 256 MiB; two consumers on GPU 1 at 64 MiB: 300 vs 350 in all. A consumer that
-//! reads each batch more than once gains more from a mirror than these one-pass figures
-//! show (it then reads its own memory, at HBM speed): ask for [`Delivery::Mirror`].
+//! bandwidth); on another GPU, mirrored. One consumer on GPU 1 verifying each batch once
+//! moved, in GB/s, in place vs mirrored (two copy streams, median of 3 in one run): 138 vs 174
+//! at 2 MiB, 252 vs 275 at 8 MiB, 332 vs 360 at 64 MiB and 315 vs 339 at 256 MiB; two
+//! consumers on GPU 1 at 64 MiB: 299 vs 344 in all. With one copy stream mirror was slower
+//! below 64 MiB (102 GB/s at 2 MiB), and `auto` then read small slots in place. A consumer
+//! that reads each batch more than once gains still more from a mirror (its later reads come
+//! from its own memory, at HBM speed). A mirror costs memory on the consumer's GPU: its
+//! buffers, the ring's slot count by default ([`crate::backend::CudaOptions::mirror_buffers`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -28,15 +30,13 @@ use pipeline_core::{BackendError, Delivery, MirrorTable};
 
 use crate::driver::{self, CUdeviceptr, Context, CudaError, DeviceBuffer, Event, Stream};
 
-/// On another GPU, `auto` mirrors slots of this size or more (see the module's figures).
-pub const AUTO_MIRROR_MIN_BYTES: u64 = 64 << 20;
-
-/// Resolves a consumer's delivery choice for slots of `slot_bytes`: true to mirror.
-pub fn resolve(delivery: Delivery, on_producer_gpu: bool, slot_bytes: u64) -> bool {
+/// Resolves a consumer's delivery choice: true to mirror. `auto` mirrors on another GPU than
+/// the producer's, whatever the slot size (see the module's figures).
+pub fn resolve(delivery: Delivery, on_producer_gpu: bool) -> bool {
     match delivery {
         Delivery::InPlace => false,
         Delivery::Mirror => true,
-        Delivery::Auto => !on_producer_gpu && slot_bytes >= AUTO_MIRROR_MIN_BYTES,
+        Delivery::Auto => !on_producer_gpu,
     }
 }
 
@@ -213,12 +213,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn auto_mirrors_only_large_slots_on_another_gpu() {
-        let big = AUTO_MIRROR_MIN_BYTES;
-        assert!(!resolve(Delivery::Auto, true, big));
-        assert!(resolve(Delivery::Auto, false, big));
-        assert!(!resolve(Delivery::Auto, false, big - (2 << 20)));
-        assert!(resolve(Delivery::Mirror, true, 2 << 20));
-        assert!(!resolve(Delivery::InPlace, false, big));
+    fn auto_mirrors_on_another_gpu_only() {
+        assert!(!resolve(Delivery::Auto, true));
+        assert!(resolve(Delivery::Auto, false));
+        assert!(resolve(Delivery::Mirror, true));
+        assert!(!resolve(Delivery::InPlace, false));
     }
 }

@@ -54,8 +54,7 @@ pub struct BenchCmd {
     #[arg(long, value_delimiter = ',')]
     consumer_devices: Vec<usize>,
     /// How batches reach the consumers: in-place, mirror or auto (in place on the producer's
-    /// GPU; on another, mirrored for slots of 64 MiB or more); one value for all, or one per
-    /// consumer (auto,mirror).
+    /// GPU, mirrored on another); one value for all, or one per consumer (auto,mirror).
     #[arg(long, value_delimiter = ',', default_value = "auto")]
     delivery: Vec<Delivery>,
     /// Mirroring consumers: batches each may hold at once (default: the ring's slot count).

@@ -49,8 +49,7 @@ pub struct ConsumeCmd {
     device: Option<usize>,
     /// in-place: read the producer's slots; mirror: copy each batch into buffers of this
     /// consumer's own (on its GPU) and free the producer's slot at once; auto: in place on
-    /// the producer's GPU, and on another mirrored for slots of 64 MiB or more, in place for
-    /// smaller ones (measured: docs/multi-gpu.md).
+    /// the producer's GPU, mirrored on another (measured: docs/multi-gpu.md).
     #[arg(long, default_value = "auto")]
     delivery: Delivery,
     /// With mirror delivery: batches this consumer may hold at once (its own buffers; default:

@@ -84,17 +84,15 @@ fn bench_checked(
     seen_devices.sort_unstable();
     want.sort_unstable();
     assert_eq!(seen_devices, want, "{what}");
-    let slot_bytes = r["batch_bytes"].as_u64().unwrap();
     for c in per {
-        // auto: in place on the producer's GPU (0); on another, mirrored for slots of 64 MiB
-        // or more.
+        // auto: in place on the producer's GPU (0), mirrored on another.
         let d = c["device"].as_u64().unwrap();
         let got = c["delivery"].as_str().unwrap();
         assert!(got == "in-place" || got == "mirror", "{what}: {got}");
         if delivery.iter().all(|&x| x == "auto") {
             assert_eq!(
                 got == "mirror",
-                d != 0 && slot_bytes >= 64 << 20,
+                d != 0,
                 "{what}: auto on GPU {d} gave {got}"
             );
         }
@@ -138,7 +136,7 @@ fn two_gpu_consumers_read_in_place_and_mirrored_on_every_path() {
 
 #[test]
 #[ignore = "needs 2 CUDA GPUs"]
-fn two_gpu_auto_mirrors_large_slots_on_the_other_gpu_and_names_the_link_ceilings() {
+fn two_gpu_auto_mirrors_on_the_other_gpu_and_names_the_link_ceilings() {
     need_two_gpus();
     for (mode, size) in [("broadcast", "64MiB"), ("shared", "8MiB")] {
         let r = bench_checked(mode, &[1, 0], &["auto"], 300, &["--batch-bytes", size]);

@@ -188,8 +188,8 @@ class Consumer:
         sleeping consumer is woken by the producer's publish, which costs a wake-up (tens to
         hundreds of µs on a VM); a latency-critical consumer that receives a batch every few
         milliseconds can spin that long instead, at the cost of a CPU core while it waits.
-        delivery: "in-place", "mirror" or "auto" (in place on the producer's GPU; on another,
-        mirrored for slots of 64 MiB or more, in place for smaller; host rings: in place). A mirroring consumer may hold up to `mirror_buffers`
+        delivery: "in-place", "mirror" or "auto" (in place on the producer's GPU, mirrored on
+        another; host rings: in place). A mirroring consumer may hold up to `mirror_buffers`
         batches (default: the ring's slot count) and raises Deadlock when it asks for more.
         On another GPU, mirror copies each batch over the link once with the copy engine,
         overlapped with your kernels; in place reads the link on every access."""
