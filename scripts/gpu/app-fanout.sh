@@ -16,10 +16,7 @@ if [ "${1:-}" = quick ]; then
   quick=--quick; mps_too=; shift
   if [ "${1:-}" = mps ]; then mps_too=1; shift; fi
 fi
-limit() { # seconds, command...
-  local s=$1; shift
-  timeout -k 5 "$s" setsid "$@"
-}
+. scripts/gpu/lib.sh
 : >"$O/fanout.jsonl"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$O/device.txt"
 python3 -c 'import torch, torchvision; print("torch", torch.__version__, "torchvision", torchvision.__version__)'

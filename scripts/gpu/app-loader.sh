@@ -17,21 +17,12 @@ set -u
 O=${OUT:-/tmp/o}; mkdir -p "$O"
 . .gpu/env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-limit() { local s=$1; shift; timeout -k 5 "$s" setsid "$@"; }
+. scripts/gpu/lib.sh
 mode=${1:-full}; speed=${2:-}
 [ "$mode" = quick ] && { mode=full; speed=quick; }
 DATA=/tmp/loader-data
 if [ "$speed" = quick ]; then COUNT=3072; Q=--quick; else COUNT=20000; Q=; fi
 
-mps_on() {
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  nvidia-cuda-mps-control -d && sleep 1 && echo "MPS on"
-}
-mps_off() {
-  echo quit | nvidia-cuda-mps-control; sleep 2
-  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-}
 
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch as t, torchvision as v; print('torch', t.__version__, v.__version__, t.cuda.device_count(), 'GPUs')"

@@ -9,7 +9,7 @@ set -u
 O=${OUT:-/tmp/o}; mkdir -p "$O"
 . .gpu/env.sh
 export NCCL_NVLS_ENABLE=0
-limit() { local s=$1; shift; timeout -k 5 "$s" setsid "$@"; }
+. scripts/gpu/lib.sh
 REPS=${REPS:-3}
 G=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
 others=$(seq -s, 1 $((G - 1)))
@@ -17,12 +17,7 @@ echo "== $G GPUs; consumers on GPUs $others"
 echo "== NCCL broadcast from GPU 0 to the others"
 limit 180 python3 scripts/gpu/nccl_broadcast.py --sizes 2MiB,64MiB,256MiB > "$O/nccl.jsonl" 2> "$O/nccl.err"
 echo "nccl rc=$?"; cat "$O/nccl.jsonl"
-bench() { # tag, then gpipe bench arguments
-  local tag=$1; shift
-  local line
-  line=$(limit 120 gpipe bench --backend cuda --json "$@" 2>>"$O/fanout.err" | python3 -c 'import json,sys; print(json.dumps(json.load(sys.stdin)))')
-  [ -n "$line" ] && echo "{\"tag\": \"$tag\", \"report\": $line}" >> "$O/fanout.jsonl" || echo "FAILED: $tag $*"
-}
+bench() { bench_into "$O/fanout.jsonl" 120 "$@"; } # tag, then gpipe bench arguments
 n=$((G - 1))
 for rep in $(seq "$REPS"); do
   echo "-- repetition $rep of $REPS"

@@ -17,7 +17,7 @@ set -u
 O=${OUT:-/tmp/o}; mkdir -p "$O"
 . .gpu/env.sh
 export NCCL_NVLS_ENABLE=0
-limit() { local s=$1; shift; timeout -k 5 "$s" setsid "$@"; }
+. scripts/gpu/lib.sh
 what=${1:-all}; REPS=${REPS:-3}
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | tee "$O/gpus.txt"
 nvidia-smi topo -m > "$O/topo.txt" 2>&1
@@ -38,12 +38,7 @@ if [ "$what" = all ] || [ "$what" = tests ] || [ "$what" = suite ]; then
   echo "pytest rc=$?"; tail -3 "$O/pytest.log"
   [ "$what" = all ] || exit 0
 fi
-bench() { # tag, then gpipe bench arguments
-  local tag=$1; shift
-  local line
-  line=$(limit 90 gpipe bench --backend cuda --json "$@" 2>>"$O/bench.err" | python3 -c 'import json,sys; print(json.dumps(json.load(sys.stdin)))')
-  [ -n "$line" ] && echo "{\"tag\": \"$tag\", \"report\": $line}" >> "$O/bench.jsonl" || echo "FAILED: $tag $*"
-}
+bench() { bench_into "$O/bench.jsonl" 90 "$@"; } # tag, then gpipe bench arguments
 if [ "$what" = mirror-streams ]; then
   echo "== mirror on GPU 1: copies on 1 and on 2 copy streams (GPIPE_MIRROR_STREAMS), x$REPS interleaved"
   for rep in $(seq "$REPS"); do

@@ -4,7 +4,7 @@
 set -u
 O=${OUT:-/tmp/o}; mkdir -p "$O"
 . .gpu/env.sh
-limit() { local s=$1; shift; timeout -k 5 "$s" setsid "$@"; }
+. scripts/gpu/lib.sh
 for mode in broadcast shared; do
   limit 60 gpipe bench --backend cuda --mode $mode --consumers 2 --delivery mirror,in-place --batches 2000 --batch-bytes 8MiB --json > "$O/bench-$mode.json" 2>> "$O/err.txt"
   python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], 'lost', r['lost'], 'dup', r['duplicated'], 'mismatches', r['mismatches'], [(c['delivery'], c['received']) for c in r['per_consumer']], round(r['batches_per_s']))" "$O/bench-$mode.json" $mode

@@ -8,14 +8,9 @@ set -u
 O=${OUT:-/tmp/o}; mkdir -p "$O"
 . .gpu/env.sh
 REPS=${REPS:-3}
-limit() { local s=$1; shift; timeout -k 5 "$s" setsid "$@"; }
+. scripts/gpu/lib.sh
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee "$O/gpu.txt"
-bench() { # tag, then gpipe bench arguments
-  local tag=$1; shift
-  local line
-  line=$(limit 120 gpipe bench --backend cuda --json "$@" 2>>"$O/sizes.err" < /dev/null | python3 -c 'import json,sys; print(json.dumps(json.load(sys.stdin)))')
-  [ -n "$line" ] && echo "{\"tag\": \"$tag\", \"report\": $line}" >> "$O/sizes.jsonl" || echo "FAILED: $tag $*"
-}
+bench() { bench_into "$O/sizes.jsonl" 120 "$@"; } # tag, then gpipe bench arguments
 sweep() { # mps label
   for size in 2MiB:10000 8MiB:5000 32MiB:2000 64MiB:1000 128MiB:600 256MiB:300; do
     b=${size%%:*}; n=${size##*:}

@@ -10,14 +10,9 @@ set -u
 O=${OUT:-/tmp/o}; mkdir -p "$O"
 . .gpu/env.sh
 REPS=${REPS:-5}
-limit() { local s=$1; shift; timeout -k 5 "$s" setsid "$@"; }
+. scripts/gpu/lib.sh
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee "$O/gpu.txt"
-bench() { # tag, then gpipe bench arguments
-  local tag=$1; shift
-  local line
-  line=$(limit 150 gpipe bench --backend cuda --json --repeat "$REPS" "$@" 2>>"$O/perf.err" | python3 -c 'import json,sys; print(json.dumps(json.load(sys.stdin)))')
-  [ -n "$line" ] && echo "{\"tag\": \"$tag\", \"report\": $line}" >> "$O/perf.jsonl" || echo "FAILED: $tag $*"
-}
+bench() { local tag=$1; shift; bench_into "$O/perf.jsonl" 150 "$tag" --repeat "$REPS" "$@"; } # tag, then gpipe bench arguments
 matrix() { # label
   local m=$1
   for size in 2MiB:20000 8MiB:10000 64MiB:2000; do

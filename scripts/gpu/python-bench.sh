@@ -7,7 +7,7 @@
 set -u
 O=${OUT:-/tmp/gpipe-py-bench}; mkdir -p "$O"
 . .gpu/env.sh
-limit() { local s=$1; shift; timeout -k 5 "$s" setsid "$@"; }
+. scripts/gpu/lib.sh
 rust() { # label, gpipe bench args
   local label=$1; shift
   local line

@@ -8,10 +8,7 @@ set -u
 O=${OUT:-/tmp/gpipe-py-suite}; mkdir -p "$O"
 . .gpu/env.sh
 steps=${*:-rust py bench}
-limit() { # seconds, command...
-  local s=$1; shift
-  timeout -k 5 "$s" setsid "$@"
-}
+. scripts/gpu/lib.sh
 for step in $steps; do
   case $step in
     rust)

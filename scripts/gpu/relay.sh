@@ -14,7 +14,7 @@ set -u
 O=${OUT:-/tmp/o}; mkdir -p "$O"
 . .gpu/env.sh
 export NCCL_NVLS_ENABLE=0
-limit() { local s=$1; shift; timeout -k 5 "$s" setsid "$@"; }
+. scripts/gpu/lib.sh
 what=${1:-all}
 if [ -z "${GPIPE_NCCL_LIB:-}" ]; then
   GPIPE_NCCL_LIB=$(python3 -c 'import nvidia.nccl as n, os; print(os.path.join(list(n.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null)
@@ -65,11 +65,6 @@ print(json.dumps({"transport": tr, "size": size, "mps": mps, "far_verify": os.en
 PY
   tail -n 2 "$d"/*.err | grep -iE "error|fail" | head -5
 }
-mps_on() {
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
-  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY; nvidia-cuda-mps-control -d
-}
-mps_off() { echo quit | nvidia-cuda-mps-control; sleep 1; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; }
 case "${MPS:-off}" in both) modes="off on";; on) modes=on;; *) modes=off;; esac
 for MPS_NOW in $modes; do
   echo "== benchmark, MPS $MPS_NOW"
