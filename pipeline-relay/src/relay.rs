@@ -481,7 +481,7 @@ pub fn run_sender(
                     ..CudaOptions::default()
                 })
                 .map_err(err)?;
-            let comm = Arc::new(Comm::init(consumer.backend().context(), &id, 2, 0).map_err(err)?);
+            let comm = init_comm(consumer.backend().context(), &id, 0, &session, opts)?;
             connect_peer(&comm, consumer.backend().context(), 0, opts.connect_timeout)?;
             send_loop(consumer, &mut session, Some(comm), opts, stop, &mut report)
         }
@@ -955,6 +955,74 @@ fn publish_received(
     Ok(())
 }
 
+/// Runs `setup` (NCCL's communicator setup, which blocks until every rank joined and has no
+/// bound of its own) on a thread of its own, and waits at most `timeout` for it, looking
+/// every `tick` at the session's connection: a peer that closed it, or that did not join in
+/// time, gives an error here at once. The setup thread is then left to NCCL; should its setup
+/// still complete, it hands the result to `late` (which aborts the communicator).
+fn bounded_setup<T: Send + 'static>(
+    what: &str,
+    setup: impl FnOnce() -> Result<T, RelayError> + Send + 'static,
+    late: impl FnOnce(T) + Send + 'static,
+    peer: &std::net::TcpStream,
+    timeout: Duration,
+    tick: Duration,
+) -> Result<T, RelayError> {
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    std::thread::Builder::new()
+        .name("gpipe-relay-setup".into())
+        .spawn(move || {
+            if let Err(std::sync::mpsc::SendError(Ok(t))) = tx.send(setup()) {
+                late(t);
+            }
+        })
+        .map_err(err)?;
+    let deadline = Instant::now() + timeout;
+    loop {
+        match rx.recv_timeout(tick.min(Duration::from_millis(100))) {
+            Ok(r) => return r,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                return Err(RelayError(format!(
+                    "{what}: the setup thread ended without a result"
+                )));
+            }
+        }
+        if peer_gone(peer) {
+            return Err(RelayError(format!(
+                "{what}: the peer closed the connection before NCCL's setup completed"
+            )));
+        }
+        if Instant::now() >= deadline {
+            return Err(RelayError(format!(
+                "{what}: NCCL's setup did not complete within {timeout:?} (is the peer alive? \
+                 NCCL_DEBUG=INFO on both sides says more)"
+            )));
+        }
+    }
+}
+
+/// Joins the two-rank communicator as `rank`, bounded as [`bounded_setup`] says.
+fn init_comm(
+    ctx: &Arc<pipeline_cuda::driver::Context>,
+    id: &[u8; 128],
+    rank: i32,
+    session: &Session,
+    opts: &RelayOptions,
+) -> Result<Arc<Comm>, RelayError> {
+    let peer = session.try_clone_stream().map_err(err)?;
+    let (ctx, id) = (Arc::clone(ctx), *id);
+    let comm = bounded_setup(
+        "joining the NCCL communicator",
+        move || Comm::init(&ctx, &id, 2, rank).map_err(err),
+        |late: Comm| late.abort(),
+        &peer,
+        opts.connect_timeout,
+        opts.tick,
+    )?;
+    Ok(Arc::new(comm))
+}
+
 /// NCCL connects two ranks lazily, at their first send/recv, which would make the first batch
 /// pay for setting up the link (and a run's first figures look slower than the link). The
 /// relay makes that connection at setup instead, with one small transfer from the sender
@@ -1027,9 +1095,13 @@ fn recv_loop_cuda(
     }
     // Fresh per session: nothing of a session that ended in an abort is reused.
     let st = Receives::new(producer, opts.high_priority)?;
-    let comm = Arc::new(
-        Comm::init(producer.backend().context(), &payload.nccl_unique_id, 2, 1).map_err(err)?,
-    );
+    let comm = init_comm(
+        producer.backend().context(),
+        &payload.nccl_unique_id,
+        1,
+        &session,
+        opts,
+    )?;
     connect_peer(&comm, producer.backend().context(), 1, opts.connect_timeout)?;
     let mut watch = Watch::start(Some(comm.clone()), &session, opts.tick)?;
     let layout = producer.layout();
@@ -1229,6 +1301,83 @@ mod tests {
                 .unwrap_err()
                 .contains("after the message")
         );
+    }
+
+    fn tcp_pair() -> (std::net::TcpStream, std::net::TcpStream) {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        (a, b)
+    }
+
+    #[test]
+    fn bounded_setup_passes_results_through() {
+        let (ours, _theirs) = tcp_pair();
+        let tick = Duration::from_millis(10);
+        let t = Duration::from_secs(5);
+        let ok = bounded_setup("t", || Ok(7u32), |_| {}, &ours, t, tick);
+        assert_eq!(ok.unwrap(), 7);
+        let e = bounded_setup::<u32>(
+            "t",
+            || Err(RelayError("no NCCL".into())),
+            |_| {},
+            &ours,
+            t,
+            tick,
+        );
+        assert_eq!(e.unwrap_err().0, "no NCCL");
+    }
+
+    #[test]
+    fn bounded_setup_gives_up_in_time_and_hands_a_late_result_back() {
+        let (ours, _theirs) = tcp_pair();
+        let (late_tx, late_rx) = std::sync::mpsc::channel();
+        let t0 = Instant::now();
+        let e = bounded_setup(
+            "joining",
+            || {
+                std::thread::sleep(Duration::from_millis(600));
+                Ok(42u32)
+            },
+            move |v| late_tx.send(v).unwrap(),
+            &ours,
+            Duration::from_millis(200),
+            Duration::from_millis(10),
+        )
+        .unwrap_err();
+        let waited = t0.elapsed();
+        assert!(e.0.contains("did not complete within"), "{e}");
+        assert!(
+            waited < Duration::from_millis(550),
+            "gave up after {waited:?}"
+        );
+        // The setup finished after we gave up: its result is handed to `late`, not leaked.
+        assert_eq!(late_rx.recv_timeout(Duration::from_secs(5)).unwrap(), 42);
+    }
+
+    #[test]
+    fn bounded_setup_notices_a_peer_that_closed_the_connection() {
+        let (ours, theirs) = tcp_pair();
+        let t0 = Instant::now();
+        let closer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            drop(theirs);
+        });
+        let e = bounded_setup(
+            "joining",
+            || {
+                std::thread::sleep(Duration::from_secs(3));
+                Ok(())
+            },
+            |_| {},
+            &ours,
+            Duration::from_secs(30),
+            Duration::from_millis(10),
+        )
+        .unwrap_err();
+        closer.join().unwrap();
+        assert!(e.0.contains("peer closed the connection"), "{e}");
+        assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
     }
 
     #[test]
