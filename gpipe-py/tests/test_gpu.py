@@ -223,6 +223,41 @@ def test_a_consumer_on_another_gpu_reads_every_batch(sock, child, mode, delivery
     assert r["delivery"] == ("mirror" if delivery == "auto" else delivery), r
 
 
+# A mirroring consumer on the producer's GPU that lets two of every three batches go without
+# making a tensor (so nothing of its own orders the buffer's reuse after their copies) and
+# checks the third. argv: socket
+MIRROR_SKIPPER = r"""
+import json, sys, torch, gpipe
+c = gpipe.Consumer(sys.argv[1], delivery="mirror", mirror_buffers=3)
+print("attached", flush=True)
+bad = torch.zeros((), dtype=torch.int64, device="cuda")
+seqs = []
+for b in c:
+    with b:
+        if b.seq % 3 == 2:
+            x = torch.from_dlpack(b["x"])
+            bad += ((x != b.seq).sum() > 0).long()
+            del x
+        seqs.append(b.seq)
+torch.cuda.synchronize()
+print(json.dumps({"seqs": seqs, "bad": int(bad.item()), "delivery": c.delivery}), flush=True)
+"""
+
+
+def test_a_mirror_whose_buffers_change_copy_streams_never_mixes_batches(sock, child):
+    # 5 slots and 3 mirror buffers: a buffer's consecutive copies run on different copy
+    # streams (slot k copies on stream k mod 2), and a slow producer keeps copies queued.
+    p = gpipe.Producer(sock, slots=5, batch_bytes=2 << 20, backend="cuda")
+    k = child(MIRROR_SKIPPER, sock)
+    assert k.readline(timeout=60) == "attached"
+    p.wait_for_consumers(1, timeout=30)
+    produce(p, 300)
+    p.close()
+    r = result(k)
+    assert r["bad"] == 0 and r["seqs"] == list(range(300)), r
+    assert r["delivery"] == "mirror", r
+
+
 FORWARDER = r"""
 import json, sys, gpipe
 r = gpipe.forward(sys.argv[1], sys.argv[2], device=1, slots=4, wait_for_consumers=1)

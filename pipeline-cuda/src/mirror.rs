@@ -1,23 +1,26 @@
-//! Mirror delivery on the CUDA backend: a copy stream of the consumer's copies each batch
-//! with the copy engine into a buffer of its own, on its own GPU, and writes `finished` for
-//! the producer's slot right after the copy, so the slot frees as soon as the copy is done.
-//! The user reads the local copy.
+//! Mirror delivery on the CUDA backend: copy streams of the consumer's copy each batch with
+//! the copy engine into a buffer of its own, on its own GPU, and write `finished` for the
+//! producer's slot right after the copy, so the slot frees as soon as the copy is done. The
+//! user reads the local copy.
 //!
-//! Ordering: the copy stream waits `ready[k]` (and, for a buffer used before, `freed[j]`),
-//! copies slot k into buffer j, records `copied[j]` and writes `finished[k] = seq + 1`. A
-//! stream that uses the copy waits `copied[j]` (the consumer's own stream does, unless the
-//! caller defers that to its streams). The release records `freed[j]` on the consumer's
-//! stream, after the streams the batch was used on were joined into it (as the in-place
-//! release does before `finished`), so the next copy into buffer j comes after that work.
-//! The copy of the next batch overlaps the user's kernels on this one: copy engine and SMs
-//! run side by side.
+//! Ordering: slot k's copy stream waits `ready[k]` and, for a buffer used before, both
+//! `freed[j]` (its last users' work) and `copied[j]` (its last copy, which may have been on
+//! the other stream, and which `freed[j]` follows only where the releasing stream waited for
+//! it: a consumer that let a batch go unused did not), then copies slot k into buffer j,
+//! records `copied[j]` and writes `finished[k] = seq + 1`. A stream that uses the copy waits
+//! `copied[j]` (the consumer's own stream does, unless the caller defers that to its streams).
+//! The release records `freed[j]` on the consumer's stream, after the streams the batch was
+//! used on were joined into it (as the in-place release does before `finished`), so the next
+//! copy into buffer j comes after that work. The copies of the next batches overlap the
+//! user's kernels on this one: copy engine and SMs run side by side.
 //!
 //! The rule of [`Delivery::Auto`], measured on 2×H200 (NVLink, driver 580.159.04,
 //! 2026-11-23, docs/multi-gpu.md): on the producer's GPU, in place (a copy only costs
 //! bandwidth); on another GPU, mirrored. One consumer on GPU 1 verifying each batch once
 //! moved, in GB/s, in place vs mirrored (two copy streams, median of 3 in one run): 138 vs 174
-//! at 2 MiB, 252 vs 275 at 8 MiB, 332 vs 360 at 64 MiB and 315 vs 339 at 256 MiB; two
-//! consumers on GPU 1 at 64 MiB: 299 vs 344 in all. With one copy stream mirror was slower
+//! at 2 MiB, 252 vs 275 at 8 MiB, 332 vs 360 at 64 MiB and 315 vs 339 at 256 MiB; with two
+//! consumers on GPU 1 at 64 MiB the ring moved 152 vs 176. Only NVLink between two H200s was
+//! measured; on PCIe the rule is unmeasured. With one copy stream mirror was slower
 //! below 64 MiB (102 GB/s at 2 MiB), and `auto` then read small slots in place. A consumer
 //! that reads each batch more than once gains still more from a mirror (its later reads come
 //! from its own memory, at HBM speed). A mirror costs memory on the consumer's GPU: its
@@ -46,16 +49,25 @@ pub fn resolve(delivery: Delivery, on_producer_gpu: bool) -> bool {
 /// work (the ready wait, the event, the `finished` write). Measured on 2×H200 (driver
 /// 580.159.04, 2026-11-23, one consumer on GPU 1, median of 3, docs/multi-gpu.md): against
 /// one stream, two moved 174 vs 105 GB/s at 2 MiB, 359 vs 345 at 64 MiB and 339 vs 336 at
-/// 256 MiB; four moved 179, 361 and 340, so two it is.
+/// 256 MiB; four, in a later run of 2 repetitions, 179, 361 and 340, so two it is.
 pub const DEFAULT_MIRROR_STREAMS: usize = 2;
 
-/// The number of copy streams: `GPIPE_MIRROR_STREAMS` if set to 1-8, else the default.
+/// The number of copy streams: `GPIPE_MIRROR_STREAMS` if set to 1-8, else the default (with
+/// a warning for any other value).
 fn copy_streams() -> usize {
-    std::env::var("GPIPE_MIRROR_STREAMS")
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .filter(|n| (1..=8).contains(n))
-        .unwrap_or(DEFAULT_MIRROR_STREAMS)
+    let Ok(v) = std::env::var("GPIPE_MIRROR_STREAMS") else {
+        return DEFAULT_MIRROR_STREAMS;
+    };
+    match v.trim().parse::<usize>() {
+        Ok(n) if (1..=8).contains(&n) => n,
+        _ => {
+            tracing::warn!(
+                "GPIPE_MIRROR_STREAMS={v:?} is not a number from 1 to 8: using \
+                 {DEFAULT_MIRROR_STREAMS}"
+            );
+            DEFAULT_MIRROR_STREAMS
+        }
+    }
 }
 
 /// A consumer's own buffers, its copy streams, per buffer the events that mark its copy done
@@ -156,9 +168,10 @@ impl Mirror {
     }
 
     /// For batch `seq` in the producer's slot `slot` at `src` (`len` bytes): takes a free
-    /// buffer and enqueues on the slot's copy stream, after `wait_ready` (which makes a stream wait for the
-    /// batch's `ready`) and the buffer's last release, the copy, the `copied` event and then
-    /// `finished` (`write_finished`). On failure the buffer is free again.
+    /// buffer and enqueues on the slot's copy stream, after `wait_ready` (which makes a stream
+    /// wait for the batch's `ready`) and the buffer's last copy and release, the copy, the
+    /// `copied` event and then `finished` (`write_finished`). On failure the buffer is free
+    /// again, once whatever was enqueued for it completed.
     pub(crate) fn copy_in(
         &self,
         slot: u32,
@@ -179,9 +192,17 @@ impl Mirror {
         let s = self.stream(slot);
         let r = (|| {
             wait_ready(s)?;
-            // The buffer's last users are usually long done: wait only when they are not.
-            if self.used[j].load(Ordering::Acquire) && !self.freed[j].query()? {
-                s.wait_event(&self.freed[j])?;
+            if self.used[j].load(Ordering::Acquire) {
+                // The buffer's last users and its last copy are usually long done: wait only
+                // for what is not. The last copy needs its own wait: it may be queued on the
+                // other copy stream, and `freed[j]` follows it only where the stream that
+                // released the batch waited for `copied[j]` (one that never used it did not).
+                if !self.freed[j].query()? {
+                    s.wait_event(&self.freed[j])?;
+                }
+                if !self.copied[j].query()? {
+                    s.wait_event(&self.copied[j])?;
+                }
             }
             if len > 0 {
                 let bytes = usize::try_from(len).map_err(|_| {
@@ -193,7 +214,8 @@ impl Mirror {
                 // the same stream; for a shared-mode claim the producer will not wait for, the
                 // ring completes this copy (`complete_now`) before it releases the slot.
                 // Buffer j was free, and this stream waits for its last batch's users
-                // (`freed[j]`, or a synchronize if that record failed).
+                // (`freed[j]`, or a synchronize if that record failed) and its last copy
+                // (`copied[j]`, or a synchronize if that copy's enqueueing failed).
                 // SAFETY: both ranges are valid and unshared for the copy, as argued above.
                 unsafe { driver::memcpy_async(self.buffers[j].ptr(), src, bytes, s) }?;
             }
@@ -201,6 +223,11 @@ impl Mirror {
             write_finished(s)
         })();
         if let Err(e) = r {
+            // A copy may have been enqueued before the failure: the next copy into this
+            // buffer, perhaps on the other stream, must not overlap it.
+            if let Err(sync) = s.synchronize() {
+                tracing::warn!("mirror: waiting for a failed copy's stream: {sync}");
+            }
             self.table.give_back(seq);
             return Err(crate::backend::be(e));
         }

@@ -105,6 +105,13 @@ pub fn command(cmd: BenchCmd) -> Result<ExitCode, String> {
             duration::plural(u64::from(cmd.consumers), "consumer", "consumers")
         ));
     }
+    if cmd.passes.len() > 1 && args.mode == Mode::Shared {
+        return Err(
+            "--passes takes one value in shared mode (each batch goes to one consumer, so the \
+             fair ceiling needs one figure for all)"
+                .into(),
+        );
+    }
     if cmd.passes.len() != 1 && cmd.passes.len() != cmd.consumers as usize {
         return Err(format!(
             "--passes names {} values for {}: give one for all, or one per consumer",
@@ -245,13 +252,16 @@ fn run_cuda(args: &BenchArgs, cuda: &CudaArgs) -> Result<BenchReport, String> {
     // The fair ceiling: the run's own work per batch (1 fill + N verifies in broadcast with N
     // consumers, 1 + 1 in shared; each consumer's --passes times), on one stream and spread
     // over streams; the better counts.
-    let verifies = match args.mode {
-        Mode::Broadcast => (0..args.consumers.max(1)).map(|i| args.passes_of(i)).sum(),
-        Mode::Shared => args.passes_of(0),
+    let reads: Vec<u32> = match args.mode {
+        Mode::Broadcast => (0..args.consumers.max(1))
+            .map(|i| args.passes_of(i))
+            .collect(),
+        Mode::Shared => vec![args.passes_of(0)],
     };
-    let fair_one = cuda_work::fair_ceiling(bytes, slots, batches, verifies, false)
+    let verifies: u32 = reads.iter().sum();
+    let fair_one = cuda_work::fair_ceiling(bytes, slots, batches, &reads, false)
         .map_err(|e| format!("measuring the fair ceiling on one stream: {e}"))?;
-    let fair_spread = cuda_work::fair_ceiling(bytes, slots, batches, verifies, true)
+    let fair_spread = cuda_work::fair_ceiling(bytes, slots, batches, &reads, true)
         .map_err(|e| format!("measuring the fair ceiling over streams: {e}"))?;
     let fair = fair_one.max(fair_spread);
     let mut extra = serde_json::json!({

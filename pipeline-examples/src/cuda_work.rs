@@ -451,22 +451,28 @@ fn timed(
 }
 
 /// The fair ceiling of a run: the work the run did per batch, done in one process. One fill
-/// and `verifies` verifies of each batch (broadcast with N consumers: N; shared: 1) over
-/// `buffers` buffers, both on one stream (`spread == false`: fill, then every verify) and
-/// spread over streams the way the pipeline spreads them (`spread == true`: fills on one,
-/// each verify on a stream of its own, ordered by same-process events; a buffer is refilled
-/// once all its verifies are done). Batches per second.
+/// of each batch and, per reader (a broadcast consumer; in shared mode the one consumer that
+/// gets the batch), `reads[c]` verifies of it, over `buffers` buffers, both on one stream
+/// (`spread == false`: fill, then every verify) and spread over streams the way the pipeline
+/// spreads them (`spread == true`: fills on one stream, each reader's verifies in order on a
+/// stream of its own, ordered by same-process events; a buffer is refilled once all its
+/// readers are done). Batches per second.
 pub fn fair_ceiling(
     bytes: u64,
     buffers: u32,
     batches: u64,
-    verifies: u32,
+    reads: &[u32],
     spread: bool,
 ) -> Result<f64, CudaError> {
     let ctx = Context::new(0)?;
     let k = Kernels::load(&ctx)?;
     let n = buffers.max(1) as usize;
-    let v = verifies.max(1) as usize;
+    let reads: Vec<u32> = if reads.is_empty() {
+        vec![1]
+    } else {
+        reads.iter().map(|&r| r.max(1)).collect()
+    };
+    let v = reads.len();
     let bufs: Vec<DeviceBuffer> = (0..n)
         .map(|_| DeviceBuffer::new(&ctx, bytes as usize))
         .collect::<Result<_, _>>()?;
@@ -492,7 +498,7 @@ pub fn fair_ceiling(
             if !spread {
                 // SAFETY: our own buffers, used in stream order only.
                 unsafe { k.fill(&fs, p, bytes as usize, s)? };
-                for _ in 0..v {
+                for _ in 0..reads.iter().sum::<u32>() {
                     // SAFETY: as above.
                     unsafe { k.verify(&fs, p, bytes as usize, s, results.ptr())? };
                 }
@@ -509,8 +515,10 @@ pub fn fair_ceiling(
             filled[i].record(&fs)?;
             for (c, st) in vs.iter().enumerate() {
                 st.wait_event(&filled[i])?;
-                // SAFETY: as above.
-                unsafe { k.verify(st, p, bytes as usize, s, results.ptr())? };
+                for _ in 0..reads[c] {
+                    // SAFETY: as above.
+                    unsafe { k.verify(st, p, bytes as usize, s, results.ptr())? };
+                }
                 verified[i][c].record(st)?;
             }
         }

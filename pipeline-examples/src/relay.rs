@@ -125,7 +125,7 @@ struct Common {
     json: bool,
     /// Priority of the streams the NCCL transfers run on: high lets their blocks start ahead
     /// of the work beside them on the same GPU (a producer, consumers). Measured on 2×H200
-    /// with MPS: no difference (docs/relay.md).
+    /// with MPS: no difference (docs/relay.md). For send and recv; nccl-bench ignores it.
     #[arg(long, value_enum, default_value = "normal")]
     stream_priority: StreamPriority,
 }

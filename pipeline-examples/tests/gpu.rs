@@ -60,6 +60,32 @@ fn cuda_broadcast_one_consumer() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
+fn cuda_mirror_buffers_moving_between_copy_streams_verify_every_batch() {
+    // On the producer's GPU, mirrored: 5 slots and 3 buffers, so a buffer's consecutive
+    // copies run on different copy streams (slot k on stream k mod 2); both modes, each
+    // consumer reading every batch twice (--passes 2).
+    for mode in ["broadcast", "shared"] {
+        watchdog(180, move |_| {
+            bench_with(
+                mode,
+                2,
+                &[
+                    "--delivery",
+                    "mirror",
+                    "--mirror-buffers",
+                    "3",
+                    "--slots",
+                    "5",
+                    "--passes",
+                    "2",
+                ],
+            )
+        });
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
 fn cuda_broadcast_four_consumers() {
     watchdog(180, |_| bench("broadcast", 4));
 }

@@ -788,7 +788,7 @@ fn consume_passes_reads_each_batch_again_and_still_verifies_every_one() {
         assert_eq!(r["verified"], true, "{r}");
         assert_eq!(r["mismatches"], 0, "{r}");
         assert_eq!(finish(p, Duration::from_secs(10)).code, Some(0));
-        // More than one pass without --verify is refused before attaching.
+        // --passes without --verify is refused before attaching.
         let refused = spawn(
             &procs,
             &[
@@ -827,5 +827,28 @@ fn bench_passes_per_consumer_are_run_and_recorded() {
     assert_eq!(r["lost"], 0, "{r}");
     for c in r["per_consumer"].as_array().unwrap() {
         assert_eq!(c["received"], 200, "{c}");
+    }
+}
+
+#[test]
+fn bench_refuses_passes_that_do_not_fit_the_consumers_or_the_mode() {
+    for (args, says) in [
+        (
+            &["--consumers", "2", "--passes", "1,2,3"][..],
+            "give one for all, or one per consumer",
+        ),
+        (
+            &["--consumers", "2", "--mode", "shared", "--passes", "2,1"][..],
+            "one value in shared mode",
+        ),
+    ] {
+        let out = std::process::Command::new(GPIPE)
+            .args(["bench", "--backend", "host", "--batches", "10"])
+            .args(args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(says), "{args:?}: {err}");
     }
 }
