@@ -456,9 +456,18 @@ impl BatchCell {
                     }
                 }
                 many => {
+                    let mut failed = None;
                     for &s in many {
                         // SAFETY: as above.
-                        unsafe { b.backend().join(s as usize as CUstream) }.map_err(be)?;
+                        if let Err(e) = unsafe { b.backend().join(s as usize as CUstream) } {
+                            failed.get_or_insert(e);
+                        }
+                    }
+                    if let Some(e) = failed {
+                        // A stream not joined is not ordered before the release: let all the
+                        // work complete first, as above.
+                        let _ = pipeline_core::ConsumerBackend::complete_now(b.backend());
+                        return Err(be(e));
                     }
                 }
             }

@@ -171,7 +171,7 @@ impl Mirror {
     /// buffer and enqueues on the slot's copy stream, after `wait_ready` (which makes a stream
     /// wait for the batch's `ready`) and the buffer's last copy and release, the copy, the
     /// `copied` event and then `finished` (`write_finished`). On failure the buffer is free
-    /// again, once whatever was enqueued for it completed.
+    /// again, with `copied` recorded after any copy into it that was enqueued.
     pub(crate) fn copy_in(
         &self,
         slot: u32,
@@ -190,19 +190,19 @@ impl Mirror {
         })?;
         self.next.store((j + 1) % self.len(), Ordering::Relaxed);
         let s = self.stream(slot);
+        let mut copy_enqueued = false;
         let r = (|| {
             wait_ready(s)?;
-            if self.used[j].load(Ordering::Acquire) {
-                // The buffer's last users and its last copy are usually long done: wait only
-                // for what is not. The last copy needs its own wait: it may be queued on the
-                // other copy stream, and `freed[j]` follows it only where the stream that
-                // released the batch waited for `copied[j]` (one that never used it did not).
-                if !self.freed[j].query()? {
-                    s.wait_event(&self.freed[j])?;
-                }
-                if !self.copied[j].query()? {
-                    s.wait_event(&self.copied[j])?;
-                }
+            // The buffer's last users and its last copy are usually long done: wait only for
+            // what is not. The last copy needs its own wait: it may be queued on the other
+            // copy stream, and `freed[j]` follows it only where the stream that released the
+            // batch waited for `copied[j]` (one that never used it did not). An event never
+            // recorded queries as complete.
+            if self.used[j].load(Ordering::Acquire) && !self.freed[j].query()? {
+                s.wait_event(&self.freed[j])?;
+            }
+            if !self.copied[j].query()? {
+                s.wait_event(&self.copied[j])?;
             }
             if len > 0 {
                 let bytes = usize::try_from(len).map_err(|_| {
@@ -215,19 +215,24 @@ impl Mirror {
                 // ring completes this copy (`complete_now`) before it releases the slot.
                 // Buffer j was free, and this stream waits for its last batch's users
                 // (`freed[j]`, or a synchronize if that record failed) and its last copy
-                // (`copied[j]`, or a synchronize if that copy's enqueueing failed).
+                // (`copied[j]`, recorded after every copy enqueued, also a failed batch's).
                 // SAFETY: both ranges are valid and unshared for the copy, as argued above.
                 unsafe { driver::memcpy_async(self.buffers[j].ptr(), src, bytes, s) }?;
+                copy_enqueued = true;
             }
             self.copied[j].record(s)?;
+            copy_enqueued = false; // `copied[j]` covers it from here
             write_finished(s)
         })();
-        if let Err(e) = r {
-            // A copy may have been enqueued before the failure: the next copy into this
-            // buffer, perhaps on the other stream, must not overlap it.
-            if let Err(sync) = s.synchronize() {
-                tracing::warn!("mirror: waiting for a failed copy's stream: {sync}");
+        if copy_enqueued {
+            // The copy is queued but `copied[j]` was not recorded after it: try again, so the
+            // next copy into this buffer (perhaps on the other stream) waits for this one.
+            // Failing twice means a broken context, where nothing queued will run.
+            if let Err(again) = self.copied[j].record(s) {
+                tracing::warn!("mirror: recording a failed batch's copy: {again}");
             }
+        }
+        if let Err(e) = r {
             self.table.give_back(seq);
             return Err(crate::backend::be(e));
         }

@@ -8,7 +8,8 @@
 //! `libnccl.so.2` and `libnccl.so` from the loader's path. Without NCCL everything else in
 //! gpipe works; the relay's CUDA path says what is missing and how to point at a library.
 //!
-//! Keep NVLink multicast off (`NCCL_NVLS_ENABLE=0`): the relay sets it unless the caller did.
+//! Keep NVLink multicast off (`NCCL_NVLS_ENABLE=0`): loading NCCL here sets it unless the
+//! caller did.
 
 use std::ffi::{CStr, c_char, c_int, c_void};
 use std::sync::OnceLock;
@@ -84,6 +85,13 @@ fn api() -> Result<&'static Api, NcclError> {
 }
 
 fn open() -> Result<Api, NcclError> {
+    if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
+        // SAFETY: set once, before NCCL is loaded, so before any thread of NCCL's exists
+        // (the unique id's bootstrap thread, a communicator's proxies), from the one thread
+        // that loads it under `API`'s once-lock. What else may read the environment from a
+        // thread of its own then is the CUDA driver, which reads its settings at `cuInit`.
+        unsafe { std::env::set_var("NCCL_NVLS_ENABLE", "0") };
+    }
     let candidates: Vec<String> = match std::env::var(NCCL_LIB_ENV) {
         Ok(p) if !p.is_empty() => vec![p],
         _ => vec!["libnccl.so.2".into(), "libnccl.so".into()],
@@ -176,11 +184,6 @@ impl Comm {
     /// Blocks until every rank has joined.
     pub fn init(ctx: &Context, id: &[u8; 128], nranks: i32, rank: i32) -> Result<Comm, NcclError> {
         let a = api()?;
-        if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
-            // SAFETY: set before NCCL reads it (at the first init), while this thread is the
-            // only one that touches the environment in the relay.
-            unsafe { std::env::set_var("NCCL_NVLS_ENABLE", "0") };
-        }
         ctx.make_current()
             .map_err(|e| NcclError(format!("making the context current: {e}")))?;
         let id = ncclUniqueId {

@@ -481,7 +481,7 @@ pub fn run_sender(
                     ..CudaOptions::default()
                 })
                 .map_err(err)?;
-            let comm = init_comm(consumer.backend().context(), &id, 0, &session, opts)?;
+            let comm = init_comm(consumer.backend().context(), &id, 0, &session, opts, stop)?;
             connect_peer(&comm, consumer.backend().context(), 0, opts.connect_timeout)?;
             send_loop(consumer, &mut session, Some(comm), opts, stop, &mut report)
         }
@@ -957,9 +957,10 @@ fn publish_received(
 
 /// Runs `setup` (NCCL's communicator setup, which blocks until every rank joined and has no
 /// bound of its own) on a thread of its own, and waits at most `timeout` for it, looking
-/// every `tick` at the session's connection: a peer that closed it, or that did not join in
-/// time, gives an error here at once. The setup thread is then left to NCCL; should its setup
-/// still complete, it hands the result to `late` (which aborts the communicator).
+/// every `tick` at the session's connection and at `stop`: a peer that closed it, one that did
+/// not join in time, or a stop gives an error here at once. The setup thread is then left to
+/// NCCL; should its setup still complete, it hands the result to `late` (which aborts the
+/// communicator).
 fn bounded_setup<T: Send + 'static>(
     what: &str,
     setup: impl FnOnce() -> Result<T, RelayError> + Send + 'static,
@@ -967,8 +968,12 @@ fn bounded_setup<T: Send + 'static>(
     peer: &std::net::TcpStream,
     timeout: Duration,
     tick: Duration,
+    stop: &AtomicBool,
 ) -> Result<T, RelayError> {
-    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    // A rendezvous channel: a result is either taken here or, once this side gave up and
+    // dropped its end, handed back to the setup thread (`SendError`) for `late`, never left
+    // in a buffer to be dropped unaborted.
+    let (tx, rx) = std::sync::mpsc::sync_channel(0);
     std::thread::Builder::new()
         .name("gpipe-relay-setup".into())
         .spawn(move || {
@@ -993,6 +998,11 @@ fn bounded_setup<T: Send + 'static>(
                 "{what}: the peer closed the connection before NCCL's setup completed"
             )));
         }
+        if stop.load(Ordering::Acquire) {
+            return Err(RelayError(format!(
+                "{what}: stopped before NCCL's setup completed"
+            )));
+        }
         if Instant::now() >= deadline {
             return Err(RelayError(format!(
                 "{what}: NCCL's setup did not complete within {timeout:?} (is the peer alive? \
@@ -1009,6 +1019,7 @@ fn init_comm(
     rank: i32,
     session: &Session,
     opts: &RelayOptions,
+    stop: &AtomicBool,
 ) -> Result<Arc<Comm>, RelayError> {
     let peer = session.try_clone_stream().map_err(err)?;
     let (ctx, id) = (Arc::clone(ctx), *id);
@@ -1019,6 +1030,7 @@ fn init_comm(
         &peer,
         opts.connect_timeout,
         opts.tick,
+        stop,
     )?;
     Ok(Arc::new(comm))
 }
@@ -1101,6 +1113,7 @@ fn recv_loop_cuda(
         1,
         &session,
         opts,
+        stop,
     )?;
     connect_peer(&comm, producer.backend().context(), 1, opts.connect_timeout)?;
     let mut watch = Watch::start(Some(comm.clone()), &session, opts.tick)?;
@@ -1315,7 +1328,8 @@ mod tests {
         let (ours, _theirs) = tcp_pair();
         let tick = Duration::from_millis(10);
         let t = Duration::from_secs(5);
-        let ok = bounded_setup("t", || Ok(7u32), |_| {}, &ours, t, tick);
+        let go = AtomicBool::new(false);
+        let ok = bounded_setup("t", || Ok(7u32), |_| {}, &ours, t, tick, &go);
         assert_eq!(ok.unwrap(), 7);
         let e = bounded_setup::<u32>(
             "t",
@@ -1324,6 +1338,7 @@ mod tests {
             &ours,
             t,
             tick,
+            &go,
         );
         assert_eq!(e.unwrap_err().0, "no NCCL");
     }
@@ -1343,6 +1358,7 @@ mod tests {
             &ours,
             Duration::from_millis(200),
             Duration::from_millis(10),
+            &AtomicBool::new(false),
         )
         .unwrap_err();
         let waited = t0.elapsed();
@@ -1373,10 +1389,33 @@ mod tests {
             &ours,
             Duration::from_secs(30),
             Duration::from_millis(10),
+            &AtomicBool::new(false),
         )
         .unwrap_err();
         closer.join().unwrap();
         assert!(e.0.contains("peer closed the connection"), "{e}");
+        assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    }
+
+    #[test]
+    fn bounded_setup_stops_when_asked() {
+        let (ours, _theirs) = tcp_pair();
+        let stop = AtomicBool::new(true);
+        let t0 = Instant::now();
+        let e = bounded_setup(
+            "joining",
+            || {
+                std::thread::sleep(Duration::from_secs(3));
+                Ok(())
+            },
+            |_| {},
+            &ours,
+            Duration::from_secs(30),
+            Duration::from_millis(10),
+            &stop,
+        )
+        .unwrap_err();
+        assert!(e.0.contains("stopped"), "{e}");
         assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
     }
 
