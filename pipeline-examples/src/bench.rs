@@ -1045,9 +1045,15 @@ fn write_labelled(
 
 impl std::fmt::Display for BenchReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let passes = if self.passes.iter().all(|&p| p == 1) {
+            String::new()
+        } else {
+            let list: Vec<String> = self.passes.iter().map(u32::to_string).collect();
+            format!(" | reads per batch {}", list.join(","))
+        };
         writeln!(
             f,
-            "gpipe bench: backend {} | mode {} | {} | {} slots | {} per batch",
+            "gpipe bench: backend {} | mode {} | {} | {} slots | {} per batch{passes}",
             self.backend,
             self.mode,
             duration::plural(self.consumers, "consumer", "consumers"),
@@ -1453,5 +1459,21 @@ mod mps_hint_tests {
         assert!(!text.contains("hint"), "{text}");
         let text = report(serde_json::Value::Null).to_string();
         assert!(!text.contains("hint"), "{text}");
+    }
+
+    #[test]
+    fn the_text_report_names_the_reads_per_batch_only_when_not_one() {
+        let plain = report(serde_json::Value::Null).to_string();
+        assert!(!plain.contains("reads per batch"), "{plain}");
+        let mut r = report(serde_json::Value::Null);
+        r.passes = vec![16, 1];
+        let text = r.to_string();
+        assert!(
+            text.lines()
+                .next()
+                .unwrap()
+                .ends_with("per batch | reads per batch 16,1"),
+            "{text}"
+        );
     }
 }
