@@ -3,9 +3,9 @@
 //! producer's slot right after the copy, so the slot frees as soon as the copy is done. The
 //! user reads the local copy.
 //!
-//! Ordering: slot k's copy stream waits `ready[k]` and, for a buffer used before, both
-//! `freed[j]` (its last users' work) and `copied[j]` (its last copy, which may have been on
-//! the other stream, and which `freed[j]` follows only where the releasing stream waited for
+//! Ordering: slot k's copy stream waits `ready[k]` and, for a buffer used before, `freed[j]`
+//! (its last users' work) and, where the buffer's last copy was on another copy stream,
+//! `copied[j]` (that copy, which `freed[j]` follows only where the releasing stream waited for
 //! it: a consumer that let a batch go unused did not), then copies slot k into buffer j,
 //! records `copied[j]` and writes `finished[k] = seq + 1`. A stream that uses the copy waits
 //! `copied[j]` (the consumer's own stream does, unless the caller defers that to its streams).
@@ -70,6 +70,9 @@ fn copy_streams() -> usize {
     }
 }
 
+/// `Mirror::last_stream` of a buffer no copy was enqueued into yet.
+const NO_STREAM: usize = usize::MAX;
+
 /// A consumer's own buffers, its copy streams, per buffer the events that mark its copy done
 /// and its last user's work done, and which batch each buffer holds.
 pub(crate) struct Mirror {
@@ -79,6 +82,8 @@ pub(crate) struct Mirror {
     freed: Vec<Event>,
     /// Per buffer: `freed` was recorded (the buffer held a batch before).
     used: Vec<AtomicBool>,
+    /// Per buffer: the copy stream its last copy was enqueued on ([`NO_STREAM`]: none yet).
+    last_stream: Vec<AtomicUsize>,
     table: MirrorTable,
     next: AtomicUsize,
 }
@@ -113,6 +118,7 @@ impl Mirror {
             copied,
             freed,
             used: (0..count).map(|_| AtomicBool::new(false)).collect(),
+            last_stream: (0..count).map(|_| AtomicUsize::new(NO_STREAM)).collect(),
             table: MirrorTable::new(count as usize),
             next: AtomicUsize::new(0),
         })
@@ -121,7 +127,11 @@ impl Mirror {
     /// The copy stream of slot `slot`'s batches (their copies and `finished` writes run on
     /// it, always the same one for a slot).
     pub(crate) fn stream(&self, slot: u32) -> &Stream {
-        &self.copy[slot as usize % self.copy.len()]
+        &self.copy[self.stream_index(slot)]
+    }
+
+    fn stream_index(&self, slot: u32) -> usize {
+        slot as usize % self.copy.len()
     }
 
     /// The number of buffers.
@@ -189,19 +199,20 @@ impl Mirror {
             )
         })?;
         self.next.store((j + 1) % self.len(), Ordering::Relaxed);
-        let s = self.stream(slot);
+        let (si, s) = (self.stream_index(slot), self.stream(slot));
         let mut copy_enqueued = false;
         let r = (|| {
             wait_ready(s)?;
             // The buffer's last users and its last copy are usually long done: wait only for
-            // what is not. The last copy needs its own wait: it may be queued on the other
-            // copy stream, and `freed[j]` follows it only where the stream that released the
-            // batch waited for `copied[j]` (one that never used it did not). An event never
-            // recorded queries as complete.
+            // what is not. The last copy needs its own wait where it was enqueued on another
+            // copy stream (on this one, stream order puts it first): `freed[j]` follows it only
+            // where the stream that released the batch waited for `copied[j]`, and one that
+            // never used the batch did not.
             if self.used[j].load(Ordering::Acquire) && !self.freed[j].query()? {
                 s.wait_event(&self.freed[j])?;
             }
-            if !self.copied[j].query()? {
+            let last = self.last_stream[j].load(Ordering::Acquire);
+            if last != NO_STREAM && last != si && !self.copied[j].query()? {
                 s.wait_event(&self.copied[j])?;
             }
             if len > 0 {
@@ -219,6 +230,7 @@ impl Mirror {
                 // SAFETY: both ranges are valid and unshared for the copy, as argued above.
                 unsafe { driver::memcpy_async(self.buffers[j].ptr(), src, bytes, s) }?;
                 copy_enqueued = true;
+                self.last_stream[j].store(si, Ordering::Release);
             }
             self.copied[j].record(s)?;
             copy_enqueued = false; // `copied[j]` covers it from here
