@@ -34,6 +34,8 @@ pub fn peer_gone(stream: &TcpStream) -> bool {
     };
     match rustix::event::poll(&mut fds, Some(&zero)) {
         Ok(0) => false,
+        // A signal (Ctrl-C) during the call says nothing about the peer: look again next tick.
+        Err(rustix::io::Errno::INTR) => false,
         Err(_) => true,
         Ok(_) => {
             let r = fds[0].revents();
