@@ -889,10 +889,11 @@ impl<B: ProducerBackend> Producer<B> {
                 loan.seq, self.head, self.reserved
             )));
         }
-        // SAFETY: the slot of an unpublished batch taken ahead: its previous holders released
-        // it and the backend ordered after them (acquire_ahead); nothing else hands it out
-        // until it is published (acquire returns it only as the head batch, through a Slot
-        // that borrows the producer mutably, as this memory does).
+        // The slot of an unpublished batch taken ahead: its previous holders released it and
+        // the backend ordered after them (acquire_ahead); nothing else hands it out until it
+        // is published (acquire returns it only as the head batch, through a Slot that
+        // borrows the producer mutably, as this memory does).
+        // SAFETY: the slot is ours alone until published, as argued above.
         Ok(unsafe { self.shared.backend.slot_mut(loan.slot) })
     }
 

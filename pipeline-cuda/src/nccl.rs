@@ -86,10 +86,11 @@ fn api() -> Result<&'static Api, NcclError> {
 
 fn open() -> Result<Api, NcclError> {
     if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
-        // SAFETY: set once, before NCCL is loaded, so before any thread of NCCL's exists
-        // (the unique id's bootstrap thread, a communicator's proxies), from the one thread
-        // that loads it under `API`'s once-lock. What else may read the environment from a
-        // thread of its own then is the CUDA driver, which reads its settings at `cuInit`.
+        // Set once, before NCCL is loaded, so before any thread of NCCL's exists (the unique
+        // id's bootstrap thread, a communicator's proxies), from the one thread that loads it
+        // under `API`'s once-lock. What else may read the environment from a thread of its own
+        // then is the CUDA driver, which reads its settings at `cuInit`.
+        // SAFETY: no other thread writes or reads the environment here, as argued above.
         unsafe { std::env::set_var("NCCL_NVLS_ENABLE", "0") };
     }
     let candidates: Vec<String> = match std::env::var(NCCL_LIB_ENV) {
