@@ -11,6 +11,17 @@ import pytest
 import gpipe
 
 
+def attach_when_up(path, tries):
+    """A consumer of the ring at `path`, once its producer (a forwarder starting in a thread)
+    listens: `tries` attempts 20 ms apart."""
+    for _ in range(tries):
+        try:
+            return gpipe.Consumer(path, timeout=5)
+        except gpipe.AttachError:
+            threading.Event().wait(0.02)
+    return None
+
+
 def test_forward_republishes_every_batch_with_its_tensors(sock):
     down = sock.replace(".sock", "-b.sock")
     p = gpipe.Producer(sock, slots=4, batch_bytes=1 << 20, backend="host")
@@ -26,13 +37,7 @@ def test_forward_republishes_every_batch_with_its_tensors(sock):
     t.start()
     p.wait_for_consumers(1, timeout=10)
     # The forwarder binds its ring, then waits for our consumer there.
-    c = None
-    for _ in range(200):
-        try:
-            c = gpipe.Consumer(down, timeout=5)
-            break
-        except gpipe.AttachError:
-            threading.Event().wait(0.02)
+    c = attach_when_up(down, 200)
     assert c is not None, "the forwarded ring never came up"
     n = 50
     got = []
@@ -105,13 +110,7 @@ while True:
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
-    c = None
-    for _ in range(500):
-        try:
-            c = gpipe.Consumer(down, timeout=5)
-            break
-        except gpipe.AttachError:
-            threading.Event().wait(0.02)
+    c = attach_when_up(down, 500)
     assert c is not None, "the forwarded ring never came up"
     got = []
     died = None

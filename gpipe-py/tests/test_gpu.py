@@ -94,6 +94,17 @@ def result(ch, timeout=120):
     return json.loads(out.strip().splitlines()[-1])
 
 
+def feed_one(child, p, script, *args, n=200):
+    """Starts the consumer child `script` (argv: the producer's socket, then `args`), waits
+    for it to attach, publishes `n` batches, closes the ring and returns the child's result."""
+    k = child(script, p.socket, *args)
+    assert k.readline(timeout=60) == "attached"
+    p.wait_for_consumers(1, timeout=30)
+    produce(p, n)
+    p.close()
+    return result(k)
+
+
 def start_consumers(child, sock, n, how="default", delay="0"):
     kids = [child(CONSUMER, sock, how, delay) for _ in range(n)]
     for k in kids:
@@ -211,12 +222,7 @@ def test_a_consumer_on_another_gpu_reads_every_batch(sock, child, mode, delivery
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
     p = gpipe.Producer(sock, slots=4, batch_bytes=2 << 20, mode=mode, backend="cuda", device=0)
-    k = child(PEER_CONSUMER, sock, delivery)
-    assert k.readline(timeout=60) == "attached"
-    p.wait_for_consumers(1, timeout=30)
-    produce(p, 200)
-    p.close()
-    r = result(k)
+    r = feed_one(child, p, PEER_CONSUMER, delivery)
     assert r["bad"] == 0 and r["seqs"] == list(range(200)), r
     assert r["devices"] == ["cuda:1"] and r["device"] == "cuda:1", r
     # auto mirrors on another GPU.
@@ -248,12 +254,7 @@ def test_a_mirror_whose_buffers_change_copy_streams_never_mixes_batches(sock, ch
     # 5 slots and 3 mirror buffers: a buffer's consecutive copies run on different copy
     # streams (slot k copies on stream k mod 2), and a slow producer keeps copies queued.
     p = gpipe.Producer(sock, slots=5, batch_bytes=2 << 20, backend="cuda")
-    k = child(MIRROR_SKIPPER, sock)
-    assert k.readline(timeout=60) == "attached"
-    p.wait_for_consumers(1, timeout=30)
-    produce(p, 300)
-    p.close()
-    r = result(k)
+    r = feed_one(child, p, MIRROR_SKIPPER, n=300)
     assert r["bad"] == 0 and r["seqs"] == list(range(300)), r
     assert r["delivery"] == "mirror", r
 

@@ -550,12 +550,9 @@ fn bench_with_a_lead_bound_verifies_every_batch_and_reports_it() {
         (r["lost"].as_u64(), r["mismatches"].as_u64()),
         (Some(0), Some(0))
     );
-    let err = std::process::Command::new(GPIPE)
-        .args(["bench", "--backend", "host", "--max-lead", "0"])
-        .output()
-        .unwrap();
-    assert!(!err.status.success());
-    assert!(String::from_utf8_lossy(&err.stderr).contains("max-lead"));
+    let (code, err) = gpipe_exit(&["bench", "--backend", "host", "--max-lead", "0"]);
+    assert_ne!(code, Some(0));
+    assert!(err.contains("max-lead"));
 }
 
 #[test]
@@ -690,45 +687,35 @@ fn bench_fanout_tree_forwards_every_batch_down_a_binary_tree() {
 
 #[test]
 fn bench_fanout_refuses_shared_mode_and_auto_stays_direct_for_one_group() {
-    let out = std::process::Command::new(GPIPE)
-        .args([
-            "bench",
-            "--backend",
-            "host",
-            "--mode",
-            "shared",
-            "--consumers",
-            "2",
-            "--consumer-devices",
-            "0,1",
-            "--fanout",
-            "chain",
-        ])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("needs --mode broadcast"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (code, err) = gpipe_exit(&[
+        "bench",
+        "--backend",
+        "host",
+        "--mode",
+        "shared",
+        "--consumers",
+        "2",
+        "--consumer-devices",
+        "0,1",
+        "--fanout",
+        "chain",
+    ]);
+    assert_ne!(code, Some(0));
+    assert!(err.contains("needs --mode broadcast"), "{err}");
     // One other group: auto is direct, and direct takes no groups on the host backend.
-    let out = std::process::Command::new(GPIPE)
-        .args([
-            "bench",
-            "--backend",
-            "host",
-            "--consumers",
-            "2",
-            "--consumer-devices",
-            "0,1",
-            "--fanout",
-            "auto",
-        ])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("applies to the CUDA backend"));
+    let (code, err) = gpipe_exit(&[
+        "bench",
+        "--backend",
+        "host",
+        "--consumers",
+        "2",
+        "--consumer-devices",
+        "0,1",
+        "--fanout",
+        "auto",
+    ]);
+    assert_ne!(code, Some(0));
+    assert!(err.contains("applies to the CUDA backend"));
 }
 
 #[test]
@@ -842,13 +829,10 @@ fn bench_refuses_passes_that_do_not_fit_the_consumers_or_the_mode() {
             "one value in shared mode",
         ),
     ] {
-        let out = std::process::Command::new(GPIPE)
-            .args(["bench", "--backend", "host", "--batches", "10"])
-            .args(args)
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        let mut all = vec!["bench", "--backend", "host", "--batches", "10"];
+        all.extend_from_slice(args);
+        let (code, err) = gpipe_exit(&all);
+        assert_eq!(code, Some(2), "{args:?}: {err}");
         assert!(err.contains(says), "{args:?}: {err}");
     }
 }

@@ -280,6 +280,9 @@ fn parse_ring(body: &[u8]) -> Result<(BackendKind, Mode), String> {
 // ---------------------------------------------------------------------------------------
 // The watcher: one thread per session that notices when the peer is gone.
 
+/// How long the receiver keeps waiting for a receive after the sender's connection ended.
+const SENDER_GONE_GRACE: Duration = Duration::from_secs(2);
+
 /// Watches a session's peer every tick: NCCL's asynchronous error, and the TCP connection's
 /// end (until [`Watch::peer_may_close`]). It records the first failure; the main thread, which
 /// looks at [`Watch::failure`] between its own NCCL calls, aborts the communicator. Only once
@@ -357,6 +360,19 @@ impl Watch {
     /// to read: a sender that sent its last batches and END, then exited).
     fn nccl_failure(&self) -> Option<String> {
         self.failure().filter(|w| w.starts_with("NCCL"))
+    }
+
+    /// Why the receiver must give up on the sender, if it must: an NCCL failure at once; the
+    /// connection's end once it has lasted [`SENDER_GONE_GRACE`] (`gone_at` keeps when it was
+    /// first seen). A sender exits only after its sends completed, so a receive still pending
+    /// that long after will never complete.
+    fn sender_gone(&self, gone_at: &mut Option<Instant>) -> Option<RelayError> {
+        if let Some(why) = self.nccl_failure() {
+            return Some(RelayError(format!("the sender is gone: {why}")));
+        }
+        let why = self.failure()?;
+        let t = *gone_at.get_or_insert_with(Instant::now);
+        (t.elapsed() > SENDER_GONE_GRACE).then(|| RelayError(format!("the sender is gone: {why}")))
     }
 
     /// The peer said it is done (END): its closing the connection is no failure now.
@@ -1140,16 +1156,8 @@ fn recv_loop_cuda(
                     if st.received[k].query().map_err(err)? {
                         break;
                     }
-                    if let Some(why) = watch.nccl_failure() {
-                        return Err(RelayError(format!("the sender is gone: {why}")));
-                    }
-                    // The connection's end: a sender exits only after its sends completed, so
-                    // a receive still pending a moment later will never complete.
-                    if let Some(why) = watch.failure() {
-                        let t = *closed_at.get_or_insert_with(Instant::now);
-                        if t.elapsed() > Duration::from_secs(2) {
-                            return Err(RelayError(format!("the sender is gone: {why}")));
-                        }
+                    if let Some(e) = watch.sender_gone(&mut closed_at) {
+                        return Err(e);
                     }
                     if stop.load(Ordering::Relaxed) {
                         return Ok(());
@@ -1203,17 +1211,10 @@ fn recv_loop_cuda(
                 if stop.load(Ordering::Relaxed) {
                     return Ok(());
                 }
-                if let Some(why) = watch.nccl_failure() {
-                    return Err(RelayError(format!("the sender is gone: {why}")));
-                }
-                // The connection's end while we wait: as when publishing, a receive still
-                // pending a moment later will never complete (nor will this wait end, if our
-                // consumers hold every slot until they get it).
-                if let Some(why) = watch.failure() {
-                    let t = *gone_at.get_or_insert_with(Instant::now);
-                    if t.elapsed() > Duration::from_secs(2) {
-                        return Err(RelayError(format!("the sender is gone: {why}")));
-                    }
+                // As when publishing; nor would this wait end, if our consumers hold every
+                // slot until they get the batch still pending.
+                if let Some(e) = watch.sender_gone(&mut gone_at) {
+                    return Err(e);
                 }
                 // Publish the receives that completed while we wait: a consumer may hold its
                 // batches until it gets the next one, which would otherwise wait here for a

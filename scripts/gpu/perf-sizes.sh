@@ -20,12 +20,9 @@ sweep() { # mps label
     done
   done
 }
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
-mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-nvidia-cuda-mps-control -d && sleep 1 && echo "== MPS on"
+mps_on
 sweep on
-echo quit | nvidia-cuda-mps-control; sleep 2
-unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+mps_off
 echo "== MPS off"
 sweep off
 echo "== --slots auto without MPS"

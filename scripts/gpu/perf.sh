@@ -23,12 +23,9 @@ matrix() { # label
   bench "$m-4c-broadcast-2MiB" --consumers 4 --batch-bytes 2MiB --batches 20000 --slots 8
   bench "$m-rtt-2MiB" --consumers 1 --batch-bytes 2MiB --batches 5000 --slots 1 --round-trip
 }
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
-mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-nvidia-cuda-mps-control -d && sleep 1 && echo "== MPS on"
+mps_on
 matrix mps
-echo quit | nvidia-cuda-mps-control; sleep 2
-unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+mps_off
 echo "== MPS off"
 for slots in 8 32; do
   bench "nomps-1c-2MiB-slots$slots" --consumers 1 --batch-bytes 2MiB --batches 8000 --slots $slots

@@ -179,6 +179,15 @@ pub fn bench_json(args: &[&str]) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
+/// Runs `gpipe ARGS` to its end: its exit code (None: killed by a signal) and its stderr.
+pub fn gpipe_exit(args: &[&str]) -> (Option<i32>, String) {
+    let out = Command::new(GPIPE).args(args).output().unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 pub fn inspect(sock: &Path) -> serde_json::Value {
     let out = Command::new(GPIPE)
         .args(["inspect", "--json", "--socket", sock.to_str().unwrap()])
