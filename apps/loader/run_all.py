@@ -7,7 +7,8 @@ processes under a hard time limit, and appends one JSON line per run to ``OUT/lo
 - ``ceiling``: the training step on synthetic GPU tensors (baselines.py);
 - ``dataloader``: torch DataLoader, PIL decode in worker processes (baselines.py);
 - ``inprocess``: GPU decode + augment in the training process on a side stream (baselines.py);
-- ``gpipe``: producer.py and train.py as separate processes, one producer per GPU;
+- ``gpipe``: producer.py and train.py as separate processes, one producer per GPU, or
+  ``--decoders K`` per GPU (each its own ring and shard, read by the trainer in turn);
 - ``producer``: producer.py feeding a trainer that only receives (``--model none``): the
   producer's own images/s.
 
@@ -62,12 +63,12 @@ class Runner:
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
 
-    def start(self, name: str, cmd: list[str], limit: float) -> subprocess.Popen:
+    def start(self, name: str, cmd: list[str], limit: float, env: Optional[dict] = None) -> subprocess.Popen:
         limit = max(1, int(min(limit, self.remaining())))
         out = tempfile.TemporaryFile("w+")
         err = tempfile.TemporaryFile("w+")
         p = subprocess.Popen(
-            ["timeout", "-k", "5", str(limit), *cmd], stdout=out, stderr=err, env=self.env,
+            ["timeout", "-k", "5", str(limit), *cmd], stdout=out, stderr=err, env={**self.env, **(env or {})},
             start_new_session=True, text=True,
         )
         p.name, p.cmd, p.out, p.err = name, cmd, out, err  # type: ignore[attr-defined]
@@ -120,16 +121,28 @@ PRODUCER_FIELDS = ("images_per_s", "steady_images_per_s", "busy_images_per_s", "
 
 def run_config(r: Runner, a: argparse.Namespace, model: str, config: str, world: int) -> dict:
     base: dict[str, Any] = {"run": a.label, "config": config, "model": model, "world_size": world, "batch": a.batch}
+    if config in ("gpipe", "producer"):
+        base["decoders"] = a.decoders
+        if a.producer_sm_percent:
+            base["producer_sm_percent"] = a.producer_sm_percent
     dl = config == "dataloader"
     steps, warmup = (a.dl_steps, a.dl_warmup) if dl else (a.steps, a.warmup)
     if config == "producer":
         steps = max(steps, 2 * a.steps)
     first_model = a.models.split(",")[0]
-    profile = ["--profile", str(a.profile), "--profile-out", os.path.join(a.out, "profile.txt")] \
-        if a.profile and model == first_model and config in ("gpipe", "inprocess") and world == 1 else []
+    # One GPU: the gpipe and in-process runs of the first model. DDP: the 2-GPU runs, every
+    # rank profiling the same extra steps (all-reduce needs them all), rank 0's table kept.
+    profiled = a.profile and model == first_model and (
+        config in ("gpipe", "inprocess") if world == 1 else config in ("gpipe", "ceiling") and world > 1)
+    profile = ["--profile", str(a.profile), "--profile-out", os.path.join(a.out, "profile.txt")] if profiled else []
+
+    def profile_for(rank: int) -> list[str]:
+        return profile if rank == 0 or not profile else [*profile[:2], "--profile-out", os.devnull]
+
     if profile:
         with open(os.path.join(a.out, "profile.txt"), "a") as f:
-            f.write(f"\n==== {a.label} {model} {config}: torch.profiler over {a.profile} steps after the timed ones\n")
+            f.write(f"\n==== {a.label} {model} {config} W={world}: torch.profiler over {a.profile} steps "
+                    f"after the timed ones{' (rank 0)' if world > 1 else ''}\n")
     tag = f"{a.label}-{model}-{config}-w{world}"
     pg = f"file://{tempfile.gettempdir()}/loader-pg-{os.getpid()}-{tag}"
     limit = a.run_limit
@@ -138,7 +151,7 @@ def run_config(r: Runner, a: argparse.Namespace, model: str, config: str, world:
         for rank in range(world):
             cmd = [PY, os.path.join(HERE, "baselines.py"), config, "--model", model, "--batch", str(a.batch),
                    "--size", str(a.size), "--steps", str(steps), "--warmup", str(warmup), "--workers", str(a.workers),
-                   "--device", "cpu" if a.cpu else f"cuda:{rank}" if world == 1 else "cuda", *profile]
+                   "--device", "cpu" if a.cpu else f"cuda:{rank}" if world == 1 else "cuda", *profile_for(rank)]
             if config != "ceiling":
                 cmd += ["--data", a.data]
             if world > 1:
@@ -150,19 +163,26 @@ def run_config(r: Runner, a: argparse.Namespace, model: str, config: str, world:
         errors = [f"rank {i}: rc {rc}: {tail}" for i, (rc, rec, tail) in enumerate(results) if rc != 0 or rec is None]
     else:
         tmp = tempfile.gettempdir()
-        socks = [os.path.join(tmp, f"loader-{os.getpid()}-{tag}-{rank}.sock") for rank in range(world)]
+        k = a.decoders
+        socks = [[os.path.join(tmp, f"loader-{os.getpid()}-{tag}-{rank}-{d}.sock") for d in range(k)]
+                 for rank in range(world)]
         prods = []
         for rank in range(world):
-            cmd = [PY, os.path.join(HERE, "producer.py"), "--data", a.data, "--socket", socks[rank],
-                   "--backend", "host" if a.cpu else "cuda", "--device", str(rank), "--batch", str(a.batch),
-                   "--size", str(a.size), "--shard", f"{rank}/{world}", "--slots", str(a.slots),
-                   "--warmup", str(warmup), "--label", tag]
-            prods.append(r.start(f"{tag} producer {rank}", cmd, limit + 15))
+            for d in range(k):
+                cmd = [PY, os.path.join(HERE, "producer.py"), "--data", a.data, "--socket", socks[rank][d],
+                       "--backend", "host" if a.cpu else "cuda", "--device", str(rank), "--batch", str(a.batch),
+                       "--size", str(a.size), "--shard", f"{rank * k + d}/{world * k}", "--slots", str(a.slots),
+                       "--read-threads", str(max(2, a.read_threads // k)), "--warmup", str(warmup),
+                       "--label", tag]
+                # Under MPS, a producer limited to a share of the SMs leaves the rest to the
+                # trainer (and its NCCL kernels, which wait for the other rank's).
+                env = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(a.producer_sm_percent)} if a.producer_sm_percent else None
+                prods.append(r.start(f"{tag} producer {rank}.{d}", cmd, limit + 15, env))
         trains = []
         for rank in range(world):
-            cmd = [PY, os.path.join(HERE, "train.py"), "--socket", socks[rank],
+            cmd = [PY, os.path.join(HERE, "train.py"), "--socket", ",".join(socks[rank]),
                    "--model", "none" if config == "producer" else model,
-                   "--steps", str(steps), "--warmup", str(warmup), "--label", tag, *profile]
+                   "--steps", str(steps), "--warmup", str(warmup), "--label", tag, *profile_for(rank)]
             if world > 1:
                 cmd += ["--world-size", str(world), "--rank", str(rank), "--dist-url", pg]
             trains.append(r.start(f"{tag} trainer {rank}", cmd, limit))
@@ -174,7 +194,7 @@ def run_config(r: Runner, a: argparse.Namespace, model: str, config: str, world:
                   for i, (rc, rec, tail) in enumerate(t_results) if rc != 0 or rec is None]
         errors += [f"producer {i}: rc {rc}: {tail}"
                    for i, (rc, rec, tail) in enumerate(p_results) if rc != 0 or rec is None]
-        for s in socks:
+        for s in (s for per_rank in socks for s in per_rank):
             if os.path.exists(s):
                 os.unlink(s)
     rec = dict(base)
@@ -288,6 +308,10 @@ def summarize(path: str) -> str:
             ratio = f"{ips / dlr:.2f}" if ips and dlr else "-"
             prod = x.get("producer_images_per_s")
             note = x.get("error", "")[:150] if x.get("error") else ""
+            if x.get("producer_sm_percent"):
+                note = f"producers at {x['producer_sm_percent']}% of the SMs; " + note
+            if (x.get("decoders") or 1) > 1:
+                note = f"{x['decoders']} decode processes per GPU; " + note
             if x.get("per_rank_images_per_s"):
                 note = f"ranks {x['per_rank_images_per_s']} " + note
             wait = _pct(x.get("wait_fraction"))
@@ -368,8 +392,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "(16 workers x 2 = 32), which would otherwise be timed as if free")
     ap.add_argument("--workers", type=int, default=16, help="DataLoader workers")
     ap.add_argument("--slots", type=int, default=6, help="gpipe ring slots")
+    ap.add_argument("--decoders", type=int, default=1,
+                    help="producer (decode) processes per GPU in the gpipe runs, each its own ring and "
+                    "shard; the trainer reads them in turn")
+    ap.add_argument("--producer-sm-percent", type=int, default=None, metavar="P",
+                    help="with MPS: each producer may use P%% of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)")
+    ap.add_argument("--read-threads", type=int, default=8,
+                    help="file-reading threads per GPU, split between its decode processes")
     ap.add_argument("--profile", type=int, default=0,
-                    help="torch.profiler over N extra steps (gpipe and inprocess, first model)")
+                    help="torch.profiler over N extra steps (gpipe and inprocess, first model; with --world-size: "
+                    "the DDP gpipe and ceiling runs, rank 0)")
     ap.add_argument("--probe", action="store_true", help="first measure decode cost per image")
     ap.add_argument("--probe-batches", type=int, default=12)
     ap.add_argument("--quick", action="store_true", help="a handful of steps per run, to check that all runs work")
@@ -381,6 +413,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--summary-only", action="store_true", help="print the summary of OUT/loader.jsonl; run nothing")
     ap.add_argument("--no-summary", action="store_true", help="run, but leave the summary to a later --summary-only")
     a = ap.parse_args(argv)
+    if a.decoders < 1:
+        ap.error("--decoders must be at least 1")
     if a.quick:
         a.steps, a.warmup, a.dl_steps, a.dl_warmup, a.probe_batches = 5, 3, 3, 2, 3
     os.makedirs(a.out, exist_ok=True)

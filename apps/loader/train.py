@@ -8,15 +8,17 @@ release waits for the step's kernels). Batches carry their epoch in the header (
 steps the learning-rate scheduler.
 
 Distributed data parallel: ``--world-size W --rank R`` joins a process group (NCCL on CUDA,
-gloo on the CPU). Two ways to feed the ranks:
+gloo on the CPU). Three ways to feed the ranks:
 
-- one producer per GPU (``producer.py --device R --shard R/W``; a consumer must be on its
+- one producer per GPU (``producer.py --device R --shard R/W``; the trainer runs on its
   producer's GPU): each rank reads its own ring, all of whose batches are its own;
+- several producers per GPU (``--socket A,B``, producers ``--shard`` R*K+k/W*K): the trainer
+  reads K rings in turn, so K decode processes, each with its own interpreter, feed one GPU;
 - one producer for several trainers on one device (``producer.py --consumers W --multiple W``
   and ``--take R/W`` here): the ring broadcasts every batch and trainer R keeps those whose
   batch number g has g % W == R, releasing the others at once.
 
-Either way every rank gets the same number of batches per epoch, so all-reduce never waits
+Every way, every rank gets the same number of batches per epoch, so all-reduce never waits
 for a rank that ran out.
 
 Prints one JSON line: images/s, the fraction of the stream's time spent waiting for data,
@@ -41,19 +43,31 @@ from step import MODELS, TrainStep, emit, environment, measure, setup_device  # 
 
 
 class RingBatches:
-    """Iterator of (images, labels, info) over a consumer's batches, without a copy.
+    """Iterator of (images, labels, info) over a trainer's batches, without a copy.
+
+    With several rings (one per decode process) it takes one batch from each in turn. Every
+    producer publishes the same number of batches per epoch (its shard of the same plan), so
+    taking them in turn keeps the rings' epochs together and never leaves one ring's batches
+    waiting behind another's.
 
     A class rather than a generator: a generator's frame would keep the last tensors (and so
     their slot) alive while it waits for the next batch.
     """
 
-    def __init__(self, consumer: gpipe.Consumer, take: tuple[int, int], timeout: float):
-        self.consumer, self.take, self.timeout = consumer, take, timeout
+    def __init__(self, consumers: list[gpipe.Consumer], take: tuple[int, int], timeout: float):
+        self.consumers, self.take, self.timeout = consumers, take, timeout
         self.received = 0
         self.skipped = 0
-        self.globals: list[int] = []
+        self.per_ring: list[list[int]] = [[] for _ in consumers]
+        self.kept: list[int] = []
         self.wrong_order = 0
-        self._last_global = -1
+        self._last_global = [-1] * len(consumers)
+        self._turn = 0
+
+    @property
+    def globals(self) -> list[int]:
+        """The batch numbers kept, in the order received (each ring numbers its own)."""
+        return self.kept
 
     def __iter__(self) -> "RingBatches":
         return self
@@ -61,28 +75,31 @@ class RingBatches:
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor, dict]:
         rank, world = self.take
         while True:
+            ring = self._turn
             try:
-                batch = self.consumer.recv(timeout=self.timeout)
+                batch = self.consumers[ring].recv(timeout=self.timeout)
             except gpipe.Closed:
                 raise StopIteration
+            self._turn = (ring + 1) % len(self.consumers)
             self.received += 1
             meta = batch.meta
             g = meta[META_GLOBAL]
-            if g <= self._last_global:
+            if g <= self._last_global[ring]:
                 self.wrong_order += 1
-            self._last_global = g
+            self._last_global[ring] = g
             if g % world != rank:
                 batch.release()
                 self.skipped += 1
                 continue
-            self.globals.append(g)
+            self.per_ring[ring].append(g)
+            self.kept.append(g)
             with batch:
                 return (
                     torch.from_dlpack(batch["images"]),
                     torch.from_dlpack(batch["labels"]),
                     {
                         "epoch": meta[META_EPOCH], "index": meta[META_INDEX], "per_epoch": meta[META_PER_EPOCH],
-                        "global": g, "classes": meta[META_CLASSES],
+                        "global": g, "classes": meta[META_CLASSES], "ring": ring,
                     },
                 )
 
@@ -100,7 +117,9 @@ def parse_fraction(text: str) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--socket", required=True, help="the producer's socket")
+    ap.add_argument("--socket", required=True,
+                    help="the producer's socket; several, comma-separated, to read one ring per decode "
+                    "process in turn (producer.py --shard K/N each)")
     ap.add_argument("--model", choices=MODELS, default="resnet50", help="'none' only receives (measures the producer)")
     ap.add_argument("--steps", type=int, default=60, help="timed steps (0: until the producer closes the ring)")
     ap.add_argument("--warmup", type=int, default=10, help="steps before timing starts")
@@ -118,8 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-out", default=None, help="also append the JSON line to this file")
     a = ap.parse_args(argv)
 
-    consumer = attach(a.socket, a.attach_timeout)
-    dev = setup_device(consumer.device)
+    paths = [p for p in a.socket.split(",") if p]
+    if not paths:
+        ap.error("--socket: no socket given")
+    if len(paths) > 1 and a.take != (0, 1):
+        ap.error("--take splits one ring between trainers; with several rings give each trainer its own")
+    consumers = [attach(p, a.attach_timeout) for p in paths]
+    devices = {c.device for c in consumers}
+    if len(devices) > 1:
+        ap.error(f"the rings are on different devices ({', '.join(sorted(devices))}): a trainer reads "
+                 "rings on one device")
+    dev = setup_device(consumers[0].device)
     if a.world_size > 1:
         import torch.distributed as dist
 
@@ -127,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             "nccl" if dev.type == "cuda" else "gloo", init_method=a.dist_url,
             rank=a.rank, world_size=a.world_size,
         )
-    batches = RingBatches(consumer, a.take, a.timeout)
+    batches = RingBatches(consumers, a.take, a.timeout)
     # The first batch says how many classes there are; then build the model.
     first = next(batches)
     batch_size, num_classes = int(first[0].shape[0]), int(first[2]["classes"])
@@ -139,8 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         profile=a.profile, profile_path=a.profile_out,
     )
     received, skipped = batches.received, batches.skipped
-    read_only = consumer.enforced_read_only
-    consumer.close()
+    read_only = all(c.enforced_read_only for c in consumers)
+    for c in consumers:
+        c.close()
     if a.world_size > 1:
         import torch.distributed as dist
 
@@ -150,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         "role": "trainer", "label": a.label, "model": a.model, "device": str(dev),
         "rank": a.rank, "world_size": a.world_size, "take": list(a.take),
         "received": received, "skipped": skipped, "kept": len(batches.globals),
-        "globals": batches.globals, "out_of_order": batches.wrong_order,
+        "globals": batches.globals, "rings": len(consumers),
+        "per_ring": batches.per_ring if len(consumers) > 1 else None, "out_of_order": batches.wrong_order,
         "enforced_read_only": read_only, **out, **environment(),
     }
     emit(record, a.json_out)

@@ -292,6 +292,30 @@ def test_two_ddp_ranks_each_fed_by_its_own_producer(data, procs):
         assert math.isfinite(ts[r]["loss"])
 
 
+def test_one_trainer_reads_two_decode_processes_in_turn(data, procs):
+    socks = [sock(), sock()]
+    prods = [procs("producer.py", *producer_args(data, socks[d], "--epochs", "2", "--shard", f"{d}/2"))
+             for d in range(2)]
+    train = procs("train.py", "--socket", ",".join(socks), "--model", "resnet18", "--steps", "0", "--warmup", "1")
+    t = train.result()
+    ps = [p.result() for p in prods]
+    per_ring = IMAGES // 2 // 4  # each producer's shard: 3 batches per epoch
+    for d in range(2):
+        assert ps[d]["end"] == "done" and ps[d]["batches"] == 2 * per_ring and ps[d]["shard"] == [d, 2]
+    assert t["rings"] == 2 and t["received"] == 4 * per_ring and t["out_of_order"] == 0
+    # Every batch of both rings, each ring's in its own order, taken one from each in turn.
+    assert t["per_ring"] == [list(range(2 * per_ring))] * 2
+    assert t["globals"] == [g for g in range(2 * per_ring) for _ in range(2)]
+    assert t["epochs"] == {"0": 2 * per_ring, "1": 2 * per_ring}
+    assert t["steps"] == 4 * per_ring - 1 and math.isfinite(t["loss"])
+
+
+def test_a_trainer_refuses_rings_split_by_take(procs):
+    train = procs("train.py", "--socket", f"{sock()},{sock()}", "--take", "0/2", "--attach-timeout", "1")
+    _, err = train.p.communicate(timeout=CHILD_TIMEOUT_S)
+    assert train.p.returncode == 2 and "with several rings give each trainer its own" in err
+
+
 def test_baselines_run_on_the_cpu(data, procs):
     common = ["--model", "resnet18", "--device", "cpu", "--batch", "4", "--size", str(SIZE), "--steps", "2",
               "--warmup", "1", "--workers", "1", "--read-threads", "2", "--classes", "3"]

@@ -10,6 +10,12 @@
 #   bash scripts/gpu/app-loader.sh quick      # a few steps of every run, to check that all work
 #   bash scripts/gpu/app-loader.sh ddp        # the 2-GPU machine: gpipe on 1 and 2 GPUs (DDP)
 #   bash scripts/gpu/app-loader.sh ddp quick
+#   MPS=on SM_PERCENT=25 bash scripts/gpu/app-loader.sh ddp   # MPS only, producers at 25% of SMs
+#   bash scripts/gpu/app-loader.sh decoders   # one GPU, MPS: 1, 2, 3 decode processes per GPU
+#
+# DECODERS=K (default 1) gives every gpipe run K decode processes per GPU (`run_all.py
+# --decoders`), labelled -dK; the decoders mode sweeps DECODER_COUNTS (default "1 2 3") over
+# MODELS (default resnet18) and measures the DataLoader reference (no MPS) beside them.
 #
 # Every child runs under a hard limit (timeout -k 5 N setsid ...); run_all.py also bounds each
 # run and skips what would overrun its budget.
@@ -29,11 +35,29 @@ python3 -c "import torch as t, torchvision as v; print('torch', t.__version__, v
 echo "== data set: $COUNT images in $DATA"
 limit 100 python3 apps/loader/make_dataset.py "$DATA" --count "$COUNT" 2>&1 | tail -3
 run() { limit "$1" python3 apps/loader/run_all.py --data "$DATA" --out "$O" --no-summary $Q "${@:2}"; }
+K=${DECODERS:-1}; D=(--decoders "$K"); S=; [ "$K" -gt 1 ] && S=-d$K
+# SM_PERCENT=P (MPS runs only): each producer may use P% of the SMs, labelled -smP.
+MD=(); MS=; [ -n "${SM_PERCENT:-}" ] && { MD=(--producer-sm-percent "$SM_PERCENT"); MS=-sm$SM_PERCENT; }
+# PROFILE=N (ddp): torch.profiler over N extra steps of the DDP runs, rank 0 (OUT/profile.txt).
+[ -n "${PROFILE:-}" ] && MD+=(--profile "$PROFILE")
 if [ "$mode" = ddp ]; then
-  echo "== 2 GPUs, no MPS"
-  run 170 --world-size 2 --label nomps --probe --budget 160
-  echo "== 2 GPUs, MPS"
-  mps_on; run 150 --world-size 2 --label mps --budget 140; mps_off
+  if [ "${MPS:-both}" != on ]; then
+    echo "== 2 GPUs, no MPS, $K decode process(es) per GPU"
+    run 170 --world-size 2 --label nomps$S "${D[@]}" "${MD[@]}" --probe --budget 160
+  fi
+  if [ "${MPS:-both}" != off ]; then
+    echo "== 2 GPUs, MPS, $K decode process(es) per GPU"
+    mps_on; run 150 --world-size 2 --label mps$S$MS "${D[@]}" "${MD[@]}" --budget 140; mps_off
+  fi
+elif [ "$mode" = decoders ]; then
+  echo "== the DataLoader reference (CPU-bound: no MPS)"
+  run 120 --label nomps --models "${MODELS:-resnet18}" --configs dataloader --budget 110
+  mps_on
+  for k in ${DECODER_COUNTS:-1 2 3}; do
+    echo "== MPS, $k decode process(es) per GPU"
+    run 150 --label "mps-d$k" --decoders "$k" --models "${MODELS:-resnet18}" --configs gpipe,producer --budget 140
+  done
+  mps_off
 else
   if [ "$speed" = quick ]; then
     echo "== quick, no MPS"
@@ -44,11 +68,11 @@ else
     # One device command each (under 10 minutes): `full` runs both parts in one.
     if [ "$mode" != mps ]; then
       echo "== no MPS"
-      run ${NOMPS_S:-420} --label nomps --probe --profile 3 --budget $(( ${NOMPS_S:-420} - 15 ))
+      run ${NOMPS_S:-420} --label nomps$S "${D[@]}" --probe --profile 3 --budget $(( ${NOMPS_S:-420} - 15 ))
     fi
     if [ "$mode" != nomps ]; then
       echo "== MPS (the DataLoader is CPU-bound: its no-MPS run is the reference)"
-      mps_on; run ${MPS_S:-300} --label mps --configs gpipe,inprocess,ceiling,producer --budget $(( ${MPS_S:-300} - 15 )); mps_off
+      mps_on; run ${MPS_S:-300} --label mps$S "${D[@]}" --configs gpipe,inprocess,ceiling,producer --budget $(( ${MPS_S:-300} - 15 )); mps_off
     fi
   fi
 fi
