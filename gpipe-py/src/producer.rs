@@ -14,7 +14,9 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use pipeline_cuda::backend::{CudaOptions, CudaProducer, HandleKind, MemoryPath, SyncMode};
+use pipeline_cuda::backend::{
+    CudaOptions, CudaProducer, HandleKind, MemoryPath, SyncMode, TimelineMemory,
+};
 use pipeline_cuda::driver::CUstream;
 
 use crate::consumer::{TICK, stream_handle};
@@ -42,7 +44,12 @@ macro_rules! with_producer {
 /// waiting on a dead producer's word is released by its watch thread; an IPC event of a
 /// dead process may never complete), and in broadcast mode the VMM path where the device
 /// has it, so consumers map the slots read-only.
-fn cuda_options(device: usize, mode: Mode, sync: SyncMode) -> Result<CudaOptions, String> {
+fn cuda_options(
+    device: usize,
+    mode: Mode,
+    sync: SyncMode,
+    words: TimelineMemory,
+) -> Result<CudaOptions, String> {
     if !pipeline_cuda::driver::driver_present() {
         return Err("no CUDA driver (libcuda.so.1) could be loaded".into());
     }
@@ -67,6 +74,7 @@ fn cuda_options(device: usize, mode: Mode, sync: SyncMode) -> Result<CudaOptions
         memory,
         handle: HandleKind::PosixFd,
         sync,
+        timeline_memory: words,
         ..CudaOptions::default()
     })
 }
@@ -139,7 +147,7 @@ fn parse_mode(mode: &str) -> PyResult<Mode> {
 #[pymethods]
 impl PyProducer {
     #[new]
-    #[pyo3(signature = (socket, *, slots=None, batch_bytes=8 << 20, mode="broadcast", backend="auto", device=0, detach_after_ms=None, max_consumers=16, drain_timeout=5.0, sync="auto", max_lead=None, depth_budget=2 << 30))]
+    #[pyo3(signature = (socket, *, slots=None, batch_bytes=8 << 20, mode="broadcast", backend="auto", device=0, detach_after_ms=None, max_consumers=16, drain_timeout=5.0, sync="auto", max_lead=None, depth_budget=2 << 30, timeline_memory="device"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -155,6 +163,7 @@ impl PyProducer {
         sync: &str,
         max_lead: Option<Bound<'_, PyAny>>,
         depth_budget: u64,
+        timeline_memory: &str,
     ) -> PyResult<Self> {
         // None: 8; Some(None): "auto", resolved once the backend is known.
         let slots_arg: Option<u32> = match &slots {
@@ -197,6 +206,9 @@ impl PyProducer {
                 )));
             }
         };
+        // Device memory: measured faster on an H100 (docs/benchmarks.md, "Timeline words in
+        // device memory").
+        let words: TimelineMemory = timeline_memory.parse().map_err(PyValueError::new_err)?;
         if !(drain_timeout.is_finite() && drain_timeout >= 0.0) {
             return Err(PyValueError::new_err(format!(
                 "drain_timeout must be a non-negative number of seconds, not {drain_timeout}"
@@ -231,10 +243,10 @@ impl PyProducer {
         let cuda = match backend {
             "host" => None,
             "cuda" => Some(
-                cuda_options(device as usize, mode, sync)
+                cuda_options(device as usize, mode, sync, words)
                     .map_err(|e| crate::BackendError::new_err(format!("backend=\"cuda\": {e}")))?,
             ),
-            "auto" => cuda_options(device as usize, mode, sync).ok(),
+            "auto" => cuda_options(device as usize, mode, sync, words).ok(),
             other => {
                 return Err(PyValueError::new_err(format!(
                     "unknown backend {other:?}: use \"auto\", \"cuda\" or \"host\""

@@ -38,6 +38,8 @@ def test_producer_arguments(sock):
         gpipe.Producer(sock, backend="host", slots=-1)
     with pytest.raises(ValueError):
         gpipe.Producer(sock, backend="host", device=-1)
+    with pytest.raises(ValueError, match="unknown timeline memory.*use host or device"):
+        gpipe.Producer(sock, backend="host", timeline_memory="gpu")
 
 
 def test_a_second_producer_on_a_live_socket(ring, sock):

@@ -65,8 +65,8 @@ use crate::memory::{ConsumerSlots, ProducerSlots, micros};
 pub use crate::memory::{HandleKind, ImportTimings, MAX_VMM_FD_SLOTS, MemoryPath};
 use crate::mirror::{self, Mirror};
 use crate::probe::Capabilities;
-pub use crate::sync::SyncMode;
 use crate::sync::{FinishedWords, RELEASED, ReadySignal, Timelines, join_into};
+pub use crate::sync::{SyncMode, TimelineMemory};
 
 const REPLY_MAGIC: u32 = u32::from_le_bytes(*b"GCF1");
 const HANDLE: usize = 64;
@@ -112,6 +112,9 @@ pub struct CudaOptions {
     /// for its sends (which run as SM kernels beside the producer's work) when asked to
     /// (`RelayOptions::high_priority`, off by default).
     pub high_priority: bool,
+    /// Producer: where the timeline words (`finished`, and `ready` under semaphore sync) live
+    /// (default [`TimelineMemory::Host`]). Consumers ignore it and follow the export.
+    pub timeline_memory: TimelineMemory,
 }
 
 impl CudaOptions {
@@ -124,6 +127,12 @@ impl CudaOptions {
     /// These options with `sync` as the ready signal.
     pub fn with_sync(mut self, sync: SyncMode) -> Self {
         self.sync = sync;
+        self
+    }
+
+    /// These options with the timeline words in `memory`.
+    pub fn with_timeline_memory(mut self, memory: TimelineMemory) -> Self {
+        self.timeline_memory = memory;
         self
     }
 
@@ -207,6 +216,8 @@ pub struct CudaProducer {
     export: Vec<u8>,
     slot_bytes: u64,
     timelines: FinishedWords,
+    /// Device timeline words only: the stream that zeroes and releases them (it never waits).
+    release: Option<Arc<Stream>>,
     /// Consumers whose timelines the producer waits on (bit c). Locked only briefly, never
     /// across a driver call, so a departure can always release a dead consumer's words.
     live: Mutex<u64>,
@@ -264,6 +275,14 @@ impl CudaProducer {
     /// How the slots' handles are shared.
     pub fn handle_kind(&self) -> HandleKind {
         self.handle
+    }
+    /// Where the timeline words live.
+    pub fn timeline_memory(&self) -> TimelineMemory {
+        if self.release.is_some() {
+            TimelineMemory::Device
+        } else {
+            TimelineMemory::Host
+        }
     }
 
     /// Makes a caller's `stream` wait for everything enqueued on the producer's stream so far
@@ -339,7 +358,11 @@ impl Watch {
 
     /// Drops the waits the stream has passed; notes when it reached the oldest left.
     fn update(&self, st: &mut WatchState) {
-        let passed = self.progress.host(0, 0).load(Ordering::Acquire);
+        // Progress words are host words (Watch::new).
+        let passed = self
+            .progress
+            .host(0, 0)
+            .map_or(0, |w| w.load(Ordering::Acquire));
         while st.pending.front().is_some_and(|&(n, _)| n <= passed) {
             st.pending.pop_front();
             st.front_reached = None;
@@ -377,6 +400,16 @@ impl ProducerBackend for CudaProducer {
         let ctx = Context::new(options.device.unwrap_or(0)).map_err(be)?;
         check_capabilities(&ctx, memory, handle)?;
         let stream = Stream::new(&ctx).map_err(be)?;
+        // Made right after ours, before any stream of the application's: consecutive streams
+        // get different hardware queues, so a wait stalled on ours never holds up a release.
+        let release = match options.timeline_memory {
+            TimelineMemory::Host => None,
+            TimelineMemory::Device => Some(Arc::new(Stream::new(&ctx).map_err(be)?)),
+        };
+        let word_bytes = match options.timeline_memory {
+            TimelineMemory::Host => 0,
+            TimelineMemory::Device => crate::sync::device_word_bytes(&ctx)?,
+        };
         let slots = ProducerSlots::create(&ctx, &stream, layout, memory, handle).map_err(be)?;
         let mut export = Vec::new();
         ExportHeader {
@@ -386,6 +419,8 @@ impl ProducerBackend for CudaProducer {
             uuid: ctx.device().uuid().map_err(be)?,
             slot_count: layout.slot_count,
             slot_bytes: layout.slot_bytes,
+            words: options.timeline_memory,
+            word_bytes,
         }
         .write(&mut export);
         slots.write_export(&mut export);
@@ -399,14 +434,22 @@ impl ProducerBackend for CudaProducer {
                 }
                 ReadySignal::Events(events)
             }
-            SyncMode::Semaphore => ReadySignal::Semaphore(Timelines::create(
+            SyncMode::Semaphore => ReadySignal::Semaphore(Timelines::create_in(
                 &ctx,
+                options.timeline_memory,
+                release.as_ref(),
                 1,
                 layout.slot_count,
                 "gpipe-ready",
             )?),
         };
-        let timelines = FinishedWords::new(&ctx, layout.consumer_capacity, layout.slot_count);
+        let timelines = FinishedWords::new(
+            &ctx,
+            options.timeline_memory,
+            release.as_ref(),
+            layout.consumer_capacity,
+            layout.slot_count,
+        );
         let watch = Watch::new(&ctx)?;
         let scratch = Event::new_plain(&ctx).map_err(be)?;
         Ok(Self {
@@ -420,6 +463,7 @@ impl ProducerBackend for CudaProducer {
             export,
             slot_bytes: layout.slot_bytes,
             timelines,
+            release,
             live: Mutex::new(0),
             gate: RwLock::new(()),
             watch,
@@ -591,6 +635,11 @@ impl Drop for CudaProducer {
         if let Err(e) = self.stream.synchronize() {
             tracing::error!("CUDA producer teardown: stream synchronize failed: {e}");
         }
+        if let Some(r) = &self.release {
+            if let Err(e) = r.synchronize() {
+                tracing::error!("CUDA producer teardown: release stream synchronize failed: {e}");
+            }
+        }
     }
 }
 
@@ -636,6 +685,10 @@ impl CudaConsumer {
     /// How the producer shares its handles (taken from its export).
     pub fn handle_kind(&self) -> HandleKind {
         self.timings.handle
+    }
+    /// Where the producer keeps the timeline words (taken from its export).
+    pub fn timeline_memory(&self) -> TimelineMemory {
+        self.timelines.memory()
     }
     /// How long this consumer's import (its attach) took, per step.
     pub fn import_timings(&self) -> &ImportTimings {
@@ -876,6 +929,11 @@ impl ConsumerBackend for CudaConsumer {
             Stream::new(&ctx)
         }
         .map_err(be)?;
+        // Device timeline words: a stream that only ever writes them (see the producer's).
+        let release = match header.words {
+            TimelineMemory::Host => None,
+            TimelineMemory::Device => Some(Arc::new(Stream::new(&ctx).map_err(be)?)),
+        };
         timings.setup_us = micros(t);
         let scratch = Event::new_plain(&ctx).map_err(be)?;
         let read_only = layout.mode == pipeline_core::Mode::Broadcast
@@ -892,12 +950,28 @@ impl ConsumerBackend for CudaConsumer {
                 }
                 ReadySignal::Events(events)
             }
-            Some(fd) => ReadySignal::Semaphore(Timelines::map(&ctx, 1, n, fd)?),
+            Some(fd) => ReadySignal::Semaphore(Timelines::map_in(
+                &ctx,
+                header.words,
+                release.as_ref(),
+                header.word_bytes,
+                1,
+                n,
+                fd,
+            )?),
         };
         timings.event_opens_us = micros(t);
         let t = Instant::now();
         // Our own `finished` words only: one row, written at index 0.
-        let timelines = Timelines::map(&ctx, 1, layout.slot_count, timeline_fd)?;
+        let timelines = Timelines::map_in(
+            &ctx,
+            header.words,
+            release.as_ref(),
+            header.word_bytes,
+            1,
+            layout.slot_count,
+            timeline_fd,
+        )?;
         timings.timelines_us = micros(t);
         let mirror = if mirror::resolve(options.delivery, on_producer_gpu) {
             let count = options.mirror_buffers.unwrap_or(layout.slot_count);
@@ -990,11 +1064,9 @@ impl ConsumerBackend for CudaConsumer {
 
     fn abandon(&self) {
         self.abandoned.store(true, Ordering::Release);
-        if let ReadySignal::Semaphore(words) = &self.ready {
-            // Release our own stream's waits on a producer that will never signal.
-            for k in 0..words.slots {
-                words.host(0, k).store(RELEASED, Ordering::Release);
-            }
+        // Release our own stream's waits on a producer that will never signal.
+        if let Err(e) = self.ready.release_all() {
+            tracing::error!("could not release the ready words of a dead producer: {e}");
         }
     }
 
@@ -1056,9 +1128,9 @@ impl Drop for CudaConsumer {
         // Importers free first: finish our work, drop every import (free pool pointers, unmap
         // and release VMM allocations, close legacy IPC handles), and only then (when the core
         // sends Goodbye after this drop) may the producer free its memory.
-        if self.abandoned.load(Ordering::Acquire) && matches!(self.ready, ReadySignal::Events(_)) {
+        if self.abandoned.load(Ordering::Acquire) && !self.ready.host_releasable() {
             // The producer died: our stream may wait forever on a `ready` event it recorded
-            // but never ran. Leave the imports, and a mirror's buffers (whose free could wait
+            // but never ran (or on device words whose release we do not wait for). Leave the imports, and a mirror's buffers (whose free could wait
             // for a copy stream stuck the same way), to the driver's process teardown.
             tracing::warn!("the producer died: skipping the CUDA consumer's teardown");
             if let Some(m) = self.mirror.take() {
@@ -1123,6 +1195,8 @@ mod tests {
             uuid: [0; 16],
             slot_count: 2,
             slot_bytes: 2 << 20,
+            words: TimelineMemory::Host,
+            word_bytes: 0,
         }
         .write(&mut blob);
         blob.extend_from_slice(&(2u64 << 20).to_le_bytes());

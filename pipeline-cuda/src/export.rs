@@ -12,7 +12,7 @@ use pipeline_core::wire::Reader;
 
 use crate::driver::{FabricHandle, IpcMemHandle, PointerExport};
 use crate::memory::{HandleKind, MemoryPath, ProducerShare, ProducerSlots, TWO_MIB};
-use crate::sync::SyncMode;
+use crate::sync::{SyncMode, TimelineMemory};
 
 const HANDLE: usize = 64;
 
@@ -129,13 +129,18 @@ pub(crate) struct ExportHeader {
     pub(crate) uuid: [u8; 16],
     pub(crate) slot_count: u32,
     pub(crate) slot_bytes: u64,
+    /// Where the timeline words are.
+    pub(crate) words: TimelineMemory,
+    /// Bytes of each device-memory timeline allocation (0 for host words).
+    pub(crate) word_bytes: u64,
 }
 
 /// `"GCU1"`.
 pub(crate) const EXPORT_MAGIC: u32 = u32::from_le_bytes(*b"GCU1");
 /// Version 2 added the memory path and handle kind after the version; version 3 the sync mode;
-/// version 4 sends each consumer its own `finished` words (one row) instead of everyone's.
-pub(crate) const EXPORT_VERSION: u32 = 4;
+/// version 4 sends each consumer its own `finished` words (one row) instead of everyone's;
+/// version 5 adds where the timeline words live (host or device memory) and their size.
+pub(crate) const EXPORT_VERSION: u32 = 5;
 
 impl ExportHeader {
     pub(crate) fn write(&self, out: &mut Vec<u8>) {
@@ -147,6 +152,8 @@ impl ExportHeader {
         out.extend_from_slice(&self.uuid);
         out.extend_from_slice(&self.slot_count.to_le_bytes());
         out.extend_from_slice(&self.slot_bytes.to_le_bytes());
+        out.extend_from_slice(&self.words.to_wire().to_le_bytes());
+        out.extend_from_slice(&self.word_bytes.to_le_bytes());
     }
 
     pub(crate) fn read(r: &mut Reader<'_>) -> Result<ExportHeader, BackendError> {
@@ -178,13 +185,29 @@ impl ExportHeader {
         let sync = SyncMode::from_wire(y).ok_or_else(|| {
             format!("CUDA export names sync mode {y}, which this consumer does not know")
         })?;
+        let uuid = r.bytes(16)?.try_into()?;
+        let slot_count = r.u32()?;
+        let slot_bytes = r.u64()?;
+        let w = r.u32()?;
+        let words = TimelineMemory::from_wire(w).ok_or_else(|| {
+            format!("CUDA export names timeline memory {w}, which this consumer does not know")
+        })?;
+        let word_bytes = r.u64()?;
+        if (words == TimelineMemory::Device) != (word_bytes > 0) {
+            return Err(format!(
+                "CUDA export: {word_bytes} bytes of {words} timeline words do not fit together"
+            )
+            .into());
+        }
         Ok(ExportHeader {
             memory,
             handle,
             sync,
-            uuid: r.bytes(16)?.try_into()?,
-            slot_count: r.u32()?,
-            slot_bytes: r.u64()?,
+            uuid,
+            slot_count,
+            slot_bytes,
+            words,
+            word_bytes,
         })
     }
 }
@@ -250,6 +273,8 @@ mod tests {
             uuid: [7; 16],
             slot_count: 3,
             slot_bytes: 4 << 20,
+            words: TimelineMemory::Host,
+            word_bytes: 0,
         }
     }
 
@@ -258,8 +283,27 @@ mod tests {
         let h = header(MemoryPath::Vmm, HandleKind::Fabric);
         let mut blob = Vec::new();
         h.write(&mut blob);
-        assert_eq!(blob.len(), 48);
+        assert_eq!(blob.len(), 60);
         assert_eq!(ExportHeader::read(&mut Reader::new(&blob, "t")).unwrap(), h);
+
+        // Device words carry their allocation's size; a size that does not fit the kind is
+        // refused, as is a kind this consumer does not know.
+        let d = ExportHeader {
+            words: TimelineMemory::Device,
+            word_bytes: 2 << 20,
+            ..header(MemoryPath::Pool, HandleKind::PosixFd)
+        };
+        let mut dev = Vec::new();
+        d.write(&mut dev);
+        assert_eq!(ExportHeader::read(&mut Reader::new(&dev, "t")).unwrap(), d);
+        let mut zero = dev.clone();
+        zero[52..60].copy_from_slice(&0u64.to_le_bytes());
+        let e = ExportHeader::read(&mut Reader::new(&zero, "t")).unwrap_err();
+        assert!(e.to_string().contains("do not fit together"), "{e}");
+        let mut unknown = dev.clone();
+        unknown[48..52].copy_from_slice(&7u32.to_le_bytes());
+        let e = ExportHeader::read(&mut Reader::new(&unknown, "t")).unwrap_err();
+        assert!(e.to_string().contains("timeline memory 7"), "{e}");
 
         let mut old = blob.clone();
         old[4..8].copy_from_slice(&1u32.to_le_bytes());

@@ -8,7 +8,9 @@
 //!
 //! Timeline words are written and waited on the GPU with stream memory operations
 //! (`cuStreamWriteValue64` / `cuStreamWaitValue64`); a word can be released from the host, so
-//! a dead peer never leaves a stream waiting for good. A caller's stream is joined into ours
+//! a dead peer never leaves a stream waiting for good. They live in host memory mapped for
+//! the device, or in device memory ([`TimelineMemory`]), where a stream's wait polls local
+//! memory and a release is a write on a stream that never waits. A caller's stream is joined into ours
 //! through an ordering-only event.
 
 use std::fmt;
@@ -85,14 +87,88 @@ impl FromStr for SyncMode {
 /// "greater or equal" in the driver's wrapping comparison: it releases every wait.
 pub(crate) const RELEASED: u64 = 1 << 62;
 
-/// Timeline words: `rows × slots` u64 words in a sealed memfd, mapped here and registered with
-/// the driver. Word `r * slots + k` holds a generation (`seq + 1`) for slot k: the last batch
-/// ready in it (`ready` under semaphore sync, one row), or the last batch a consumer finished
-/// in it (one row, in that consumer's own memfd: [`FinishedWords`]).
+/// Where the timeline words (`finished`, and `ready` under [`SyncMode::Semaphore`]) live.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TimelineMemory {
+    /// Host memory (a sealed memfd) registered with the driver and mapped for the device: the
+    /// GPU reads and writes it over PCIe, and the host reads it directly, so a wait already
+    /// satisfied is left out and a dead peer's words are released with a plain store.
+    #[default]
+    Host,
+    /// Device memory (a `cuMemCreate` allocation shared by fd) mapped by both processes: a
+    /// stream's wait polls local memory. The host cannot read it, so every wait is enqueued,
+    /// and a dead peer's words are released by a write on a stream of their own.
+    Device,
+}
+
+impl TimelineMemory {
+    pub(crate) fn to_wire(self) -> u32 {
+        match self {
+            TimelineMemory::Host => 1,
+            TimelineMemory::Device => 2,
+        }
+    }
+
+    pub(crate) fn from_wire(v: u32) -> Option<Self> {
+        match v {
+            1 => Some(TimelineMemory::Host),
+            2 => Some(TimelineMemory::Device),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for TimelineMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            TimelineMemory::Host => "host",
+            TimelineMemory::Device => "device",
+        })
+    }
+}
+
+impl FromStr for TimelineMemory {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "host" => Ok(TimelineMemory::Host),
+            "device" => Ok(TimelineMemory::Device),
+            _ => Err(format!("unknown timeline memory {s:?}: use host or device")),
+        }
+    }
+}
+
+/// Bytes of one device-memory timeline allocation on `ctx`'s device: the VMM granularity
+/// (2 MiB on the GPUs measured), which holds far more words than a ring has slots.
+pub(crate) fn device_word_bytes(ctx: &Context) -> Result<u64, BackendError> {
+    let g = driver::allocation_granularity(ctx.device(), driver::PoolHandleType::PosixFd)
+        .map_err(be)?;
+    Ok(g as u64)
+}
+
+/// Where a [`Timelines`]' words are.
+enum Store {
+    Host {
+        // Field order matters: the registration must go before the mapping.
+        reg: HostRegistration,
+        map: MmapRaw,
+    },
+    Device {
+        mapping: driver::VmmMapping,
+        /// Writes the host asks for (releases) go on this stream, never on one that may be
+        /// waiting on these words.
+        release: Arc<Stream>,
+    },
+}
+
+/// Timeline words: `rows × slots` u64 words, in host memory (a sealed memfd, mapped here and
+/// registered with the driver) or in device memory (a VMM allocation exported as an fd).
+/// Word `r * slots + k` holds a generation (`seq + 1`) for slot k: the last batch ready in it
+/// (`ready` under semaphore sync, one row), or the last batch a consumer finished in it (one
+/// row, in that consumer's own words: [`FinishedWords`]).
 pub(crate) struct Timelines {
-    // Field order matters: the registration must go before the mapping.
-    reg: HostRegistration,
-    map: MmapRaw,
+    store: Store,
     pub(crate) fd: OwnedFd,
     pub(crate) slots: u32,
     words: usize,
@@ -103,7 +179,8 @@ impl Timelines {
         (rows as u64 * slots as u64 * 8).div_ceil(4096) * 4096
     }
 
-    /// `rows × slots` zeroed words (finished: a row per consumer; ready: one row).
+    /// `rows × slots` zeroed words in host memory (finished: a row per consumer; ready: one
+    /// row).
     pub(crate) fn create(
         ctx: &Arc<Context>,
         rows: u32,
@@ -112,6 +189,51 @@ impl Timelines {
     ) -> Result<Self, BackendError> {
         let fd = pipeline_core::sys::sealed_memfd(name, Self::bytes(rows, slots))?;
         Self::map(ctx, rows, slots, fd)
+    }
+
+    /// As [`Timelines::create`], in the memory `memory` names; device words (which need the
+    /// `release` stream) are zeroed on it before this returns.
+    pub(crate) fn create_in(
+        ctx: &Arc<Context>,
+        memory: TimelineMemory,
+        release: Option<&Arc<Stream>>,
+        rows: u32,
+        slots: u32,
+        name: &str,
+    ) -> Result<Self, BackendError> {
+        let release = match (memory, release) {
+            (TimelineMemory::Host, _) => return Self::create(ctx, rows, slots, name),
+            (TimelineMemory::Device, Some(r)) => r,
+            (TimelineMemory::Device, None) => {
+                return Err("device timeline words need a release stream".into());
+            }
+        };
+        let bytes = device_word_bytes(ctx)?;
+        if Self::bytes(rows, slots) > bytes {
+            return Err(format!("{rows} x {slots} timeline words do not fit {bytes} bytes").into());
+        }
+        let alloc = driver::PhysicalAllocation::create(
+            ctx,
+            bytes as usize,
+            driver::PoolHandleType::PosixFd,
+        )
+        .map_err(be)?;
+        let mapping = driver::VmmMapping::new(ctx, alloc, 0).map_err(be)?;
+        let fd = mapping.allocation().export_fd().map_err(be)?;
+        // SAFETY: the range is ours, mapped and `bytes` long; the stream is live, and it is
+        // synchronised before anything else uses the words.
+        unsafe { driver::memset_d8_async(mapping.ptr(), 0, bytes as usize, release) }
+            .map_err(be)?;
+        release.synchronize().map_err(be)?;
+        Ok(Self {
+            store: Store::Device {
+                mapping,
+                release: Arc::clone(release),
+            },
+            fd,
+            slots,
+            words: (rows * slots) as usize,
+        })
     }
 
     pub(crate) fn map(
@@ -129,12 +251,65 @@ impl Timelines {
         let registered = unsafe { HostRegistration::new(ctx, map.as_mut_ptr(), bytes as usize) };
         let reg = registered.map_err(be)?;
         Ok(Self {
-            reg,
-            map,
+            store: Store::Host { reg, map },
             fd,
             slots,
             words: (rows * slots) as usize,
         })
+    }
+
+    /// Maps words another process made with [`Timelines::create_in`]: host words from a
+    /// sealed memfd, device words (`bytes` long, as the export says) from a VMM fd.
+    pub(crate) fn map_in(
+        ctx: &Arc<Context>,
+        memory: TimelineMemory,
+        release: Option<&Arc<Stream>>,
+        bytes: u64,
+        rows: u32,
+        slots: u32,
+        fd: OwnedFd,
+    ) -> Result<Self, BackendError> {
+        let release = match (memory, release) {
+            (TimelineMemory::Host, _) => return Self::map(ctx, rows, slots, fd),
+            (TimelineMemory::Device, Some(r)) => r,
+            (TimelineMemory::Device, None) => {
+                return Err("device timeline words need a release stream".into());
+            }
+        };
+        if bytes < Self::bytes(rows, slots) || bytes > 1 << 30 {
+            return Err(format!(
+                "timeline words: an allocation of {bytes} bytes cannot hold {rows} x {slots} words"
+            )
+            .into());
+        }
+        // On another GPU than the producer's this maps its memory by peer access, as the
+        // slots are.
+        let hint = |e: CudaError| {
+            format!(
+                "mapping the producer's timeline words in device memory: {e} (a producer with \
+                 host timeline words, --timeline-memory host, needs no device mapping)"
+            )
+        };
+        let alloc =
+            driver::PhysicalAllocation::import_fd(ctx, fd.as_fd(), bytes as usize).map_err(hint)?;
+        let mapping = driver::VmmMapping::new(ctx, alloc, 0).map_err(hint)?;
+        Ok(Self {
+            store: Store::Device {
+                mapping,
+                release: Arc::clone(release),
+            },
+            fd,
+            slots,
+            words: (rows * slots) as usize,
+        })
+    }
+
+    /// Where the words are.
+    pub(crate) fn memory(&self) -> TimelineMemory {
+        match self.store {
+            Store::Host { .. } => TimelineMemory::Host,
+            Store::Device { .. } => TimelineMemory::Device,
+        }
     }
 
     fn index(&self, consumer: u32, slot: u32) -> usize {
@@ -144,14 +319,57 @@ impl Timelines {
     }
 
     pub(crate) fn device(&self, consumer: u32, slot: u32) -> CUdeviceptr {
-        self.reg.device_ptr() + 8 * self.index(consumer, slot) as u64
+        let base = match &self.store {
+            Store::Host { reg, .. } => reg.device_ptr(),
+            Store::Device { mapping, .. } => mapping.ptr(),
+        };
+        base + 8 * self.index(consumer, slot) as u64
     }
 
-    pub(crate) fn host(&self, consumer: u32, slot: u32) -> &AtomicU64 {
+    /// The word as the host sees it: host words only (`None` for device words, which the host
+    /// cannot read).
+    pub(crate) fn host(&self, consumer: u32, slot: u32) -> Option<&AtomicU64> {
         let i = self.index(consumer, slot);
+        let Store::Host { map, .. } = &self.store else {
+            return None;
+        };
         // SAFETY: i < words and the mapping holds words * 8 bytes, 8-aligned (page base); the
         // word is only ever accessed atomically (here) or by the GPU's stream memory ops.
-        unsafe { &*(self.map.as_mut_ptr().add(8 * i) as *const AtomicU64) }
+        let word = unsafe { &*(map.as_mut_ptr().add(8 * i) as *const AtomicU64) };
+        Some(word)
+    }
+
+    /// Stores `value` into every word of row `consumer`: at once for host words; for device
+    /// words, enqueued on the release stream (which never waits on timeline words, so the
+    /// writes land even while another stream of ours waits on them).
+    pub(crate) fn store_row(&self, consumer: u32, value: u64) -> Result<(), CudaError> {
+        for k in 0..self.slots {
+            match &self.store {
+                Store::Host { .. } => {
+                    if let Some(w) = self.host(consumer, k) {
+                        w.store(value, Ordering::Release);
+                    }
+                }
+                // SAFETY: the word is in our mapping, which stays mapped until this struct is
+                // dropped, and its owner synchronises the release stream first (Drop); the
+                // stream is live.
+                Store::Device { release, .. } => unsafe {
+                    driver::stream_write_value64(release, self.device(consumer, k), value)?
+                },
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Timelines {
+    fn drop(&mut self) {
+        if let Store::Device { release, .. } = &self.store {
+            // A release written to these words may still be queued: let it land first.
+            if let Err(e) = release.synchronize() {
+                tracing::warn!("dropping device timeline words: release stream: {e}");
+            }
+        }
     }
 }
 
@@ -164,6 +382,9 @@ impl Timelines {
 pub(crate) struct FinishedWords {
     ctx: Arc<Context>,
     slots: u32,
+    memory: TimelineMemory,
+    /// Device words' releases go here (see [`Timelines::store_row`]); `None` for host words.
+    release: Option<Arc<Stream>>,
     /// The words of each index's current holder (None before the index's first attach). A
     /// row is replaced only by `install`, which the producer calls with every wait on the old
     /// row passed and no new wait being enqueued.
@@ -174,11 +395,19 @@ pub(crate) struct FinishedWords {
 
 impl FinishedWords {
     /// Room for `capacity` consumer indices; no words exist until an attach.
-    pub(crate) fn new(ctx: &Arc<Context>, capacity: u32, slots: u32) -> Self {
+    pub(crate) fn new(
+        ctx: &Arc<Context>,
+        memory: TimelineMemory,
+        release: Option<&Arc<Stream>>,
+        capacity: u32,
+        slots: u32,
+    ) -> Self {
         let none = || (0..capacity).map(|_| None).collect::<Vec<_>>();
         Self {
             ctx: Arc::clone(ctx),
             slots,
+            memory,
+            release: release.cloned(),
             rows: RwLock::new(none()),
             pending: Mutex::new(none()),
         }
@@ -188,7 +417,14 @@ impl FinishedWords {
     /// to send it. Replaces words made for an earlier attempt at the index that never
     /// attached (nothing waits on those).
     pub(crate) fn fresh(&self, consumer: u32) -> Result<OwnedFd, BackendError> {
-        let row = Timelines::create(&self.ctx, 1, self.slots, "gpipe-finished")?;
+        let row = Timelines::create_in(
+            &self.ctx,
+            self.memory,
+            self.release.as_ref(),
+            1,
+            self.slots,
+            "gpipe-finished",
+        )?;
         let fd = row.fd.try_clone()?;
         let mut pending = self.pending.lock();
         let entry = pending
@@ -222,32 +458,38 @@ impl FinishedWords {
     }
 
     /// True when `consumer`'s word for `slot` has reached `target` already, as the host sees
-    /// it: a stream wait for it would pass at once, and can be left out.
+    /// it: a stream wait for it would pass at once, and can be left out. Always false for
+    /// device words, which the host cannot read (a wait on local memory is cheap).
     pub(crate) fn reached(&self, consumer: u32, slot: u32, target: u64) -> bool {
         let rows = self.rows.read();
         rows.get(consumer as usize)
             .and_then(Option::as_ref)
-            .is_some_and(|r| r.host(0, slot).load(Ordering::Acquire) >= target)
+            .and_then(|r| r.host(0, slot))
+            .is_some_and(|w| w.load(Ordering::Acquire) >= target)
     }
 
     /// Stores `value` into every word of `consumer` (0: none finished; RELEASED: every wait
-    /// passes), if it has attached.
+    /// passes), if it has attached. Device words are written on the release stream.
     pub(crate) fn store_all(&self, consumer: u32, value: u64) {
         let rows = self.rows.read();
         if let Some(Some(row)) = rows.get(consumer as usize) {
-            for k in 0..self.slots {
-                row.host(0, k).store(value, Ordering::Release);
+            if let Err(e) = row.store_row(0, value) {
+                tracing::error!(
+                    consumer,
+                    "could not write the finished words in device memory: {e}"
+                );
             }
         }
     }
 
-    /// The current value of `consumer`'s word for `slot`, if it has attached.
+    /// The current value of `consumer`'s word for `slot`, if it has attached (host words).
     #[cfg(test)]
     pub(crate) fn load(&self, consumer: u32, slot: u32) -> Option<u64> {
         let rows = self.rows.read();
         rows.get(consumer as usize)?
             .as_ref()
-            .map(|r| r.host(0, slot).load(Ordering::Acquire))
+            .and_then(|r| r.host(0, slot))
+            .map(|w| w.load(Ordering::Acquire))
     }
 }
 
@@ -278,6 +520,22 @@ pub(crate) enum ReadySignal {
 }
 
 impl ReadySignal {
+    /// Releases every wait on the `ready` words (the producer died): host words at once,
+    /// device words by a write on their release stream. Events cannot be released.
+    pub(crate) fn release_all(&self) -> Result<(), CudaError> {
+        match self {
+            ReadySignal::Events(_) => Ok(()),
+            ReadySignal::Semaphore(words) => words.store_row(0, RELEASED),
+        }
+    }
+
+    /// True when a wait on `ready` that will never be signalled can be released from the
+    /// host for certain: host words. (Events cannot be; device words are released by a write
+    /// on another stream, which teardown does not rely on.)
+    pub(crate) fn host_releasable(&self) -> bool {
+        matches!(self, ReadySignal::Semaphore(w) if w.memory() == TimelineMemory::Host)
+    }
+
     /// Signals that batch `seq` in `slot` is ready, after the work enqueued on `stream`.
     ///
     /// # Safety
@@ -302,12 +560,14 @@ impl ReadySignal {
 
     /// True when batch `seq` in `slot` is ready now (the producer's writes are complete), as
     /// the host can tell without waiting: the event has completed, or the word has reached the
-    /// batch. Valid while the batch is held (the producer signals the slot again only after
+    /// batch (false for device words, which the host cannot read). Valid while the batch is held (the producer signals the slot again only after
     /// it is released).
     pub(crate) fn is_ready(&self, slot: u32, seq: u64) -> Result<bool, CudaError> {
         match self {
             ReadySignal::Events(events) => events[slot as usize].query(),
-            ReadySignal::Semaphore(words) => Ok(words.host(0, slot).load(Ordering::Acquire) > seq),
+            ReadySignal::Semaphore(words) => Ok(words
+                .host(0, slot)
+                .is_some_and(|w| w.load(Ordering::Acquire) > seq)),
         }
     }
 
@@ -343,5 +603,22 @@ impl ReadySignal {
                 )
             },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeline_memory_names_and_wire_values_round_trip() {
+        for m in [TimelineMemory::Host, TimelineMemory::Device] {
+            assert_eq!(m.to_string().parse::<TimelineMemory>(), Ok(m));
+            assert_eq!(TimelineMemory::from_wire(m.to_wire()), Some(m));
+        }
+        assert_eq!(TimelineMemory::default(), TimelineMemory::Host);
+        assert_eq!(TimelineMemory::from_wire(0), None);
+        let e = "gpu".parse::<TimelineMemory>().unwrap_err();
+        assert!(e.contains("use host or device"), "{e}");
     }
 }

@@ -3,7 +3,7 @@
 
 use clap::ValueEnum;
 use pipeline_core::Mode;
-use pipeline_cuda::backend::{CudaOptions, HandleKind, MemoryPath, SyncMode};
+use pipeline_cuda::backend::{CudaOptions, HandleKind, MemoryPath, SyncMode, TimelineMemory};
 
 use crate::{cuda_work, size};
 
@@ -44,10 +44,16 @@ pub struct CudaArgs {
     /// How pool and VMM handles are shared: posix_fd (same host) or fabric (needs IMEX).
     #[arg(long, default_value = "posix_fd")]
     handle: String,
-    /// How `ready` is signalled: IPC events or timeline semaphores; auto takes events (measured
-    /// faster on an H100, docs/benchmarks.md).
+    /// How `ready` is signalled: IPC events or timeline semaphores; auto takes semaphores with
+    /// timeline words in device memory and events with host words (each measured the faster
+    /// there on an H100, docs/benchmarks.md).
     #[arg(long, default_value = "auto")]
     sync: String,
+    /// Where the timeline words (`finished`, and `ready` with --sync semaphore) live: host
+    /// memory mapped for the GPU, or device memory (mapped by peer access on other GPUs;
+    /// measured faster on an H100, docs/benchmarks.md).
+    #[arg(long, default_value = "device")]
+    timeline_memory: String,
 }
 
 impl CudaArgs {
@@ -66,14 +72,16 @@ impl CudaArgs {
                 m
             }
         };
+        let words: TimelineMemory = self.timeline_memory.parse()?;
         let sync = match self.sync.as_str() {
-            "auto" => cuda_work::auto_sync(&report),
+            "auto" => cuda_work::auto_sync(words),
             y => y.parse::<SyncMode>()?,
         };
         Ok(CudaOptions::default()
             .with_memory(memory)
             .with_handle(handle)
-            .with_sync(sync))
+            .with_sync(sync)
+            .with_timeline_memory(words))
     }
 }
 

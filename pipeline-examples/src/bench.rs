@@ -268,6 +268,7 @@ fn run_cuda(args: &BenchArgs, cuda: &CudaArgs) -> Result<BenchReport, String> {
         "memory": options.memory.to_string(),
         "handle": options.handle.to_string(),
         "sync": options.sync.to_string(),
+        "timeline_memory": options.timeline_memory.to_string(),
         "attach_us": report.per_consumer.first().and_then(|c| c.attach.clone()),
         "ceiling_batches_per_s": ceiling,
         "lagged_ceiling_batches_per_s": lagged,

@@ -26,12 +26,16 @@ pub fn usable() -> Result<(), String> {
     Ok(())
 }
 
-/// The sync mode `auto` picks: IPC events. Measured on an H100 (docs/benchmarks.md, issue 4's
-/// table): events were as fast as or faster than timeline semaphores in every configuration
-/// (with MPS, 8 MiB: 70.0k vs 60.7k batches/s), because the semaphore's words live in
-/// host-mapped memory that the GPU polls over PCIe.
-pub fn auto_sync(_report: &pipeline_cuda::probe::ProbeReport) -> SyncMode {
-    SyncMode::Events
+/// The sync mode `auto` picks for timeline words in `words`. Measured on an H100
+/// (docs/benchmarks.md): with the words in host memory, which the GPU polls over PCIe, IPC
+/// events were as fast as or faster than semaphores; with the words in device memory,
+/// semaphores were the faster (2 MiB, MPS, 1 consumer: 0.86x of the fair ceiling against
+/// 0.84x; 4 consumers: 0.80x against 0.70x).
+pub fn auto_sync(words: pipeline_cuda::backend::TimelineMemory) -> SyncMode {
+    match words {
+        pipeline_cuda::backend::TimelineMemory::Device => SyncMode::Semaphore,
+        pipeline_cuda::backend::TimelineMemory::Host => SyncMode::Events,
+    }
 }
 
 /// Producer-side GPU fill: the pattern kernel on the producer's stream.

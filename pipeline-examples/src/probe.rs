@@ -24,11 +24,17 @@ pub fn command(cmd: ProbeCmd) -> Result<ExitCode, String> {
             return Ok(ExitCode::FAILURE);
         }
     };
-    // What `--memory auto --sync auto` resolves to (the paths as measured in
-    // docs/benchmarks.md), or why CUDA cannot be used.
+    // What `--memory auto --sync auto` resolves to with the default timeline words (the paths
+    // as measured in docs/benchmarks.md), or why CUDA cannot be used.
+    let words = pipeline_cuda::backend::TimelineMemory::Device;
     let path = report
         .auto_memory_path_for(0, HandleKind::PosixFd)
-        .map(|m| format!("memory {m}, sync {}", cuda_work::auto_sync(&report)))
+        .map(|m| {
+            format!(
+                "memory {m}, sync {}, timeline words in {words} memory",
+                cuda_work::auto_sync(words)
+            )
+        })
         .map_err(|e| e.to_string())
         .and_then(|p| {
             pipeline_cuda::kernels::ensure_nvrtc()

@@ -197,6 +197,45 @@ fn cuda_every_memory_path_and_sync_mode() {
     }
 }
 
+/// Timeline words in device memory, with either sync mode: every batch verified in both
+/// delivery modes; a consumer killed mid-stream is released (its words written from the
+/// producer's release stream) and costs the others nothing; a producer killed before or after
+/// publishing leaves its consumers with a clear error, not a hang.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_timeline_words_in_device_memory() {
+    for sync in ["events", "semaphore"] {
+        let extra: &'static [&'static str] = if sync == "events" {
+            &["--timeline-memory", "device", "--sync", "events"]
+        } else {
+            &["--timeline-memory", "device", "--sync", "semaphore"]
+        };
+        watchdog(180, move |_| {
+            bench_with("broadcast", 2, extra);
+            bench_with("shared", 2, extra);
+            let r = bench_json(&[
+                "bench",
+                "--backend",
+                "cuda",
+                "--consumers",
+                "1",
+                "--batches",
+                "50",
+                "--json",
+                extra[0],
+                extra[1],
+                extra[2],
+                extra[3],
+            ]);
+            assert_eq!(r["extra"]["timeline_memory"], "device", "{r}");
+        });
+        consumer_death_case_with("cuda", None, extra);
+        for point in ["producer.before_publish", "producer.after_publish"] {
+            producer_death_case_with("cuda", point, extra);
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_fabric_without_imex_fails_clearly_or_works() {

@@ -494,19 +494,24 @@ pub fn consumer_death_case_placed(
 /// The producer kills itself at a protocol step: every consumer ends with a clear error
 /// promptly, having received a contiguous, verified prefix.
 pub fn producer_death_case(backend: &'static str, fault: &'static str) {
+    producer_death_case_with(backend, fault, &[]);
+}
+
+/// As [`producer_death_case`], with extra producer arguments (e.g. its CUDA options).
+pub fn producer_death_case_with(
+    backend: &'static str,
+    fault: &'static str,
+    extra: &'static [&'static str],
+) {
     watchdog(60, move |procs| {
         let dir = tmpdir("pfault");
         let sock = dir.join("ring.sock");
         // Late enough for every consumer to have attached (a CUDA attach takes a few hundred
         // ms; the producer runs at 2000 batches/s).
         let spec = format!("{fault}:4000");
-        let p = producer_on_env(
-            &procs,
-            &sock,
-            backend,
-            &["--rate", "2000"],
-            &[("GPIPE_FAULT", &spec)],
-        );
+        let mut args = vec!["--rate", "2000"];
+        args.extend_from_slice(extra);
+        let p = producer_on_env(&procs, &sock, backend, &args, &[("GPIPE_FAULT", &spec)]);
         let a = consumer(&procs, &sock, &dir.join("a.seq"));
         let b = consumer(&procs, &sock, &dir.join("b.seq"));
         let pe = finish(p, Duration::from_secs(20));
