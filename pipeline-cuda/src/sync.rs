@@ -147,6 +147,11 @@ pub(crate) fn device_word_bytes(ctx: &Context) -> Result<u64, BackendError> {
     Ok(g as u64)
 }
 
+/// The release stream device words need (a caller's mistake if it is missing).
+fn release_stream(release: Option<&Arc<Stream>>) -> Result<&Arc<Stream>, BackendError> {
+    release.ok_or_else(|| "device timeline words need a release stream".into())
+}
+
 /// Where a [`Timelines`]' words are.
 enum Store {
     Host {
@@ -201,13 +206,10 @@ impl Timelines {
         slots: u32,
         name: &str,
     ) -> Result<Self, BackendError> {
-        let release = match (memory, release) {
-            (TimelineMemory::Host, _) => return Self::create(ctx, rows, slots, name),
-            (TimelineMemory::Device, Some(r)) => r,
-            (TimelineMemory::Device, None) => {
-                return Err("device timeline words need a release stream".into());
-            }
-        };
+        if memory == TimelineMemory::Host {
+            return Self::create(ctx, rows, slots, name);
+        }
+        let release = release_stream(release)?;
         let bytes = device_word_bytes(ctx)?;
         if Self::bytes(rows, slots) > bytes {
             return Err(format!("{rows} x {slots} timeline words do not fit {bytes} bytes").into());
@@ -269,13 +271,10 @@ impl Timelines {
         slots: u32,
         fd: OwnedFd,
     ) -> Result<Self, BackendError> {
-        let release = match (memory, release) {
-            (TimelineMemory::Host, _) => return Self::map(ctx, rows, slots, fd),
-            (TimelineMemory::Device, Some(r)) => r,
-            (TimelineMemory::Device, None) => {
-                return Err("device timeline words need a release stream".into());
-            }
-        };
+        if memory == TimelineMemory::Host {
+            return Self::map(ctx, rows, slots, fd);
+        }
+        let release = release_stream(release)?;
         if bytes < Self::bytes(rows, slots) || bytes > 1 << 30 {
             return Err(format!(
                 "timeline words: an allocation of {bytes} bytes cannot hold {rows} x {slots} words"
@@ -343,6 +342,10 @@ impl Timelines {
     /// words, enqueued on the release stream (which never waits on timeline words, so the
     /// writes land even while another stream of ours waits on them).
     pub(crate) fn store_row(&self, consumer: u32, value: u64) -> Result<(), CudaError> {
+        if let Store::Device { release, .. } = &self.store {
+            // Called from whichever thread saw the death.
+            release.context().make_current()?;
+        }
         for k in 0..self.slots {
             match &self.store {
                 Store::Host { .. } => {
