@@ -48,7 +48,7 @@ fn cuda_options(
     device: usize,
     mode: Mode,
     sync: SyncMode,
-    words: TimelineMemory,
+    words: Option<TimelineMemory>,
 ) -> Result<CudaOptions, String> {
     if !pipeline_cuda::driver::driver_present() {
         return Err("no CUDA driver (libcuda.so.1) could be loaded".into());
@@ -74,7 +74,9 @@ fn cuda_options(
         memory,
         handle: HandleKind::PosixFd,
         sync,
-        timeline_memory: words,
+        // None: "auto".
+        timeline_memory: words
+            .unwrap_or_else(|| pipeline_cuda::probe::auto_timeline_memory(&report, device).0),
         ..CudaOptions::default()
     })
 }
@@ -147,7 +149,7 @@ fn parse_mode(mode: &str) -> PyResult<Mode> {
 #[pymethods]
 impl PyProducer {
     #[new]
-    #[pyo3(signature = (socket, *, slots=None, batch_bytes=8 << 20, mode="broadcast", backend="auto", device=0, detach_after_ms=None, max_consumers=16, drain_timeout=5.0, sync="auto", max_lead=None, depth_budget=2 << 30, timeline_memory="device"))]
+    #[pyo3(signature = (socket, *, slots=None, batch_bytes=8 << 20, mode="broadcast", backend="auto", device=0, detach_after_ms=None, max_consumers=16, drain_timeout=5.0, sync="auto", max_lead=None, depth_budget=2 << 30, timeline_memory="host"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -206,9 +208,17 @@ impl PyProducer {
                 )));
             }
         };
-        // Device memory: measured faster on an H100 (docs/benchmarks.md, "Timeline words in
-        // device memory").
-        let words: TimelineMemory = timeline_memory.parse().map_err(PyValueError::new_err)?;
+        // Host memory by default: a dead peer's device words are released by a write on a
+        // stream of ours, which must not share a hardware queue with a stream stalled on
+        // them, and an application's own streams (PyTorch's pool) are beyond our control.
+        // Device memory is faster (docs/benchmarks.md, "Timeline words in device memory").
+        let words = match timeline_memory {
+            "auto" => None,
+            w => Some(
+                w.parse::<TimelineMemory>()
+                    .map_err(|e| PyValueError::new_err(format!("{e} (or \"auto\")")))?,
+            ),
+        };
         if !(drain_timeout.is_finite() && drain_timeout >= 0.0) {
             return Err(PyValueError::new_err(format!(
                 "drain_timeout must be a non-negative number of seconds, not {drain_timeout}"

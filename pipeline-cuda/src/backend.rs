@@ -47,6 +47,7 @@
 //! ```
 
 use std::collections::VecDeque;
+use std::mem::ManuallyDrop;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -406,6 +407,12 @@ impl ProducerBackend for CudaProducer {
             TimelineMemory::Host => None,
             TimelineMemory::Device => Some(Arc::new(Stream::new(&ctx).map_err(be)?)),
         };
+        if release.is_some() {
+            let (auto, why) = crate::probe::rule_timeline_memory(true, max_connections());
+            if auto == TimelineMemory::Host {
+                tracing::warn!("timeline words in device memory, but {why}");
+            }
+        }
         let word_bytes = match options.timeline_memory {
             TimelineMemory::Host => 0,
             TimelineMemory::Device => crate::sync::device_word_bytes(&ctx)?,
@@ -519,10 +526,10 @@ impl ProducerBackend for CudaProducer {
     }
 
     fn detach(&self, consumer: u32, died: bool) {
-        let mut live = self.live.lock();
-        *live &= !(1u64 << consumer);
+        *self.live.lock() &= !(1u64 << consumer);
         // Release every wait on its words, now and later: a dead consumer's last writes may
-        // never happen.
+        // never happen. (A wait enqueued meanwhile on its words passes too: the released
+        // value stays.) Not under `live`: with device words this is a driver call.
         self.timelines.store_all(consumer, RELEASED);
         if died {
             tracing::debug!(
@@ -565,7 +572,7 @@ impl ProducerBackend for CudaProducer {
             let Some(word) = self.timelines.device(c, slot) else {
                 continue;
             };
-            // SAFETY: the word is in the consumer's registered finished words, which stay
+            // SAFETY: the word is in the consumer's finished words (host or device), which stay
             // mapped until an attach at its index has let every wait enqueued here pass (the
             // gate is held); the stream is ours.
             unsafe {
@@ -647,9 +654,11 @@ impl Drop for CudaProducer {
 pub struct CudaConsumer {
     ctx: Arc<Context>,
     stream: Stream,
-    slots: ConsumerSlots,
-    ready: ReadySignal,
-    timelines: Timelines,
+    // The imports and the words are dropped by hand (Drop), after the work that uses them,
+    // or never when the producer died (see there).
+    slots: ManuallyDrop<ConsumerSlots>,
+    ready: ManuallyDrop<ReadySignal>,
+    timelines: ManuallyDrop<Timelines>,
     /// The producer died: waits on its `ready` signals may never complete.
     abandoned: AtomicBool,
     slot_bytes: u64,
@@ -780,7 +789,8 @@ impl CudaConsumer {
             // SAFETY: the caller guarantees `stream`.
             return unsafe { join_into(&self.ctx, &self.scratch, &self.stream, stream) };
         }
-        // SAFETY: the word is in our registered timelines; the caller guarantees `stream`.
+        // SAFETY: the word is in our timelines (host or device words), mapped for our lifetime; the
+        // caller guarantees `stream`.
         unsafe {
             driver::stream_write_value64_raw(stream, self.timelines.device(0, slot), seq + 1)
         }?;
@@ -797,6 +807,13 @@ impl CudaConsumer {
         // SAFETY: the caller guarantees `stream`.
         unsafe { join_into(&self.ctx, &self.scratch, &self.stream, stream) }
     }
+}
+
+/// `CUDA_DEVICE_MAX_CONNECTIONS`, when set to a number.
+pub(crate) fn max_connections() -> Option<u32> {
+    std::env::var("CUDA_DEVICE_MAX_CONNECTIONS")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
 }
 
 /// The ordinal of the visible device with this UUID, if any.
@@ -991,9 +1008,9 @@ impl ConsumerBackend for CudaConsumer {
             Self {
                 ctx,
                 stream,
-                slots,
-                ready,
-                timelines,
+                slots: ManuallyDrop::new(slots),
+                ready: ManuallyDrop::new(ready),
+                timelines: ManuallyDrop::new(timelines),
                 abandoned: AtomicBool::new(false),
                 slot_bytes,
                 timings,
@@ -1032,8 +1049,9 @@ impl ConsumerBackend for CudaConsumer {
             len,
             // SAFETY: the copy stream is ours and live.
             |s| unsafe { self.ready.wait(s.raw(), slot, seq) },
-            // SAFETY: the word is in our registered timelines, mapped for our lifetime; the
-            // stream is ours, and the copy before it on this stream is all we do with the slot.
+            // SAFETY: the word is in our timelines (registered host or mapped device words), mapped
+            // for our lifetime (a dead producer's are never unmapped: Drop); the stream is ours,
+            // and the copy before it on this stream is all we do with the slot.
             |s| unsafe { driver::stream_write_value64(s, self.timelines.device(0, slot), seq + 1) },
         )?;
         if !self.defer_ready {
@@ -1094,7 +1112,8 @@ impl ConsumerBackend for CudaConsumer {
             // this slot's `finished` words is written, in order, so the word never goes
             // backwards. No wait for `ready`: we read nothing of the batch, and one that
             // failed would leave the word unwritten and the producer waiting on it.
-            // SAFETY: the copy stream is ours; the word is in our registered timelines.
+            // SAFETY: the copy stream is ours; the word is in our timelines, mapped for our
+            // lifetime.
             return unsafe {
                 driver::stream_write_value64(
                     m.stream(slot),
@@ -1114,8 +1133,8 @@ impl ConsumerBackend for CudaConsumer {
             // backwards.
             self.own_wait_ready(slot, seq)?;
         }
-        // SAFETY: the word is in our registered timelines, mapped for our lifetime; the
-        // stream is ours.
+        // SAFETY: the word is in our timelines (registered host or mapped device words), mapped for
+        // our lifetime (a dead producer's are never unmapped: Drop); the stream is ours.
         unsafe {
             driver::stream_write_value64(&self.stream, self.timelines.device(0, slot), seq + 1)
         }
@@ -1130,8 +1149,10 @@ impl Drop for CudaConsumer {
         // sends Goodbye after this drop) may the producer free its memory.
         if self.abandoned.load(Ordering::Acquire) && !self.ready.host_releasable() {
             // The producer died: our stream may wait forever on a `ready` event it recorded
-            // but never ran (or on device words whose release we do not wait for). Leave the imports, and a mirror's buffers (whose free could wait
-            // for a copy stream stuck the same way), to the driver's process teardown.
+            // but never ran, or resume at any time once a release written to device words
+            // lands. Either way nothing may be freed under it: leave the imports, the words
+            // and a mirror's buffers (whose free could wait for a copy stream stuck the same
+            // way) to the driver's process teardown.
             tracing::warn!("the producer died: skipping the CUDA consumer's teardown");
             if let Some(m) = self.mirror.take() {
                 std::mem::forget(m);
@@ -1145,6 +1166,13 @@ impl Drop for CudaConsumer {
         self.slots.release(&self.stream);
         if let Err(e) = self.stream.synchronize() {
             tracing::error!("CUDA consumer teardown: stream synchronize failed: {e}");
+        }
+        // SAFETY: each is dropped once, here, and never used again (this is drop); every
+        // stream that used them has been synchronised above.
+        unsafe {
+            ManuallyDrop::drop(&mut self.slots);
+            ManuallyDrop::drop(&mut self.ready);
+            ManuallyDrop::drop(&mut self.timelines);
         }
     }
 }

@@ -11,6 +11,7 @@ use serde::Serialize;
 use crate::driver::{self, CudaError, Device};
 use crate::kernels;
 use crate::memory::{FABRIC_HINT, HandleKind, MemoryPath, imex_channel_present};
+use crate::sync::TimelineMemory;
 
 /// Bit of `CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES` for POSIX file descriptors.
 pub const HANDLE_TYPE_POSIX_FD_BIT: u32 = 0x1;
@@ -466,6 +467,53 @@ pub fn auto_max_lead(
     Ok((l2_max_lead(l2, slot, slots), l2))
 }
 
+/// Fewest hardware work queues (`CUDA_DEVICE_MAX_CONNECTIONS`, 8 when unset) with which
+/// `--timeline-memory auto` takes device memory.
+pub const DEVICE_WORDS_MIN_CONNECTIONS: u32 = 8;
+
+/// Where `auto` puts the timeline words, and why: device memory (measured faster on an H100,
+/// docs/benchmarks.md) when the device can export `cuMemCreate` memory as POSIX fds and the
+/// process keeps CUDA's default of 8 hardware queues (`connections`: the value of
+/// `CUDA_DEVICE_MAX_CONNECTIONS`, `None` when unset); host memory otherwise. A dead peer's
+/// device words are released by a write on a stream of their own, which must not share a
+/// queue with a stream stalled on those words; with fewer queues, streams share them.
+pub fn rule_timeline_memory(
+    vmm_posix_fd: bool,
+    connections: Option<u32>,
+) -> (TimelineMemory, String) {
+    if !vmm_posix_fd {
+        return (
+            TimelineMemory::Host,
+            "the device cannot share cuMemCreate memory as POSIX fds".into(),
+        );
+    }
+    match connections {
+        Some(n) if n < DEVICE_WORDS_MIN_CONNECTIONS => (
+            TimelineMemory::Host,
+            format!(
+                "CUDA_DEVICE_MAX_CONNECTIONS={n}: with fewer than \
+                 {DEVICE_WORDS_MIN_CONNECTIONS} hardware queues, a release written to device \
+                 words could queue behind the stalled wait it is meant to release"
+            ),
+        ),
+        _ => (
+            TimelineMemory::Device,
+            "device memory: measured faster on an H100".into(),
+        ),
+    }
+}
+
+/// [`rule_timeline_memory`] for device `ordinal` of `report`, reading
+/// `CUDA_DEVICE_MAX_CONNECTIONS` from the environment.
+pub fn auto_timeline_memory(report: &ProbeReport, ordinal: usize) -> (TimelineMemory, String) {
+    let vmm = report
+        .devices
+        .iter()
+        .find(|d| d.ordinal == ordinal)
+        .is_some_and(|d| d.check_path(MemoryPath::Vmm, HandleKind::PosixFd).is_ok());
+    rule_timeline_memory(vmm, crate::backend::max_connections())
+}
+
 /// The ring depths `slots = "auto"` considers without MPS (with MPS it is 8).
 pub const AUTO_DEPTHS: [u32; 4] = [8, 16, 32, 64];
 
@@ -711,6 +759,20 @@ impl fmt::Display for ProbeReport {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn auto_timeline_memory_is_device_unless_vmm_fds_or_queues_are_missing() {
+        use crate::sync::TimelineMemory::{Device, Host};
+        assert_eq!(rule_timeline_memory(true, None).0, Device);
+        assert_eq!(rule_timeline_memory(true, Some(8)).0, Device);
+        assert_eq!(rule_timeline_memory(true, Some(32)).0, Device);
+        let (m, why) = rule_timeline_memory(true, Some(1));
+        assert_eq!(m, Host);
+        assert!(why.contains("CUDA_DEVICE_MAX_CONNECTIONS=1"), "{why}");
+        let (m, why) = rule_timeline_memory(false, None);
+        assert_eq!(m, Host);
+        assert!(why.contains("POSIX fds"), "{why}");
+    }
+
     #[test]
     fn auto_lead_keeps_the_batches_in_flight_within_the_l2() {
         let l2 = 50 << 20; // an H100's

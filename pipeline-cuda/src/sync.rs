@@ -447,7 +447,10 @@ impl FinishedWords {
             .get_mut(consumer as usize)
             .and_then(Option::take)
             .ok_or_else(|| format!("no finished words were made for consumer {consumer}"))?;
-        self.rows.write()[consumer as usize] = Some(row);
+        let old = self.rows.write()[consumer as usize].replace(row);
+        // Dropped outside the lock: dropping device words waits for their release stream,
+        // and a departure must still be able to release the other consumers' words.
+        drop(old);
         Ok(())
     }
 
@@ -553,8 +556,9 @@ impl ReadySignal {
         match self {
             // SAFETY: the caller guarantees `stream`; the event is ours.
             ReadySignal::Events(events) => unsafe { events[slot as usize].record_raw(stream) },
-            // SAFETY: the word is in our registered timelines, mapped for our lifetime; the
-            // caller guarantees `stream`.
+            // SAFETY: the word is in our timelines (registered host or mapped device words), mapped
+            // for our lifetime (a dead producer's are never unmapped: Drop); the caller guarantees
+            // `stream`.
             ReadySignal::Semaphore(words) => unsafe {
                 driver::stream_write_value64_raw(stream, words.device(0, slot), seq + 1)
             },
@@ -563,8 +567,8 @@ impl ReadySignal {
 
     /// True when batch `seq` in `slot` is ready now (the producer's writes are complete), as
     /// the host can tell without waiting: the event has completed, or the word has reached the
-    /// batch (false for device words, which the host cannot read). Valid while the batch is held (the producer signals the slot again only after
-    /// it is released).
+    /// batch (false for device words, which the host cannot read). Valid while the batch is
+    /// held (the producer signals the slot again only after it is released).
     pub(crate) fn is_ready(&self, slot: u32, seq: u64) -> Result<bool, CudaError> {
         match self {
             ReadySignal::Events(events) => events[slot as usize].query(),
@@ -595,8 +599,9 @@ impl ReadySignal {
             ReadySignal::Events(events) => unsafe {
                 Stream::raw_wait_event(stream, &events[slot as usize])
             },
-            // SAFETY: the word is in our registered timelines, mapped for our lifetime; the
-            // caller guarantees `stream`.
+            // SAFETY: the word is in our timelines (registered host or mapped device words), mapped
+            // for our lifetime (a dead producer's are never unmapped: Drop); the caller guarantees
+            // `stream`.
             ReadySignal::Semaphore(words) => unsafe {
                 driver::stream_wait_value64_raw(
                     stream,

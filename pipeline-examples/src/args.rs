@@ -51,8 +51,9 @@ pub struct CudaArgs {
     sync: String,
     /// Where the timeline words (`finished`, and `ready` with --sync semaphore) live: host
     /// memory mapped for the GPU, or device memory (mapped by peer access on other GPUs;
-    /// measured faster on an H100, docs/benchmarks.md).
-    #[arg(long, default_value = "device")]
+    /// measured faster on an H100, docs/benchmarks.md). auto takes device memory unless the
+    /// device cannot share it as POSIX fds or CUDA_DEVICE_MAX_CONNECTIONS is below 8.
+    #[arg(long, default_value = "auto")]
     timeline_memory: String,
 }
 
@@ -72,7 +73,10 @@ impl CudaArgs {
                 m
             }
         };
-        let words: TimelineMemory = self.timeline_memory.parse()?;
+        let words: TimelineMemory = match self.timeline_memory.as_str() {
+            "auto" => pipeline_cuda::probe::auto_timeline_memory(&report, 0).0,
+            w => w.parse()?,
+        };
         let sync = match self.sync.as_str() {
             "auto" => cuda_work::auto_sync(words),
             y => y.parse::<SyncMode>()?,

@@ -24,9 +24,9 @@ pub fn command(cmd: ProbeCmd) -> Result<ExitCode, String> {
             return Ok(ExitCode::FAILURE);
         }
     };
-    // What `--memory auto --sync auto` resolves to with the default timeline words (the paths
-    // as measured in docs/benchmarks.md), or why CUDA cannot be used.
-    let words = pipeline_cuda::backend::TimelineMemory::Device;
+    // What `--memory auto --sync auto --timeline-memory auto` resolves to (the paths as
+    // measured in docs/benchmarks.md), or why CUDA cannot be used.
+    let (words, _) = pipeline_cuda::probe::auto_timeline_memory(&report, 0);
     let path = report
         .auto_memory_path_for(0, HandleKind::PosixFd)
         .map(|m| {

@@ -139,9 +139,10 @@ class Producer(_gpipe.Producer):
 
     ``Producer(socket, *, slots=8, batch_bytes=8 MiB, mode="broadcast", backend="auto",
     device=0, detach_after_ms=None, max_consumers=16, drain_timeout=5.0, sync="auto",
-    max_lead=None, depth_budget=2 GiB, timeline_memory="device")``; ``slots="auto"`` picks
+    max_lead=None, depth_budget=2 GiB, timeline_memory="host")``; ``slots="auto"`` picks
     the depth (see ``slots_auto``). ``timeline_memory``: where the ``ready`` and ``finished``
-    words live on the CUDA backend, ``"device"`` (faster) or ``"host"``.
+    words live on the CUDA backend: ``"host"``, ``"device"`` (faster; see docs/python.md for
+    when it is safe) or ``"auto"``.
     """
 
     def send(
