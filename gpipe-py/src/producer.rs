@@ -216,7 +216,7 @@ impl PyProducer {
             "auto" => None,
             w => Some(
                 w.parse::<TimelineMemory>()
-                    .map_err(|e| PyValueError::new_err(format!("{e} (or \"auto\")")))?,
+                    .map_err(|e| PyValueError::new_err(format!("{e}; or \"auto\"")))?,
             ),
         };
         if !(drain_timeout.is_finite() && drain_timeout >= 0.0) {

@@ -38,7 +38,7 @@ def test_producer_arguments(sock):
         gpipe.Producer(sock, backend="host", slots=-1)
     with pytest.raises(ValueError):
         gpipe.Producer(sock, backend="host", device=-1)
-    with pytest.raises(ValueError, match="unknown timeline memory.*use host or device"):
+    with pytest.raises(ValueError, match="unknown timeline memory.*expected host or device"):
         gpipe.Producer(sock, backend="host", timeline_memory="gpu")
 
 

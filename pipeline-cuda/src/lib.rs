@@ -22,6 +22,7 @@ mod export;
 pub mod kernels;
 pub mod memory;
 pub mod mirror;
+mod names;
 pub mod nccl;
 pub mod probe;
 pub mod sync;

@@ -13,9 +13,7 @@
 //! memory and a release is a write on a stream that never waits. A caller's stream is joined into ours
 //! through an ordering-only event.
 
-use std::fmt;
 use std::os::fd::{AsFd, OwnedFd};
-use std::str::FromStr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -43,45 +41,10 @@ pub enum SyncMode {
     Semaphore,
 }
 
-impl SyncMode {
-    /// Both modes.
-    pub const ALL: [SyncMode; 2] = [SyncMode::Events, SyncMode::Semaphore];
-
-    pub(crate) fn to_wire(self) -> u32 {
-        match self {
-            SyncMode::Events => 1,
-            SyncMode::Semaphore => 2,
-        }
-    }
-
-    pub(crate) fn from_wire(v: u32) -> Option<Self> {
-        match v {
-            1 => Some(SyncMode::Events),
-            2 => Some(SyncMode::Semaphore),
-            _ => None,
-        }
-    }
-}
-
-impl fmt::Display for SyncMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            SyncMode::Events => "events",
-            SyncMode::Semaphore => "semaphore",
-        })
-    }
-}
-
-impl FromStr for SyncMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "events" => Ok(SyncMode::Events),
-            "semaphore" => Ok(SyncMode::Semaphore),
-            _ => Err(format!("unknown sync mode {s:?}: use events or semaphore")),
-        }
-    }
-}
+crate::names::named_enum!(SyncMode, "sync mode", [
+    Events = "events" (1) [],
+    Semaphore = "semaphore" (2) [],
+]);
 
 /// A value past any real generation (sequences are below 2^48) that still compares as
 /// "greater or equal" in the driver's wrapping comparison: it releases every wait.
@@ -102,42 +65,10 @@ pub enum TimelineMemory {
     Device,
 }
 
-impl TimelineMemory {
-    pub(crate) fn to_wire(self) -> u32 {
-        match self {
-            TimelineMemory::Host => 1,
-            TimelineMemory::Device => 2,
-        }
-    }
-
-    pub(crate) fn from_wire(v: u32) -> Option<Self> {
-        match v {
-            1 => Some(TimelineMemory::Host),
-            2 => Some(TimelineMemory::Device),
-            _ => None,
-        }
-    }
-}
-
-impl fmt::Display for TimelineMemory {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            TimelineMemory::Host => "host",
-            TimelineMemory::Device => "device",
-        })
-    }
-}
-
-impl FromStr for TimelineMemory {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "host" => Ok(TimelineMemory::Host),
-            "device" => Ok(TimelineMemory::Device),
-            _ => Err(format!("unknown timeline memory {s:?}: use host or device")),
-        }
-    }
-}
+crate::names::named_enum!(TimelineMemory, "timeline memory", [
+    Host = "host" (1) [],
+    Device = "device" (2) [],
+]);
 
 /// Bytes of one device-memory timeline allocation on `ctx`'s device: the VMM granularity
 /// (2 MiB on the GPUs measured), which holds far more words than a ring has slots.
@@ -611,22 +542,5 @@ impl ReadySignal {
                 )
             },
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn timeline_memory_names_and_wire_values_round_trip() {
-        for m in [TimelineMemory::Host, TimelineMemory::Device] {
-            assert_eq!(m.to_string().parse::<TimelineMemory>(), Ok(m));
-            assert_eq!(TimelineMemory::from_wire(m.to_wire()), Some(m));
-        }
-        assert_eq!(TimelineMemory::default(), TimelineMemory::Host);
-        assert_eq!(TimelineMemory::from_wire(0), None);
-        let e = "gpu".parse::<TimelineMemory>().unwrap_err();
-        assert!(e.contains("use host or device"), "{e}");
     }
 }

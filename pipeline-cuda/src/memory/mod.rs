@@ -18,9 +18,7 @@
 //! `vmm.rs`, `legacy.rs`. The backend sees one interface, the producer's and the consumer's
 //! slot enums here, which dispatch to them. The bytes of the export blob are in `export.rs`.
 
-use std::fmt;
 use std::os::fd::OwnedFd;
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -52,62 +50,16 @@ pub enum MemoryPath {
     Legacy,
 }
 
+crate::names::named_enum!(MemoryPath, "memory path", [
+    Pool = "pool" (1) [],
+    Vmm = "vmm" (2) [],
+    Legacy = "legacy" (3) ["ipc"],
+]);
+
 impl MemoryPath {
-    /// Every path, in the order `auto` tries them.
-    pub const ALL: [MemoryPath; 3] = [MemoryPath::Pool, MemoryPath::Vmm, MemoryPath::Legacy];
-
-    /// The lowercase name: `pool`, `vmm`, `legacy`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            MemoryPath::Pool => "pool",
-            MemoryPath::Vmm => "vmm",
-            MemoryPath::Legacy => "legacy",
-        }
-    }
-
     /// Whether the path can share its memory with `handle`.
     pub fn supports(self, handle: HandleKind) -> bool {
         !(self == MemoryPath::Legacy && handle == HandleKind::Fabric)
-    }
-
-    /// Value in the export blob.
-    pub fn to_wire(self) -> u32 {
-        match self {
-            MemoryPath::Pool => 1,
-            MemoryPath::Vmm => 2,
-            MemoryPath::Legacy => 3,
-        }
-    }
-
-    /// From the export blob's value.
-    pub fn from_wire(v: u32) -> Option<MemoryPath> {
-        match v {
-            1 => Some(MemoryPath::Pool),
-            2 => Some(MemoryPath::Vmm),
-            3 => Some(MemoryPath::Legacy),
-            _ => None,
-        }
-    }
-}
-
-impl fmt::Display for MemoryPath {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for MemoryPath {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.to_ascii_lowercase().as_str() {
-            "pool" => Ok(MemoryPath::Pool),
-            "vmm" => Ok(MemoryPath::Vmm),
-            "legacy" | "ipc" => Ok(MemoryPath::Legacy),
-            _ => Err(format!(
-                "unknown memory path {s:?} (expected pool, vmm or legacy)"
-            )),
-        }
     }
 }
 
@@ -123,60 +75,17 @@ pub enum HandleKind {
     Fabric,
 }
 
+crate::names::named_enum!(HandleKind, "handle kind", [
+    PosixFd = "posix_fd" (1) ["posix-fd", "fd", "posix"],
+    Fabric = "fabric" (2) [],
+]);
+
 impl HandleKind {
-    /// Both kinds.
-    pub const ALL: [HandleKind; 2] = [HandleKind::PosixFd, HandleKind::Fabric];
-
-    /// The name: `posix_fd` or `fabric`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            HandleKind::PosixFd => "posix_fd",
-            HandleKind::Fabric => "fabric",
-        }
-    }
-
     /// The driver handle type.
     pub fn pool_handle_type(self) -> PoolHandleType {
         match self {
             HandleKind::PosixFd => PoolHandleType::PosixFd,
             HandleKind::Fabric => PoolHandleType::Fabric,
-        }
-    }
-
-    /// Value in the export blob.
-    pub fn to_wire(self) -> u32 {
-        match self {
-            HandleKind::PosixFd => 1,
-            HandleKind::Fabric => 2,
-        }
-    }
-
-    /// From the export blob's value.
-    pub fn from_wire(v: u32) -> Option<HandleKind> {
-        match v {
-            1 => Some(HandleKind::PosixFd),
-            2 => Some(HandleKind::Fabric),
-            _ => None,
-        }
-    }
-}
-
-impl fmt::Display for HandleKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for HandleKind {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.to_ascii_lowercase().as_str() {
-            "posix_fd" | "posix-fd" | "fd" | "posix" => Ok(HandleKind::PosixFd),
-            "fabric" => Ok(HandleKind::Fabric),
-            _ => Err(format!(
-                "unknown handle kind {s:?} (expected posix_fd or fabric)"
-            )),
         }
     }
 }
