@@ -408,7 +408,8 @@ impl ProducerBackend for CudaProducer {
             TimelineMemory::Device => Some(Arc::new(Stream::new(&ctx).map_err(be)?)),
         };
         if release.is_some() {
-            let (auto, why) = crate::probe::rule_timeline_memory(true, max_connections());
+            let (auto, why) =
+                crate::probe::rule_timeline_memory(true, crate::probe::max_connections());
             if auto == TimelineMemory::Host {
                 tracing::warn!("timeline words in device memory, but {why}");
             }
@@ -807,13 +808,6 @@ impl CudaConsumer {
         // SAFETY: the caller guarantees `stream`.
         unsafe { join_into(&self.ctx, &self.scratch, &self.stream, stream) }
     }
-}
-
-/// `CUDA_DEVICE_MAX_CONNECTIONS`, when set to a number.
-pub(crate) fn max_connections() -> Option<u32> {
-    std::env::var("CUDA_DEVICE_MAX_CONNECTIONS")
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
 }
 
 /// The ordinal of the visible device with this UUID, if any.

@@ -511,7 +511,14 @@ pub fn auto_timeline_memory(report: &ProbeReport, ordinal: usize) -> (TimelineMe
         .iter()
         .find(|d| d.ordinal == ordinal)
         .is_some_and(|d| d.check_path(MemoryPath::Vmm, HandleKind::PosixFd).is_ok());
-    rule_timeline_memory(vmm, crate::backend::max_connections())
+    rule_timeline_memory(vmm, max_connections())
+}
+
+/// `CUDA_DEVICE_MAX_CONNECTIONS`, when set to a number.
+pub(crate) fn max_connections() -> Option<u32> {
+    std::env::var("CUDA_DEVICE_MAX_CONNECTIONS")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
 }
 
 /// The ring depths `slots = "auto"` considers without MPS (with MPS it is 8).

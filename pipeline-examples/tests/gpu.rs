@@ -213,7 +213,7 @@ fn cuda_timeline_words_in_device_memory() {
         watchdog(180, move |_| {
             bench_with("broadcast", 2, extra);
             bench_with("shared", 2, extra);
-            let r = bench_json(&[
+            let mut args = vec![
                 "bench",
                 "--backend",
                 "cuda",
@@ -222,11 +222,9 @@ fn cuda_timeline_words_in_device_memory() {
                 "--batches",
                 "50",
                 "--json",
-                extra[0],
-                extra[1],
-                extra[2],
-                extra[3],
-            ]);
+            ];
+            args.extend_from_slice(extra);
+            let r = bench_json(&args);
             assert_eq!(r["extra"]["timeline_memory"], "device", "{r}");
         });
         consumer_death_case_with("cuda", None, extra);

@@ -1372,6 +1372,24 @@ mod tests {
         assert_eq!(late_rx.recv_timeout(Duration::from_secs(5)).unwrap(), 42);
     }
 
+    /// A 3 s setup under a 30 s limit, watching `session` and `stop` every 10 ms: the error
+    /// that ends it early.
+    fn slow_join(session: &std::net::TcpStream, stop: &AtomicBool) -> RelayError {
+        bounded_setup(
+            "joining",
+            || {
+                std::thread::sleep(Duration::from_secs(3));
+                Ok(())
+            },
+            |_| {},
+            session,
+            Duration::from_secs(30),
+            Duration::from_millis(10),
+            stop,
+        )
+        .unwrap_err()
+    }
+
     #[test]
     fn bounded_setup_notices_a_peer_that_closed_the_connection() {
         let (ours, theirs) = tcp_pair();
@@ -1380,19 +1398,7 @@ mod tests {
             std::thread::sleep(Duration::from_millis(100));
             drop(theirs);
         });
-        let e = bounded_setup(
-            "joining",
-            || {
-                std::thread::sleep(Duration::from_secs(3));
-                Ok(())
-            },
-            |_| {},
-            &ours,
-            Duration::from_secs(30),
-            Duration::from_millis(10),
-            &AtomicBool::new(false),
-        )
-        .unwrap_err();
+        let e = slow_join(&ours, &AtomicBool::new(false));
         closer.join().unwrap();
         assert!(e.0.contains("peer closed the connection"), "{e}");
         assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
@@ -1403,19 +1409,7 @@ mod tests {
         let (ours, _theirs) = tcp_pair();
         let stop = AtomicBool::new(true);
         let t0 = Instant::now();
-        let e = bounded_setup(
-            "joining",
-            || {
-                std::thread::sleep(Duration::from_secs(3));
-                Ok(())
-            },
-            |_| {},
-            &ours,
-            Duration::from_secs(30),
-            Duration::from_millis(10),
-            &stop,
-        )
-        .unwrap_err();
+        let e = slow_join(&ours, &stop);
         assert!(e.0.contains("stopped"), "{e}");
         assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
     }
