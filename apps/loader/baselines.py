@@ -32,7 +32,7 @@ from typing import Iterator, Optional
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_decode import IMAGENET_MEAN, IMAGENET_STD, Augment, DecodedBatches, EpochPlan, ImageFolder  # noqa: E402
+from gpu_decode import IMAGENET_MEAN, IMAGENET_STD, Augment, DecodedBatches, EpochPlan, open_images  # noqa: E402
 from step import MODELS, TrainStep, emit, environment, measure, setup_device  # noqa: E402
 
 MODES = ("ceiling", "dataloader", "inprocess")
@@ -54,12 +54,13 @@ class Synthetic:
 
 
 class FolderDataset(torch.utils.data.Dataset):
-    """The data set as (CHW float tensor, label) with torchvision's PIL transforms."""
+    """The data set (a folder or a pack) as (CHW float tensor, label) with torchvision's PIL
+    transforms."""
 
-    def __init__(self, folder: ImageFolder, size: int):
+    def __init__(self, images, size: int):
         from torchvision import transforms
 
-        self.paths, self.labels = folder.paths, folder.labels.tolist()
+        self.images, self.labels = images, images.labels.tolist()
         self.transform = transforms.Compose([
             transforms.RandomResizedCrop(size),
             transforms.RandomHorizontalFlip(),
@@ -68,12 +69,12 @@ class FolderDataset(torch.utils.data.Dataset):
         ])
 
     def __len__(self) -> int:
-        return len(self.paths)
+        return len(self.labels)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         from PIL import Image
 
-        with Image.open(self.paths[i]) as img:
+        with Image.open(self.images.pil_source(i)) as img:
             return self.transform(img.convert("RGB")), self.labels[i]
 
 
@@ -173,7 +174,7 @@ class InProcess:
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", choices=MODES)
-    ap.add_argument("--data", help="data set folder (dataloader, inprocess)")
+    ap.add_argument("--data", help="data set folder or pack (dataloader, inprocess)")
     ap.add_argument("--model", choices=MODELS, default="resnet50")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     ap.add_argument("--batch", type=int, default=256)
@@ -214,8 +215,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         classes = a.classes
         batches = Synthetic(a.batch, a.size, classes, dev)
     elif a.mode == "dataloader":
-        folder = ImageFolder(a.data)
+        folder = open_images(a.data)
         classes = len(folder.classes)
+        extra["source"] = folder.kind
         loader = torch.utils.data.DataLoader(
             FolderDataset(folder, a.size), batch_size=a.batch, shuffle=True, drop_last=True,
             num_workers=a.workers, pin_memory=dev.type == "cuda", persistent_workers=a.workers > 0,
@@ -224,8 +226,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         batches = LoaderBatches(loader, dev)
         extra["workers"] = a.workers
     else:
-        folder = ImageFolder(a.data)
+        folder = open_images(a.data)
         classes = len(folder.classes)
+        extra["source"] = folder.kind
         plan = EpochPlan(len(folder), a.batch, seed=a.seed)
         source = DecodedBatches(folder, plan, dev, prefetch=a.prefetch, read_threads=a.read_threads)
         inproc = InProcess(source, Augment(a.size, dev, seed=a.seed), dev)

@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpipe  # noqa: E402
 from gpu_decode import (  # noqa: E402
     META_CLASSES, META_EPOCH, META_GLOBAL, META_INDEX, META_PER_EPOCH, META_SHARD, META_SHARDS,
-    Augment, DecodedBatches, EpochPlan, ImageFolder, channels_last_strides,
+    Augment, DecodedBatches, EpochPlan, channels_last_strides, open_images,
 )
 from step import emit  # noqa: E402
 from train import parse_fraction  # noqa: E402
@@ -46,7 +46,7 @@ from train import parse_fraction  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", required=True, help="data set folder (make_dataset.py)")
+    ap.add_argument("--data", required=True, help="data set: a folder (make_dataset.py) or a pack (pack_dataset.py)")
     ap.add_argument("--socket", required=True, help="socket to listen on")
     ap.add_argument("--batch", type=int, default=256, help="images per batch (default 256)")
     ap.add_argument("--size", type=int, default=224, help="crop size S (default 224)")
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="publish only shard K of N of each epoch (one producer per GPU: K = rank)")
     ap.add_argument("--seed", type=int, default=0, help="shuffle seed (the same for every shard)")
     ap.add_argument("--prefetch", type=int, default=3, help="decoded batches kept ready (default 3)")
-    ap.add_argument("--read-threads", type=int, default=8, help="file-reading threads (default 8)")
+    ap.add_argument("--read-threads", type=int, default=8, help="file-reading threads (default 8; a pack needs none)")
     ap.add_argument("--warmup", type=int, default=10, help="batches left out of the steady-state rate")
     ap.add_argument("--attach-timeout", type=float, default=120.0, help="seconds to wait for the trainers")
     ap.add_argument("--json-out", default=None, help="also append the JSON line to this file")
@@ -76,9 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cuda", a.device) if backend == "cuda" else torch.device("cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    folder = ImageFolder(a.data)
+    images_set = open_images(a.data)
     shard, shards = a.shard
-    plan = EpochPlan(len(folder), a.batch, shard=shard, shards=shards, multiple=a.multiple, seed=a.seed)
+    plan = EpochPlan(len(images_set), a.batch, shard=shard, shards=shards, multiple=a.multiple, seed=a.seed)
     aug = Augment(a.size, dev, seed=a.seed * 7919 + shard)
     shape = (a.batch, 3, a.size, a.size)
     image_bytes = a.batch * 3 * a.size * a.size * 2
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         producer.wait_for_consumers(a.consumers, timeout=a.attach_timeout)
         source = DecodedBatches(
-            folder, plan, dev, epochs=a.epochs, limit=a.batches, prefetch=a.prefetch, read_threads=a.read_threads,
+            images_set, plan, dev, epochs=a.epochs, limit=a.batches, prefetch=a.prefetch, read_threads=a.read_threads,
         )
         t_start = time.perf_counter()
         while True:
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                     labels.copy_(item.labels)
                 meta = [0] * 7
                 meta[META_EPOCH], meta[META_INDEX], meta[META_GLOBAL] = item.epoch, item.index, item.global_index
-                meta[META_PER_EPOCH], meta[META_CLASSES] = plan.batches_per_epoch, len(folder.classes)
+                meta[META_PER_EPOCH], meta[META_CLASSES] = plan.batches_per_epoch, len(images_set.classes)
                 meta[META_SHARD], meta[META_SHARDS] = shard, shards
                 del declared, images, labels
                 slot.publish(meta=meta)
@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         counters = producer.close()
     if dev.type == "cuda":
         torch.cuda.synchronize()
-    record = {"role": "producer", "label": a.label, "device": str(dev), "end": end, "batches": published,
+    record = {"role": "producer", "label": a.label, "device": str(dev), "source": images_set.kind,
+              "end": end, "batches": published,
               "batch": a.batch, "images": published * a.batch, "batches_per_epoch": plan.batches_per_epoch,
               "shard": [shard, shards], "counters": counters}
     if stamps:

@@ -114,9 +114,9 @@ class Runner:
 
 
 TRAINER_FIELDS = ("images_per_s", "wait_fraction", "host_wait_fraction", "gpu_util", "steps", "seconds",
-                  "startup_s", "epochs", "loss", "timeline", "mps", "gpu")
+                  "startup_s", "epochs", "loss", "timeline", "mps", "gpu", "kernel", "cpus", "source")
 PRODUCER_FIELDS = ("images_per_s", "steady_images_per_s", "busy_images_per_s", "decode_wait_s", "acquire_s",
-                   "work_s", "read_s", "decode_s", "batches", "end")
+                   "work_s", "read_s", "decode_s", "batches", "end", "source")
 
 
 def run_config(r: Runner, a: argparse.Namespace, model: str, config: str, world: int) -> dict:

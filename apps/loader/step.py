@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import sys
 import threading
 import time
@@ -280,7 +281,7 @@ def emit(record: dict, path: Optional[str] = None) -> None:
 
 def environment() -> dict:
     """What the run ran on, for the record."""
-    env = {"torch": torch.__version__, "pid": os.getpid()}
+    env = {"torch": torch.__version__, "pid": os.getpid(), "kernel": platform.release(), "cpus": os.cpu_count()}
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
     env["mps"] = bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")) and os.path.exists(

@@ -34,6 +34,7 @@ sys.path.insert(0, str(LOADER))
 
 import gpu_decode  # noqa: E402
 import make_dataset  # noqa: E402
+import pack_dataset  # noqa: E402
 
 WATCHDOG_S = 90
 CHILD_TIMEOUT_S = 60
@@ -54,6 +55,11 @@ def data(tmp_path_factory) -> str:
     make_dataset.make_dataset(root, count=IMAGES, classes=3, min_size=(40, 40), max_size=(64, 64),
                               processes=1, quiet=True)
     return root
+
+
+@pytest.fixture(scope="module")
+def pack(data) -> str:
+    return pack_dataset.pack(data, quiet=True)["path"]
 
 
 SOCK_DIR = Path("/tmp") / f"ld-{os.getpid()}"  # Unix socket paths are limited to 107 bytes
@@ -235,6 +241,129 @@ def test_decoded_batches_read_decode_in_order(data):
         assert all(im.dtype == torch.uint8 and im.shape[0] == 3 for im in d.images)
 
 
+# ---- packs ------------------------------------------------------------------------------------
+
+
+def test_a_pack_holds_the_folders_images_labels_and_classes(data, pack):
+    folder, packed = gpu_decode.ImageFolder(data), gpu_decode.open_images(pack)
+    assert isinstance(packed, gpu_decode.PackedImages) and packed.kind == "pack"
+    assert isinstance(gpu_decode.open_images(data), gpu_decode.ImageFolder)
+    assert packed.classes == folder.classes and packed.labels.tolist() == folder.labels.tolist()
+    assert len(packed) == len(folder) == IMAGES
+    for i in range(IMAGES):
+        view = packed.read(i)
+        assert view.dtype == torch.uint8 and view.dim() == 1 and view.is_contiguous()
+        assert bytes(view.numpy()) == Path(folder.paths[i]).read_bytes()
+        assert packed.pil_source(i).read() == Path(folder.paths[i]).read_bytes()
+    assert packed.read(0).data_ptr() == packed.data.data_ptr()  # a view of the pack, not a copy
+    assert pack_dataset.pack(data, quiet=True).get("reused") is True
+
+
+def test_a_pack_is_made_again_when_its_folder_changes(tmp_path):
+    root = str(tmp_path / "d")
+    make_dataset.make_dataset(root, count=6, classes=2, min_size=(24, 24), max_size=(32, 32), processes=1, quiet=True)
+    first = pack_dataset.pack(root, quiet=True)
+    assert first["images"] == 6 and "reused" not in first
+    os.unlink(make_dataset.image_path(root, 5, 2))
+    second = pack_dataset.pack(root, quiet=True)
+    assert second["images"] == 5 and "reused" not in second
+    assert len(gpu_decode.PackedImages(second["path"])) == 5
+    assert not [f for f in os.listdir(tmp_path) if ".tmp" in f]  # no temporary file left
+
+
+def _forge(path: Path, index: object, data: bytes, magic: bytes = gpu_decode.PACK_MAGIC) -> str:
+    blob = json.dumps(index).encode()
+    path.write_bytes(magic + len(blob).to_bytes(8, "little") + blob + data)
+    return str(path)
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("magic", "not an image pack"),
+    ("empty", "not an image pack"),
+    ("truncated index", "truncated"),
+    ("bad json", "unreadable index"),
+    ("version", "pack version 2"),
+    ("missing field", "lacks one of"),
+    ("counts differ", "2 labels, 1 offsets"),
+    ("label", "label 7 is not one of the 2 classes"),
+    ("outside", "outside the 10 data bytes"),
+    ("negative", "outside the 10 data bytes"),
+    ("not int", "must be integers"),
+])
+def test_a_damaged_pack_is_refused_with_what_is_wrong(tmp_path, case, needle):
+    good = {"version": 1, "classes": ["a", "b"], "labels": [0, 1], "offsets": [0, 5], "lengths": [5, 5]}
+    f = tmp_path / "x.pack"
+    if case == "magic":
+        path = _forge(f, good, b"0" * 10, magic=b"NOTAPACK")
+    elif case == "empty":
+        f.write_bytes(b"")
+        path = str(f)
+    elif case == "truncated index":
+        f.write_bytes(gpu_decode.PACK_MAGIC + (1000).to_bytes(8, "little") + b"{}")
+        path = str(f)
+    elif case == "bad json":
+        f.write_bytes(gpu_decode.PACK_MAGIC + (3).to_bytes(8, "little") + b"{x}" + b"0" * 10)
+        path = str(f)
+    else:
+        index = dict(good)
+        if case == "version":
+            index["version"] = 2
+        elif case == "missing field":
+            del index["lengths"]
+        elif case == "counts differ":
+            index["offsets"] = [0]
+        elif case == "label":
+            index["labels"] = [0, 7]
+        elif case == "outside":
+            index["lengths"] = [5, 6]
+        elif case == "negative":
+            index["offsets"] = [0, -1]
+        elif case == "not int":
+            index["lengths"] = [5, 5.0]
+        path = _forge(f, index, b"0" * 10)
+    with pytest.raises(ValueError, match=needle):
+        gpu_decode.open_images(path)
+
+
+def test_open_images_names_a_missing_data_set(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such folder or pack"):
+        gpu_decode.open_images(str(tmp_path / "nothing"))
+
+
+def test_decoded_batches_from_a_pack_match_the_folder(data, pack):
+    plan = gpu_decode.EpochPlan(IMAGES, 6)
+    got = {}
+    for src in (data, pack):
+        with gpu_decode.DecodedBatches(gpu_decode.open_images(src), plan, "cpu", epochs=1, read_threads=2) as it:
+            got[src] = list(it)
+    assert len(got[data]) == len(got[pack]) == IMAGES // 6
+    for a, b in zip(got[data], got[pack]):
+        assert a.labels.tolist() == b.labels.tolist()
+        assert all(torch.equal(x, y) for x, y in zip(a.images, b.images))
+
+
+def test_the_scaling_probe_runs_each_stage_in_several_processes(data, pack, tmp_path):
+    out = tmp_path / "scaling.jsonl"
+    cmd = [sys.executable, str(LOADER / "scaling.py"), data, pack, "--cpu", "--procs", "2", "--seconds", "0.3",
+           "--batch", "4", "--threads", "2", "--size", str(SIZE), "--stages", "read,decode,pipeline",
+           "--json-out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert recs[0]["what"] == "scaling-host" and recs[0]["devices"] == ["cpu"]
+    points = recs[1:]
+    assert [(p["source"], p["stage"], p["procs"]) for p in points] == [
+        (src, stage, 2) for src in ("folder", "pack") for stage in ("read", "decode", "pipeline")]
+    for p in points:
+        assert "error" not in p, p
+        assert len(p["per_process"]) == p["procs"] and sorted(r["index"] for r in p["per_process"]) == list(
+            range(p["procs"]))
+        assert all(r["batches"] > 0 and r["images"] == 4 * r["batches"] for r in p["per_process"])
+        assert p["images_per_s"] == pytest.approx(sum(r["images_per_s"] for r in p["per_process"]), abs=0.2)
+    assert "stage" in r.stderr and "images/s" in r.stderr  # the table
+
+
 # ---- the programs, as processes --------------------------------------------------------------
 
 
@@ -243,13 +372,15 @@ def producer_args(data: str, socket: str, *extra: str, batch: int = 4) -> list[s
             "--slots", "3", "--read-threads", "2", "--warmup", "0", *extra]
 
 
-def test_producer_feeds_a_trainer_with_epoch_marks(data, procs):
+@pytest.mark.parametrize("source", ["folder", "pack"])
+def test_producer_feeds_a_trainer_with_epoch_marks(data, pack, procs, source):
     s = sock()
-    prod = procs("producer.py", *producer_args(data, s, "--epochs", "2"))
+    prod = procs("producer.py", *producer_args(data if source == "folder" else pack, s, "--epochs", "2"))
     train = procs("train.py", "--socket", s, "--model", "resnet18", "--steps", "0", "--warmup", "1")
     t, p = train.result(), prod.result()
     per_epoch = IMAGES // 4
     assert p["end"] == "done" and p["batches"] == 2 * per_epoch and p["batches_per_epoch"] == per_epoch
+    assert p["source"] == source
     assert t["received"] == 2 * per_epoch and t["skipped"] == 0
     assert t["globals"] == list(range(2 * per_epoch)) and t["out_of_order"] == 0
     assert t["epochs"] == {"0": per_epoch, "1": per_epoch}  # batches seen per epoch, warm-up included
@@ -316,7 +447,8 @@ def test_a_trainer_refuses_rings_split_by_take(procs):
     assert train.p.returncode == 2 and "with several rings give each trainer its own" in err
 
 
-def test_baselines_run_on_the_cpu(data, procs):
+@pytest.mark.parametrize("source", ["folder", "pack"])
+def test_baselines_run_on_the_cpu(data, pack, procs, source):
     common = ["--model", "resnet18", "--device", "cpu", "--batch", "4", "--size", str(SIZE), "--steps", "2",
               "--warmup", "1", "--workers", "1", "--read-threads", "2", "--classes", "3"]
     code = (
@@ -325,7 +457,8 @@ def test_baselines_run_on_the_cpu(data, procs):
         "    baselines.main([mode, '--data', sys.argv[2], *sys.argv[3:]])\n"
     )
     p = subprocess.run(
-        [sys.executable, "-c", code, str(LOADER), data, *common], capture_output=True, text=True,
+        [sys.executable, "-c", code, str(LOADER), data if source == "folder" else pack, *common],
+        capture_output=True, text=True,
         timeout=CHILD_TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert p.returncode == 0, p.stderr[-3000:]
@@ -334,3 +467,4 @@ def test_baselines_run_on_the_cpu(data, procs):
     for r in recs:
         assert r["steps"] == 2 and r["images_per_s"] > 0 and math.isfinite(r["loss"])
         assert len(r["timeline"]["step_ms"]) == 2
+    assert [r.get("source") for r in recs] == [None, source, source]

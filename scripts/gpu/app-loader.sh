@@ -12,7 +12,13 @@
 #   bash scripts/gpu/app-loader.sh ddp quick
 #   MPS=on SM_PERCENT=25 bash scripts/gpu/app-loader.sh ddp   # MPS only, producers at 25% of SMs
 #   bash scripts/gpu/app-loader.sh decoders   # one GPU, MPS: 1, 2, 3 decode processes per GPU
+#   bash scripts/gpu/app-loader.sh scaling    # which stage caps the node: read, decode, pipeline
+#                                             # in 1, 2, 4 processes, from the folder and its pack
+#   PACK=1 bash scripts/gpu/app-loader.sh decoders   # the same runs reading the pack
 #
+# scaling writes scaling.jsonl (apps/loader/scaling.py; PROCS, SECONDS_PER_POINT, STAGES and
+# MPS=on|off, default on, change it). PACK=1 packs the data set into one file
+# (pack_dataset.py) and gives every run that file as --data; its labels end in -pack.
 # DECODERS=K (default 1) gives every gpipe run K decode processes per GPU (`run_all.py
 # --decoders`), labelled -dK; the decoders mode sweeps DECODER_COUNTS (default "1 2 3") over
 # MODELS (default resnet18) and measures the DataLoader reference (no MPS) beside them.
@@ -34,13 +40,26 @@ nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,nohea
 python3 -c "import torch as t, torchvision as v; print('torch', t.__version__, v.__version__, t.cuda.device_count(), 'GPUs')"
 echo "== data set: $COUNT images in $DATA"
 limit 100 python3 apps/loader/make_dataset.py "$DATA" --count "$COUNT" 2>&1 | tail -3
-run() { limit "$1" python3 apps/loader/run_all.py --data "$DATA" --out "$O" --no-summary $Q "${@:2}"; }
-K=${DECODERS:-1}; D=(--decoders "$K"); S=; [ "$K" -gt 1 ] && S=-d$K
+SRC=$DATA; P=
+if [ -n "${PACK:-}" ] || [ "$mode" = scaling ]; then
+  limit 120 python3 apps/loader/pack_dataset.py "$DATA"
+  [ -n "${PACK:-}" ] && { SRC=$DATA.pack; P=-pack; }
+fi
+run() { limit "$1" python3 apps/loader/run_all.py --data "$SRC" --out "$O" --no-summary $Q "${@:2}"; }
+K=${DECODERS:-1}; D=(--decoders "$K"); S=$P; [ "$K" -gt 1 ] && S=-d$K$P
 # SM_PERCENT=P (MPS runs only): each producer may use P% of the SMs, labelled -smP.
 MD=(); MS=; [ -n "${SM_PERCENT:-}" ] && { MD=(--producer-sm-percent "$SM_PERCENT"); MS=-sm$SM_PERCENT; }
 # PROFILE=N (ddp): torch.profiler over N extra steps of the DDP runs, rank 0 (OUT/profile.txt).
 [ -n "${PROFILE:-}" ] && MD+=(--profile "$PROFILE")
-if [ "$mode" = ddp ]; then
+if [ "$mode" = scaling ]; then
+  [ "${MPS:-on}" = on ] && mps_on
+  echo "== scaling: each stage in ${PROCS:-1,2,4} processes over every GPU (MPS ${MPS:-on})"
+  limit "${SCALING_S:-420}" python3 apps/loader/scaling.py "$DATA" "$DATA.pack" --procs "${PROCS:-1,2,4}" \
+    --stages "${STAGES:-read,decode,pipeline}" --seconds "${SECONDS_PER_POINT:-5}" --json-out "$O/scaling.jsonl" \
+    > /dev/null
+  [ "${MPS:-on}" = on ] && mps_off
+  exit 0
+elif [ "$mode" = ddp ]; then
   if [ "${MPS:-both}" != on ]; then
     echo "== 2 GPUs, no MPS, $K decode process(es) per GPU"
     run 170 --world-size 2 --label nomps$S "${D[@]}" "${MD[@]}" --probe --budget 160
@@ -51,11 +70,11 @@ if [ "$mode" = ddp ]; then
   fi
 elif [ "$mode" = decoders ]; then
   echo "== the DataLoader reference (CPU-bound: no MPS)"
-  run 120 --label nomps --models "${MODELS:-resnet18}" --configs dataloader --budget 110
+  run 120 --label nomps$P --models "${MODELS:-resnet18}" --configs dataloader --budget 110
   mps_on
   for k in ${DECODER_COUNTS:-1 2 3}; do
     echo "== MPS, $k decode process(es) per GPU"
-    run 150 --label "mps-d$k" --decoders "$k" --models "${MODELS:-resnet18}" --configs gpipe,producer --budget 140
+    run 150 --label "mps-d$k$P" --decoders "$k" --models "${MODELS:-resnet18}" --configs gpipe,producer --budget 140
   done
   mps_off
 else
