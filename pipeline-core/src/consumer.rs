@@ -17,7 +17,7 @@ use crate::layout::{
 };
 use crate::ring;
 use crate::sys;
-use crate::tensor::TensorInfo;
+use crate::tensor::{TensorInfo, Tensors};
 use crate::wait::{self, WaitPolicy};
 use crate::wire::{self, Message, Role};
 use parking_lot::Mutex;
@@ -494,11 +494,13 @@ impl<B: ConsumerBackend> Consumer<B> {
             link.refuse(slot, seq);
             return Err(violation(v));
         }
-        let mut tensors = Vec::new();
-        if let Err(m) = link.seg.tensor_table(slot).read(len, &mut tensors) {
-            link.refuse(slot, seq);
-            return Err(ProtocolError::Segment(format!("batch {seq}: {m}")).into());
-        }
+        let tensors = match link.seg.tensor_table(slot).read_tensors(len) {
+            Ok(t) => t,
+            Err(m) => {
+                link.refuse(slot, seq);
+                return Err(ProtocolError::Segment(format!("batch {seq}: {m}")).into());
+            }
+        };
         crate::fault::point("consumer.before_wait");
         if let Err(e) = link.backend.wait_ready(slot, seq) {
             link.refuse(slot, seq);
@@ -874,7 +876,7 @@ pub struct Batch<B: ConsumerBackend> {
     slot: u32,
     len: u64,
     header: [u64; USER_HEADER_WORDS],
-    tensors: Vec<TensorInfo>,
+    tensors: Tensors,
     /// Shared mode: claimed but the token not recorded (see `next_shared`).
     claim_unrecorded: bool,
     /// Delivered as a copy in the consumer's own memory; the slot is already released.
@@ -910,11 +912,11 @@ impl<B: ConsumerBackend> Batch<B> {
     /// The named tensors the producer published, validated to lie within the batch; a batch
     /// published without a table has one: `data`, its bytes as `uint8`.
     pub fn tensors(&self) -> &[TensorInfo] {
-        &self.tensors
+        self.tensors.as_slice()
     }
     /// A tensor by name.
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
-        self.tensors.iter().find(|t| t.name.as_str() == name)
+        self.tensors().iter().find(|t| t.name.as_str() == name)
     }
     /// The backend (its stream, ...).
     pub fn backend(&self) -> &B {
@@ -944,7 +946,7 @@ impl<B: ConsumerBackend> std::fmt::Debug for Batch<B> {
             .field("seq", &self.seq)
             .field("slot", &self.slot)
             .field("len", &self.len)
-            .field("tensors", &self.tensors)
+            .field("tensors", &self.tensors())
             .finish()
     }
 }

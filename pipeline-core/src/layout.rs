@@ -500,6 +500,7 @@ impl ControlSegment {
     }
 
     /// The header.
+    #[inline]
     pub fn header(&self) -> &SegmentHeader {
         // SAFETY: the mapping (checked at create/open) is >= size_of::<SegmentHeader>(),
         // page-aligned and lives as long as `self`; every byte of SegmentHeader is inside an
@@ -508,6 +509,7 @@ impl ControlSegment {
     }
 
     /// The shared-mode claim lines.
+    #[inline]
     pub fn claim(&self) -> &ClaimLines {
         // SAFETY: as for `header`: CLAIM_OFFSET + size_of::<ClaimLines>() == SLOTS_OFFSET is
         // within the mapping, 128-aligned, and all atomics.
@@ -516,6 +518,7 @@ impl ControlSegment {
 
     /// Slot `k`'s descriptor. Panics if `k` is out of range: callers pass indices they
     /// computed from the local layout, never values read from shared memory.
+    #[inline]
     pub fn slot(&self, k: u32) -> &SlotDesc {
         assert!(k < self.layout.slot_count, "slot index {k} out of range");
         let off = SLOTS_OFFSET + k as usize * size_of::<SlotDesc>();
@@ -525,6 +528,7 @@ impl ControlSegment {
     }
 
     /// Consumer record `c`. Panics if `c` is out of range (indices come from local state).
+    #[inline]
     pub fn consumer(&self, c: u32) -> &ConsumerRecord {
         assert!(
             c < self.layout.consumer_capacity,
@@ -537,6 +541,7 @@ impl ControlSegment {
     }
 
     /// Slot `k`'s tensor table. Panics if `k` is out of range (indices come from local state).
+    #[inline]
     pub fn tensor_table(&self, k: u32) -> &TensorTable {
         assert!(k < self.layout.slot_count, "slot index {k} out of range");
         let off = self.layout.tables_offset() + k as usize * size_of::<TensorTable>();

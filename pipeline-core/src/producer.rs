@@ -1107,11 +1107,21 @@ impl<B: ProducerBackend> Producer<B> {
                 _ => 0,
             };
         }
-        let mask = self.holders[k as usize] & active;
-        (0..sh.layout.consumer_capacity)
-            .filter(|&c| mask & ring::bit(c) != 0)
-            .filter(|&c| sh.joined_at[c as usize].load(Ordering::Acquire) <= seq)
-            .fold(0, |m, c| m | ring::bit(c))
+        // Visit the set bits only: this runs for every acquire.
+        let mut rest = self.holders[k as usize] & active;
+        let mut holders = 0;
+        while rest != 0 {
+            let c = rest.trailing_zeros();
+            rest &= rest - 1;
+            if sh
+                .joined_at
+                .get(c as usize)
+                .is_some_and(|j| j.load(Ordering::Acquire) <= seq)
+            {
+                holders |= ring::bit(c);
+            }
+        }
+        holders
     }
 
     /// Shuts the ring down cleanly: consumers get every batch already published, then end.

@@ -503,6 +503,33 @@ impl TensorTable {
         }
         Ok(())
     }
+
+    /// As [`TensorTable::read`], into a value a batch keeps: a batch without a table (the
+    /// usual case on the byte path) gets its implicit tensor inline, with no allocation.
+    pub(crate) fn read_tensors(&self, len: u64) -> Result<Tensors, String> {
+        if self.count.load(Ordering::Relaxed) == 0 {
+            return Ok(Tensors::Bytes([TensorInfo::bytes(len)]));
+        }
+        let mut out = Vec::new();
+        self.read(len, &mut out)?;
+        Ok(Tensors::Table(out))
+    }
+}
+
+/// A received batch's tensors: the implicit byte tensor, or the validated table.
+#[derive(Debug)]
+pub(crate) enum Tensors {
+    Bytes([TensorInfo; 1]),
+    Table(Vec<TensorInfo>),
+}
+
+impl Tensors {
+    pub(crate) fn as_slice(&self) -> &[TensorInfo] {
+        match self {
+            Tensors::Bytes(one) => one,
+            Tensors::Table(all) => all,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -446,6 +446,7 @@ impl ProducerBackend for CudaProducer {
                 &ctx,
                 options.timeline_memory,
                 release.as_ref(),
+                word_bytes,
                 1,
                 layout.slot_count,
                 "gpipe-ready",
@@ -454,6 +455,7 @@ impl ProducerBackend for CudaProducer {
         let timelines = FinishedWords::new(
             &ctx,
             options.timeline_memory,
+            word_bytes,
             release.as_ref(),
             layout.consumer_capacity,
             layout.slot_count,

@@ -128,11 +128,14 @@ impl Timelines {
     }
 
     /// As [`Timelines::create`], in the memory `memory` names; device words (which need the
-    /// `release` stream) are zeroed on it before this returns.
+    /// `release` stream) take one allocation of `bytes` ([`device_word_bytes`], queried once
+    /// by the producer and sent in its export) and are zeroed on the stream before this
+    /// returns. `bytes` is ignored for host words.
     pub(crate) fn create_in(
         ctx: &Arc<Context>,
         memory: TimelineMemory,
         release: Option<&Arc<Stream>>,
+        bytes: u64,
         rows: u32,
         slots: u32,
         name: &str,
@@ -141,7 +144,6 @@ impl Timelines {
             return Self::create(ctx, rows, slots, name);
         }
         let release = release_stream(release)?;
-        let bytes = device_word_bytes(ctx)?;
         if Self::bytes(rows, slots) > bytes {
             return Err(format!("{rows} x {slots} timeline words do not fit {bytes} bytes").into());
         }
@@ -317,6 +319,9 @@ pub(crate) struct FinishedWords {
     ctx: Arc<Context>,
     slots: u32,
     memory: TimelineMemory,
+    /// Bytes of each consumer's device-word allocation (the size the export names); 0 for
+    /// host words.
+    word_bytes: u64,
     /// Device words' releases go here (see [`Timelines::store_row`]); `None` for host words.
     release: Option<Arc<Stream>>,
     /// The words of each index's current holder (None before the index's first attach). A
@@ -328,10 +333,12 @@ pub(crate) struct FinishedWords {
 }
 
 impl FinishedWords {
-    /// Room for `capacity` consumer indices; no words exist until an attach.
+    /// Room for `capacity` consumer indices; no words exist until an attach. Device words
+    /// take `word_bytes` each (the size the export names).
     pub(crate) fn new(
         ctx: &Arc<Context>,
         memory: TimelineMemory,
+        word_bytes: u64,
         release: Option<&Arc<Stream>>,
         capacity: u32,
         slots: u32,
@@ -341,6 +348,7 @@ impl FinishedWords {
             ctx: Arc::clone(ctx),
             slots,
             memory,
+            word_bytes,
             release: release.cloned(),
             rows: RwLock::new(none()),
             pending: Mutex::new(none()),
@@ -355,6 +363,7 @@ impl FinishedWords {
             &self.ctx,
             self.memory,
             self.release.as_ref(),
+            self.word_bytes,
             1,
             self.slots,
             "gpipe-finished",
