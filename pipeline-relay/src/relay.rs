@@ -1441,6 +1441,11 @@ pub enum BenchSide {
 /// NCCL's own send/recv between the two sides, with the same bindings the relay uses:
 /// `iters` messages of `bytes` from one device buffer to another, after `iters / 10 + 1`
 /// untimed ones. Returns GB/s as the receiver timed it (the sender returns its own view).
+///
+/// Bounded as the relay is: the rendezvous connection stays open, joining the communicator
+/// gives up after `timeout` or when the peer's connection ends, and every wait for the GPU
+/// gives up on an NCCL error or once the peer's connection has been closed for
+/// [`SENDER_GONE_GRACE`] with our transfers still pending (the communicator is then aborted).
 pub fn nccl_bench(
     side: &BenchSide,
     secret: &SharedSecret,
@@ -1451,8 +1456,8 @@ pub fn nccl_bench(
 ) -> Result<f64, RelayError> {
     nccl::load().map_err(err)?;
     driver::init().map_err(err)?;
-    let ctx = pipeline_cuda::driver::Context::new(device).map_err(err)?;
-    let (id, rank) = match side {
+    let ctx = Arc::new(pipeline_cuda::driver::Context::new(device).map_err(err)?);
+    let (id, rank, session) = match side {
         BenchSide::Send(listen) => {
             let id = nccl::unique_id().map_err(err)?;
             let payload = Payload {
@@ -1462,23 +1467,34 @@ pub fn nccl_bench(
                 world_size: 2,
                 rank: 1,
             };
-            Listener::bind(listen)
+            let session = Listener::bind(listen)
                 .map_err(err)?
-                .accept(secret, &payload, timeout)
+                .accept_session(secret, &payload, timeout)
                 .map_err(err)?;
-            (id, 0)
+            (id, 0, session)
         }
         BenchSide::Recv(connect) => {
-            let (p, _) = crate::rendezvous::connect(connect, secret, timeout).map_err(err)?;
-            (p.nccl_unique_id, 1)
+            let (p, session) = connect_session(connect, secret, timeout).map_err(err)?;
+            (p.nccl_unique_id, 1, session)
         }
     };
-    let comm = Comm::init(&ctx, &id, 2, rank).map_err(err)?;
+    let opts = RelayOptions {
+        connect_timeout: timeout,
+        ..RelayOptions::default()
+    };
+    let stop = AtomicBool::new(false);
+    let comm = init_comm(&ctx, &id, rank, &session, &opts, &stop)?;
+    let watch = Watch::start(Some(Arc::clone(&comm)), &session, opts.tick)?;
     let buf = DeviceBuffer::new(&ctx, bytes as usize).map_err(err)?;
     let stream = Stream::new(&ctx).map_err(err)?;
+    let done = Event::new_plain(&ctx).map_err(err)?;
     let run = |n: u64| -> Result<(), RelayError> {
         for _ in 0..n {
-            // SAFETY: our own buffer of `bytes`, used on this stream only.
+            if let Some(why) = watch.nccl_failure() {
+                return Err(RelayError(format!("nccl-bench: {why}")));
+            }
+            // SAFETY: our own buffer of `bytes`, used on this stream only; the stream is
+            // synchronised (or the communicator aborted) before the buffer is dropped.
             unsafe {
                 if rank == 0 {
                     comm.send(buf.ptr(), bytes as usize, 1, stream.raw())
@@ -1490,12 +1506,45 @@ pub fn nccl_bench(
         }
         Ok(())
     };
-    run(iters / 10 + 1)?;
-    stream.synchronize().map_err(err)?;
-    let t = Instant::now();
-    run(iters)?;
-    stream.synchronize().map_err(err)?;
-    let secs = t.elapsed().as_secs_f64();
-    comm.async_error().map_err(err)?;
-    Ok(bytes as f64 * iters as f64 / secs / 1e9)
+    // Waits for the stream's transfers; an NCCL error or a peer gone for good ends the wait.
+    let finish = || -> Result<(), RelayError> {
+        done.record(&stream).map_err(err)?;
+        let mut gone_at = None;
+        loop {
+            if done.query().map_err(err)? {
+                return Ok(());
+            }
+            if let Some(why) = watch.nccl_failure() {
+                return Err(RelayError(format!("nccl-bench: {why}")));
+            }
+            if watch.failure().is_some() {
+                let t = *gone_at.get_or_insert_with(Instant::now);
+                if t.elapsed() > SENDER_GONE_GRACE {
+                    return Err(RelayError(
+                        "nccl-bench: the peer closed the connection with our transfers still \
+                         pending"
+                            .into(),
+                    ));
+                }
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    };
+    let timed = (|| {
+        run(iters / 10 + 1)?;
+        finish()?;
+        let t = Instant::now();
+        run(iters)?;
+        finish()?;
+        let secs = t.elapsed().as_secs_f64();
+        comm.async_error().map_err(err)?;
+        Ok(bytes as f64 * iters as f64 / secs / 1e9)
+    })();
+    if timed.is_err() {
+        comm.abort();
+    }
+    // Nothing is in flight once the transfers completed or the communicator was aborted.
+    let _ = stream.synchronize();
+    drop(watch);
+    timed
 }
