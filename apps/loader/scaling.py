@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import os
 import platform
@@ -107,17 +108,37 @@ def worker(a: argparse.Namespace) -> int:
             spent["decode_s"] += item.decode_s
             return 0
 
+    # The pipeline's augmentation on a stream of its own (--side-stream) instead of the
+    # device's default stream, which synchronises with every blocking stream of the process.
+    side = torch.cuda.Stream(dev) if cuda and a.side_stream else None
+    profiling = bool(a.profile) and a.index == 0
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
         return 1
-    t0 = time.perf_counter()
-    deadline = t0 + a.seconds
-    batches = nbytes = 0
-    while time.perf_counter() < deadline:
-        nbytes += one(batches)
-        batches += 1
-    sync()
-    wall = time.perf_counter() - t0
+    with contextlib.ExitStack() as scope:
+        if side is not None:
+            scope.enter_context(torch.cuda.stream(side))
+        prof = None
+        if profiling:
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            prof = scope.enter_context(profile(activities=acts))
+        t0 = time.perf_counter()
+        deadline = t0 + a.seconds
+        batches = nbytes = 0
+        while time.perf_counter() < deadline:
+            nbytes += one(batches)
+            batches += 1
+        sync()
+        wall = time.perf_counter() - t0
+    if prof is not None:
+        # CPU-side time per operator and CUDA API call (cudaStreamSynchronize, cudaHostAlloc,
+        # ...): which call grows when more processes run is what they share.
+        path = os.path.join(a.profile, f"profile-{a.stage}-{a.of}procs-{os.path.basename(a.data)}.txt")
+        with open(path, "w") as f:
+            f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+        report["profile"] = path
     if a.stage == "pipeline":
         src.close()
         report.update({f"{k[:-2]}_ms_per_batch": round(v / max(batches, 1) * 1e3, 2) for k, v in spent.items()})
@@ -148,12 +169,14 @@ def run_point(a: argparse.Namespace, data: str, stage: str, procs: int, devices:
     """P workers of one stage on one data source; their reports and the total."""
     kids = []
     base = [sys.executable, os.path.abspath(__file__), "--worker", data, "--stage", stage,
+            *(["--side-stream"] if a.side_stream else []), *(["--profile", a.profile] if a.profile else []),
             "--seconds", str(a.seconds), "--threads", str(a.threads), "--batch", str(a.batch),
             "--size", str(a.size), "--held", str(a.held), "--prefetch", str(a.prefetch),
             "--seed", str(a.seed), "--of", str(procs)]
     limit = a.seconds + a.setup_timeout + 30
     point = {"what": "scaling", "source": "pack" if os.path.isfile(data) else "folder", "data": data,
              "stage": stage, "procs": procs, "threads": a.threads, "batch": a.batch,
+             "side_stream": a.side_stream, "profiled": bool(a.profile),
              "devices": [devices[k % len(devices)] for k in range(procs)]}
     try:
         for k in range(procs):
@@ -219,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--setup-timeout", type=float, default=90.0, help="seconds a worker may take to get ready")
     ap.add_argument("--json-out", default=None, help="append the JSON lines to this file")
+    ap.add_argument("--side-stream", action="store_true",
+                    help="run each worker's work on a stream of its own, not the default stream")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="profile worker 0 of every point (torch.profiler) into DIR/profile-*.txt")
     # The worker's own arguments.
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)
@@ -238,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         ap.error(f"unknown stage(s) {', '.join(bad)} (expected {', '.join(STAGES)})")
     devices = devices_for(a.devices, a.cpu)
+    if a.profile:
+        os.makedirs(a.profile, exist_ok=True)
     facts = {"what": "scaling-host", "kernel": platform.release(), "cpus": os.cpu_count(),
              "devices": devices, "python": platform.python_version()}
     lines = [facts]

@@ -362,6 +362,24 @@ def test_the_scaling_probe_runs_each_stage_in_several_processes(data, pack, tmp_
         assert all(r["batches"] > 0 and r["images"] == 4 * r["batches"] for r in p["per_process"])
         assert p["images_per_s"] == pytest.approx(sum(r["images_per_s"] for r in p["per_process"]), abs=0.2)
     assert "stage" in r.stderr and "images/s" in r.stderr  # the table
+    assert all("wait_ms_per_batch" in w and "decode_ms_per_batch" in w
+               for p in points if p["stage"] == "pipeline" for w in p["per_process"])
+
+
+def test_the_scaling_probe_profiles_worker_zero(pack, tmp_path):
+    prof = tmp_path / "prof"
+    cmd = [sys.executable, str(LOADER / "scaling.py"), pack, "--cpu", "--procs", "2", "--seconds", "0.3",
+           "--batch", "4", "--threads", "2", "--size", str(SIZE), "--stages", "pipeline", "--side-stream",
+           "--profile", str(prof)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    point = json.loads([x for x in r.stdout.splitlines() if '"stage"' in x][-1])
+    assert point["side_stream"] is True and point["profiled"] is True
+    workers = sorted(point["per_process"], key=lambda w: w["index"])
+    assert [w.get("profile") is not None for w in workers] == [True, False]  # worker 0 only
+    table = Path(workers[0]["profile"])
+    assert table.parent == prof and "roi_align" in table.read_text()
 
 
 # ---- the programs, as processes --------------------------------------------------------------

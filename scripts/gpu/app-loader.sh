@@ -17,7 +17,8 @@
 #   PACK=1 bash scripts/gpu/app-loader.sh decoders   # the same runs reading the pack
 #
 # scaling writes scaling.jsonl (apps/loader/scaling.py; PROCS, SECONDS_PER_POINT, STAGES and
-# MPS=on|off, default on, change it). PACK=1 packs the data set into one file
+# MPS=on|off, default on, change it; SCALING_ARGS="--side-stream --profile $OUT/prof" adds
+# the probe's own options). PACK=1 packs the data set into one file
 # (pack_dataset.py) and gives every run that file as --data; its labels end in -pack.
 # DECODERS=K (default 1) gives every gpipe run K decode processes per GPU (`run_all.py
 # --decoders`), labelled -dK; the decoders mode sweeps DECODER_COUNTS (default "1 2 3") over
@@ -56,7 +57,7 @@ if [ "$mode" = scaling ]; then
   echo "== scaling: each stage in ${PROCS:-1,2,4} processes over every GPU (MPS ${MPS:-on})"
   limit "${SCALING_S:-420}" python3 apps/loader/scaling.py "$DATA" "$DATA.pack" --procs "${PROCS:-1,2,4}" \
     --stages "${STAGES:-read,decode,pipeline}" --seconds "${SECONDS_PER_POINT:-5}" --json-out "$O/scaling.jsonl" \
-    > /dev/null
+    ${SCALING_ARGS:-} > /dev/null
   [ "${MPS:-on}" = on ] && mps_off
   exit 0
 elif [ "$mode" = ddp ]; then
