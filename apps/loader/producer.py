@@ -28,6 +28,7 @@ decoded batches, for free slots, or working).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -67,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=10, help="batches left out of the steady-state rate")
     ap.add_argument("--attach-timeout", type=float, default=120.0, help="seconds to wait for the trainers")
     ap.add_argument("--json-out", default=None, help="also append the JSON line to this file")
+    ap.add_argument("--side-stream", action="store_true",
+                    help="augment and publish on a stream of its own instead of the device's default stream "
+                         "(which synchronises with every blocking stream of the process)")
     ap.add_argument("--label", default="producer")
     a = ap.parse_args(argv)
 
@@ -94,59 +98,66 @@ def main(argv: list[str] | None = None) -> int:
     stamps: list[float] = []
     end = "done"
     source = None
-    try:
-        producer.wait_for_consumers(a.consumers, timeout=a.attach_timeout)
-        source = DecodedBatches(
-            images_set, plan, dev, epochs=a.epochs, limit=a.batches, prefetch=a.prefetch, read_threads=a.read_threads,
-        )
-        t_start = time.perf_counter()
-        while True:
-            t0 = time.perf_counter()
-            try:
-                item = next(source)
-            except StopIteration:
-                break
-            t1 = time.perf_counter()
-            if producer.consumers < a.consumers:
-                end = "trainers left"
-                break
-            with producer.acquire() as slot:
-                t2 = time.perf_counter()
-                declared = slot.tensor("images", torch.float16, shape, strides=channels_last_strides(shape))
-                images = torch.from_dlpack(declared)
-                labels = torch.from_dlpack(slot.tensor("labels", torch.int64, (a.batch,)))
-                aug(item.images, out=images)
-                if dev.type == "cuda":  # a pinned source: no host synchronisation
-                    labels.copy_(item.labels.pin_memory(), non_blocking=True)
-                else:
-                    labels.copy_(item.labels)
-                meta = [0] * 7
-                meta[META_EPOCH], meta[META_INDEX], meta[META_GLOBAL] = item.epoch, item.index, item.global_index
-                meta[META_PER_EPOCH], meta[META_CLASSES] = plan.batches_per_epoch, len(images_set.classes)
-                meta[META_SHARD], meta[META_SHARDS] = shard, shards
-                del declared, images, labels
-                slot.publish(meta=meta)
-            t3 = time.perf_counter()
-            item_read, item_decode = item.read_s, item.decode_s
-            del item
-            published += 1
-            stamps.append(t3)
-            stats["decode_wait_s"] += t1 - t0
-            stats["acquire_s"] += t2 - t1
-            stats["work_s"] += t3 - t2
-            stats["read_s"] += item_read
-            stats["decode_s"] += item_decode
-    except gpipe.Timeout:
-        end = "no trainers attached"
-    except gpipe.Closed:
-        end = "closed"
-    finally:
-        if source is not None:
-            source.close()
-        counters = producer.close()
+    # gpipe orders acquire and publish on the caller's current stream: with --side-stream that
+    # is this stream, for the whole loop.
+    side = dev.type == "cuda" and a.side_stream
+    work = torch.cuda.stream(torch.cuda.Stream(dev)) if side else contextlib.nullcontext()
+    with work:
+        try:
+            producer.wait_for_consumers(a.consumers, timeout=a.attach_timeout)
+            source = DecodedBatches(
+                images_set, plan, dev, epochs=a.epochs, limit=a.batches, prefetch=a.prefetch,
+                read_threads=a.read_threads,
+            )
+            t_start = time.perf_counter()
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    item = next(source)
+                except StopIteration:
+                    break
+                t1 = time.perf_counter()
+                if producer.consumers < a.consumers:
+                    end = "trainers left"
+                    break
+                with producer.acquire() as slot:
+                    t2 = time.perf_counter()
+                    declared = slot.tensor("images", torch.float16, shape, strides=channels_last_strides(shape))
+                    images = torch.from_dlpack(declared)
+                    labels = torch.from_dlpack(slot.tensor("labels", torch.int64, (a.batch,)))
+                    aug(item.images, out=images)
+                    if dev.type == "cuda":  # a pinned source: no host synchronisation
+                        labels.copy_(item.labels.pin_memory(), non_blocking=True)
+                    else:
+                        labels.copy_(item.labels)
+                    meta = [0] * 7
+                    meta[META_EPOCH], meta[META_INDEX], meta[META_GLOBAL] = item.epoch, item.index, item.global_index
+                    meta[META_PER_EPOCH], meta[META_CLASSES] = plan.batches_per_epoch, len(images_set.classes)
+                    meta[META_SHARD], meta[META_SHARDS] = shard, shards
+                    del declared, images, labels
+                    slot.publish(meta=meta)
+                t3 = time.perf_counter()
+                item_read, item_decode = item.read_s, item.decode_s
+                del item
+                published += 1
+                stamps.append(t3)
+                stats["decode_wait_s"] += t1 - t0
+                stats["acquire_s"] += t2 - t1
+                stats["work_s"] += t3 - t2
+                stats["read_s"] += item_read
+                stats["decode_s"] += item_decode
+        except gpipe.Timeout:
+            end = "no trainers attached"
+        except gpipe.Closed:
+            end = "closed"
+        finally:
+            if source is not None:
+                source.close()
+            counters = producer.close()
     if dev.type == "cuda":
         torch.cuda.synchronize()
     record = {"role": "producer", "label": a.label, "device": str(dev), "source": images_set.kind,
+              "side_stream": a.side_stream,
               "end": end, "batches": published,
               "batch": a.batch, "images": published * a.batch, "batches_per_epoch": plan.batches_per_epoch,
               "shard": [shard, shards], "counters": counters}

@@ -125,6 +125,8 @@ def run_config(r: Runner, a: argparse.Namespace, model: str, config: str, world:
         base["decoders"] = a.decoders
         if a.producer_sm_percent:
             base["producer_sm_percent"] = a.producer_sm_percent
+        if a.producer_side_stream:
+            base["producer_side_stream"] = True
     dl = config == "dataloader"
     steps, warmup = (a.dl_steps, a.dl_warmup) if dl else (a.steps, a.warmup)
     if config == "producer":
@@ -173,7 +175,7 @@ def run_config(r: Runner, a: argparse.Namespace, model: str, config: str, world:
                        "--backend", "host" if a.cpu else "cuda", "--device", str(rank), "--batch", str(a.batch),
                        "--size", str(a.size), "--shard", f"{rank * k + d}/{world * k}", "--slots", str(a.slots),
                        "--read-threads", str(max(2, a.read_threads // k)), "--warmup", str(warmup),
-                       "--label", tag]
+                       "--label", tag, *(["--side-stream"] if a.producer_side_stream else [])]
                 # Under MPS, a producer limited to a share of the SMs leaves the rest to the
                 # trainer (and its NCCL kernels, which wait for the other rank's).
                 env = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(a.producer_sm_percent)} if a.producer_sm_percent else None
@@ -397,6 +399,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "shard; the trainer reads them in turn")
     ap.add_argument("--producer-sm-percent", type=int, default=None, metavar="P",
                     help="with MPS: each producer may use P%% of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)")
+    ap.add_argument("--producer-side-stream", action="store_true",
+                    help="each producer augments and publishes on a stream of its own, not the default stream")
     ap.add_argument("--read-threads", type=int, default=8,
                     help="file-reading threads per GPU, split between its decode processes")
     ap.add_argument("--profile", type=int, default=0,

@@ -393,12 +393,13 @@ def producer_args(data: str, socket: str, *extra: str, batch: int = 4) -> list[s
 @pytest.mark.parametrize("source", ["folder", "pack"])
 def test_producer_feeds_a_trainer_with_epoch_marks(data, pack, procs, source):
     s = sock()
-    prod = procs("producer.py", *producer_args(data if source == "folder" else pack, s, "--epochs", "2"))
+    side = ["--side-stream"] if source == "pack" else []  # on the CPU it changes nothing but the record
+    prod = procs("producer.py", *producer_args(data if source == "folder" else pack, s, "--epochs", "2", *side))
     train = procs("train.py", "--socket", s, "--model", "resnet18", "--steps", "0", "--warmup", "1")
     t, p = train.result(), prod.result()
     per_epoch = IMAGES // 4
     assert p["end"] == "done" and p["batches"] == 2 * per_epoch and p["batches_per_epoch"] == per_epoch
-    assert p["source"] == source
+    assert p["source"] == source and p["side_stream"] is (source == "pack")
     assert t["received"] == 2 * per_epoch and t["skipped"] == 0
     assert t["globals"] == list(range(2 * per_epoch)) and t["out_of_order"] == 0
     assert t["epochs"] == {"0": per_epoch, "1": per_epoch}  # batches seen per epoch, warm-up included

@@ -15,6 +15,7 @@
 #   bash scripts/gpu/app-loader.sh scaling    # which stage caps the node: read, decode, pipeline
 #                                             # in 1, 2, 4 processes, from the folder and its pack
 #   PACK=1 bash scripts/gpu/app-loader.sh decoders   # the same runs reading the pack
+#   PACK=1 SIDE_STREAM=1 bash scripts/gpu/app-loader.sh decoders   # producers off the default stream
 #
 # scaling writes scaling.jsonl (apps/loader/scaling.py; PROCS, SECONDS_PER_POINT, STAGES and
 # MPS=on|off, default on, change it; SCALING_ARGS="--side-stream --profile $OUT/prof" adds
@@ -52,6 +53,8 @@ K=${DECODERS:-1}; D=(--decoders "$K"); S=$P; [ "$K" -gt 1 ] && S=-d$K$P
 MD=(); MS=; [ -n "${SM_PERCENT:-}" ] && { MD=(--producer-sm-percent "$SM_PERCENT"); MS=-sm$SM_PERCENT; }
 # PROFILE=N (ddp): torch.profiler over N extra steps of the DDP runs, rank 0 (OUT/profile.txt).
 [ -n "${PROFILE:-}" ] && MD+=(--profile "$PROFILE")
+# SIDE_STREAM=1: producers augment and publish on a stream of their own (labels end in -side).
+[ -n "${SIDE_STREAM:-}" ] && { MD+=(--producer-side-stream); P=$P-side; S=$S-side; }
 if [ "$mode" = scaling ]; then
   [ "${MPS:-on}" = on ] && mps_on
   echo "== scaling: each stage in ${PROCS:-1,2,4} processes over every GPU (MPS ${MPS:-on})"
@@ -75,7 +78,8 @@ elif [ "$mode" = decoders ]; then
   mps_on
   for k in ${DECODER_COUNTS:-1 2 3}; do
     echo "== MPS, $k decode process(es) per GPU"
-    run 150 --label "mps-d$k$P" --decoders "$k" --models "${MODELS:-resnet18}" --configs gpipe,producer --budget 140
+    run 150 --label "mps-d$k$P" --decoders "$k" --models "${MODELS:-resnet18}" --configs gpipe,producer \
+      "${MD[@]}" --budget 140
   done
   mps_off
 else
