@@ -1429,6 +1429,10 @@ mod tests {
 // ---------------------------------------------------------------------------------------
 // NCCL's own point-to-point bandwidth, for comparison with the relay.
 
+/// Transfers [`nccl_bench`] enqueues between two looks at the GPU; two such chunks are in
+/// flight at most.
+const BENCH_CHUNK: u64 = 32;
+
 /// Which side of [`nccl_bench`] this process is.
 #[derive(Clone, Debug)]
 pub enum BenchSide {
@@ -1442,10 +1446,14 @@ pub enum BenchSide {
 /// `iters` messages of `bytes` from one device buffer to another, after `iters / 10 + 1`
 /// untimed ones. Returns GB/s as the receiver timed it (the sender returns its own view).
 ///
-/// Bounded as the relay is: the rendezvous connection stays open, joining the communicator
-/// gives up after `timeout` or when the peer's connection ends, and every wait for the GPU
-/// gives up on an NCCL error or once the peer's connection has been closed for
-/// [`SENDER_GONE_GRACE`] with our transfers still pending (the communicator is then aborted).
+/// Bounded as the relay is: the rendezvous connection stays open; joining the communicator
+/// and the first transfer (NCCL connects the pair there) give up after `timeout` or when the
+/// peer goes; at most two chunks of [`BENCH_CHUNK`] transfers are in flight, so no NCCL call
+/// blocks on a full queue; every wait for the GPU gives up on an NCCL error or once the
+/// peer's connection has been closed for [`SENDER_GONE_GRACE`] with our transfers pending,
+/// and the watcher is stopped before the communicator is aborted. The two sides end with one
+/// small transfer from the receiver to the sender, so the sender leaves only after the
+/// receiver's last receive completed.
 pub fn nccl_bench(
     side: &BenchSide,
     secret: &SharedSecret,
@@ -1454,6 +1462,11 @@ pub fn nccl_bench(
     device: usize,
     timeout: Duration,
 ) -> Result<f64, RelayError> {
+    if bytes == 0 || iters == 0 {
+        return Err(RelayError(
+            "nccl-bench: bytes and iterations must be at least 1".into(),
+        ));
+    }
     nccl::load().map_err(err)?;
     driver::init().map_err(err)?;
     let ctx = Arc::new(pipeline_cuda::driver::Context::new(device).map_err(err)?);
@@ -1484,34 +1497,23 @@ pub fn nccl_bench(
     };
     let stop = AtomicBool::new(false);
     let comm = init_comm(&ctx, &id, rank, &session, &opts, &stop)?;
-    let watch = Watch::start(Some(Arc::clone(&comm)), &session, opts.tick)?;
+    // NCCL connects the pair at the first transfer: bounded, before the watcher starts (so
+    // an abort here races no other thread).
+    connect_peer(&comm, &ctx, rank, timeout)?;
+    let mut watch = Watch::start(Some(Arc::clone(&comm)), &session, opts.tick)?;
     let buf = DeviceBuffer::new(&ctx, bytes as usize).map_err(err)?;
     let stream = Stream::new(&ctx).map_err(err)?;
+    let marks = [
+        Event::new_plain(&ctx).map_err(err)?,
+        Event::new_plain(&ctx).map_err(err)?,
+    ];
     let done = Event::new_plain(&ctx).map_err(err)?;
-    let run = |n: u64| -> Result<(), RelayError> {
-        for _ in 0..n {
-            if let Some(why) = watch.nccl_failure() {
-                return Err(RelayError(format!("nccl-bench: {why}")));
-            }
-            // SAFETY: our own buffer of `bytes`, used on this stream only; the stream is
-            // synchronised (or the communicator aborted) before the buffer is dropped.
-            unsafe {
-                if rank == 0 {
-                    comm.send(buf.ptr(), bytes as usize, 1, stream.raw())
-                } else {
-                    comm.recv(buf.ptr(), bytes as usize, 0, stream.raw())
-                }
-            }
-            .map_err(err)?;
-        }
-        Ok(())
-    };
-    // Waits for the stream's transfers; an NCCL error or a peer gone for good ends the wait.
-    let finish = || -> Result<(), RelayError> {
-        done.record(&stream).map_err(err)?;
+    // Waits until `event` (recorded on the stream) has passed; an NCCL error, or the peer
+    // gone for good with the event still pending, ends the wait.
+    let wait = |event: &Event| -> Result<(), RelayError> {
         let mut gone_at = None;
         loop {
-            if done.query().map_err(err)? {
+            if event.query().map_err(err)? {
                 return Ok(());
             }
             if let Some(why) = watch.nccl_failure() {
@@ -1530,6 +1532,46 @@ pub fn nccl_bench(
             std::thread::sleep(Duration::from_micros(100));
         }
     };
+    // One transfer of `n` bytes: rank 0 sends to rank 1 (or, `back`, receives from it).
+    let transfer = |n: usize, back: bool| -> Result<(), RelayError> {
+        // SAFETY: our own buffer of `bytes` (n <= bytes), used on this stream only; the
+        // stream is synchronised (or the communicator aborted) before the buffer is dropped.
+        unsafe {
+            if (rank == 0) != back {
+                comm.send(buf.ptr(), n, 1 - rank, stream.raw())
+            } else {
+                comm.recv(buf.ptr(), n, 1 - rank, stream.raw())
+            }
+        }
+        .map_err(err)
+    };
+    let mut chunks = 0u64;
+    // `n` transfers in chunks, each chunk's end marked by one of the two events: before a
+    // chunk reuses an event, the chunk two back (which recorded it) must have completed.
+    let mut run = |n: u64| -> Result<(), RelayError> {
+        let mut left = n;
+        while left > 0 {
+            let mark = &marks[(chunks % 2) as usize];
+            if chunks >= 2 {
+                wait(mark)?;
+            }
+            if let Some(why) = watch.nccl_failure() {
+                return Err(RelayError(format!("nccl-bench: {why}")));
+            }
+            let k = left.min(BENCH_CHUNK);
+            for _ in 0..k {
+                transfer(bytes as usize, false)?;
+            }
+            mark.record(&stream).map_err(err)?;
+            chunks += 1;
+            left -= k;
+        }
+        Ok(())
+    };
+    let finish = || -> Result<(), RelayError> {
+        done.record(&stream).map_err(err)?;
+        wait(&done)
+    };
     let timed = (|| {
         run(iters / 10 + 1)?;
         finish()?;
@@ -1537,11 +1579,16 @@ pub fn nccl_bench(
         run(iters)?;
         finish()?;
         let secs = t.elapsed().as_secs_f64();
+        // The receiver tells the sender it is done: one byte back.
+        transfer(1, true)?;
+        finish()?;
         comm.async_error().map_err(err)?;
         Ok(bytes as f64 * iters as f64 / secs / 1e9)
     })();
     if timed.is_err() {
-        comm.abort();
+        // The watcher is stopped and joined before the abort: it never calls into a
+        // communicator being freed.
+        watch.halt_and_abort();
     }
     // Nothing is in flight once the transfers completed or the communicator was aborted.
     let _ = stream.synchronize();
