@@ -71,8 +71,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--side-stream", action="store_true",
                     help="augment and publish on a stream of its own instead of the device's default stream "
                          "(which synchronises with every blocking stream of the process)")
+    ap.add_argument("--torch-threads", type=int, default=1,
+                    help="torch's CPU threads in this process (default 1: the producer's CPU tensors "
+                         "are tiny, and several producers each with a thread per core starve each other)")
     ap.add_argument("--label", default="producer")
     a = ap.parse_args(argv)
+    if a.torch_threads < 1:
+        ap.error("--torch-threads must be at least 1")
+    # Measured on the H100 (docs/examples.md): with torch's default of one intra-op thread per
+    # core in every producer, 2-4 producers stopped near 6 000 images/s together, each small
+    # CPU op waiting milliseconds for a core; with 1 thread each (OMP_NUM_THREADS=1), 4 made
+    # 23 700 (apps/loader/scaling.py).
+    torch.set_num_threads(a.torch_threads)
 
     backend = a.backend
     if backend == "auto":
@@ -157,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     if dev.type == "cuda":
         torch.cuda.synchronize()
     record = {"role": "producer", "label": a.label, "device": str(dev), "source": images_set.kind,
-              "side_stream": a.side_stream,
+              "side_stream": a.side_stream, "torch_threads": a.torch_threads,
               "end": end, "batches": published,
               "batch": a.batch, "images": published * a.batch, "batches_per_epoch": plan.batches_per_epoch,
               "shard": [shard, shards], "counters": counters}

@@ -61,6 +61,8 @@ def worker(a: argparse.Namespace) -> int:
 
     from gpu_decode import Augment, DecodedBatches, EpochPlan, decode, open_images
 
+    if a.torch_threads:
+        torch.set_num_threads(a.torch_threads)
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"
     if cuda:
@@ -170,13 +172,15 @@ def run_point(a: argparse.Namespace, data: str, stage: str, procs: int, devices:
     kids = []
     base = [sys.executable, os.path.abspath(__file__), "--worker", data, "--stage", stage,
             *(["--side-stream"] if a.side_stream else []), *(["--profile", a.profile] if a.profile else []),
+            *(["--torch-threads", str(a.torch_threads)] if a.torch_threads else []),
             "--seconds", str(a.seconds), "--threads", str(a.threads), "--batch", str(a.batch),
             "--size", str(a.size), "--held", str(a.held), "--prefetch", str(a.prefetch),
             "--seed", str(a.seed), "--of", str(procs)]
     limit = a.seconds + a.setup_timeout + 30
     point = {"what": "scaling", "source": "pack" if os.path.isfile(data) else "folder", "data": data,
              "stage": stage, "procs": procs, "threads": a.threads, "batch": a.batch,
-             "side_stream": a.side_stream, "profiled": bool(a.profile),
+             "side_stream": a.side_stream, "profiled": bool(a.profile), "torch_threads": a.torch_threads,
+             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
              "devices": [devices[k % len(devices)] for k in range(procs)]}
     try:
         for k in range(procs):
@@ -242,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--setup-timeout", type=float, default=90.0, help="seconds a worker may take to get ready")
     ap.add_argument("--json-out", default=None, help="append the JSON lines to this file")
+    ap.add_argument("--torch-threads", type=int, default=None, metavar="N",
+                    help="torch's CPU threads per worker (default: torch's own, one per core; the "
+                         "producer uses 1)")
     ap.add_argument("--side-stream", action="store_true",
                     help="run each worker's work on a stream of its own, not the default stream")
     ap.add_argument("--profile", default=None, metavar="DIR",

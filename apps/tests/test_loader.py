@@ -399,7 +399,7 @@ def test_producer_feeds_a_trainer_with_epoch_marks(data, pack, procs, source):
     t, p = train.result(), prod.result()
     per_epoch = IMAGES // 4
     assert p["end"] == "done" and p["batches"] == 2 * per_epoch and p["batches_per_epoch"] == per_epoch
-    assert p["source"] == source and p["side_stream"] is (source == "pack")
+    assert p["source"] == source and p["side_stream"] is (source == "pack") and p["torch_threads"] == 1
     assert t["received"] == 2 * per_epoch and t["skipped"] == 0
     assert t["globals"] == list(range(2 * per_epoch)) and t["out_of_order"] == 0
     assert t["epochs"] == {"0": per_epoch, "1": per_epoch}  # batches seen per epoch, warm-up included
