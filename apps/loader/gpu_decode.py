@@ -111,6 +111,24 @@ PACK_VERSION = 1
 _PACK_CHUNK = 64 << 20
 
 
+def read_pack_index(f, path: str) -> tuple[object, int]:
+    """A pack's index (parsed JSON, not yet checked) and the length of its data, from the open
+    file `f`, left positioned at the data. Raises ValueError for anything that is not a pack."""
+    head = f.read(len(PACK_MAGIC) + 8)
+    if len(head) < len(PACK_MAGIC) + 8 or head[: len(PACK_MAGIC)] != PACK_MAGIC:
+        raise ValueError(f"{path}: not an image pack (pack_dataset.py writes them)")
+    index_len = int.from_bytes(head[len(PACK_MAGIC):], "little")
+    size = os.fstat(f.fileno()).st_size
+    start = len(head) + index_len
+    if start > size:
+        raise ValueError(f"{path}: truncated (its index says {index_len} bytes, the file has {size})")
+    try:
+        index = json.loads(f.read(index_len).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: unreadable index: {e}") from None
+    return index, size - start
+
+
 class PackedImages:
     """Every JPEG of a data set in one file (pack_dataset.py writes it), read into memory whole.
 
@@ -124,19 +142,7 @@ class PackedImages:
     def __init__(self, path: str):
         self.path = path
         with open(path, "rb") as f:
-            head = f.read(len(PACK_MAGIC) + 8)
-            if len(head) < len(PACK_MAGIC) + 8 or head[: len(PACK_MAGIC)] != PACK_MAGIC:
-                raise ValueError(f"{path}: not an image pack (pack_dataset.py writes them)")
-            index_len = int.from_bytes(head[len(PACK_MAGIC):], "little")
-            size = os.fstat(f.fileno()).st_size
-            start = len(head) + index_len
-            if start > size:
-                raise ValueError(f"{path}: truncated (its index says {index_len} bytes, the file has {size})")
-            try:
-                index = json.loads(f.read(index_len).decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise ValueError(f"{path}: unreadable index: {e}") from None
-            data_len = size - start
+            index, data_len = read_pack_index(f, path)
             self._check(index, data_len)
             buf = bytearray(data_len)
             view = memoryview(buf)

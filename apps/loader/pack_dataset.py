@@ -22,27 +22,23 @@ A second run finds a pack made from the same folder with the same images and doe
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_decode import PACK_MAGIC, ImageFolder, write_pack  # noqa: E402
+from gpu_decode import ImageFolder, read_pack_index, write_pack  # noqa: E402
 
 
 def existing_index(path: str) -> dict | None:
     """The index of the pack at `path`, or None when there is none or it is not a pack."""
     try:
         with open(path, "rb") as f:
-            head = f.read(len(PACK_MAGIC) + 8)
-            if head[: len(PACK_MAGIC)] != PACK_MAGIC:
-                return None
-            n = int.from_bytes(head[len(PACK_MAGIC):], "little")
-            return json.loads(f.read(n).decode("utf-8"))
+            index, _ = read_pack_index(f, path)
     except (OSError, ValueError):
         return None
+    return index if isinstance(index, dict) else None
 
 
 def pack(root: str, out: str | None = None, *, force: bool = False, quiet: bool = False) -> dict:

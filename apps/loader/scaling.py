@@ -278,8 +278,7 @@ def main(argv: list[str] | None = None) -> int:
              "devices": devices, "python": platform.python_version()}
     lines = [facts]
     print(json.dumps(facts), flush=True)
-    table = [f"{'source':>7} {'stage':>9} {'procs':>5} {'images/s':>10} {'per process':>30}"]
-    print(table[0], file=sys.stderr, flush=True)
+    print(f"{'source':>7} {'stage':>9} {'procs':>5} {'images/s':>10} {'per process':>30}", file=sys.stderr, flush=True)
     failed = 0
     for data in a.data:
         for stage in stages:
@@ -289,12 +288,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(point), flush=True)
                 if "error" in point:
                     failed += 1
-                    table.append(f"{point['source']:>7} {stage:>9} {procs:>5} {'failed':>10}  {point['error']}")
+                    row = f"{'failed':>10}  {point['error']}"
                 else:
                     each = " ".join(f"{r['images_per_s']:.0f}" for r in point["per_process"])
-                    table.append(f"{point['source']:>7} {stage:>9} {procs:>5} {point['images_per_s']:>10.0f} "
-                                 f"{each:>30}")
-                print(table[-1], file=sys.stderr, flush=True)
+                    row = f"{point['images_per_s']:>10.0f} {each:>30}"
+                print(f"{point['source']:>7} {stage:>9} {procs:>5} {row}", file=sys.stderr, flush=True)
     if a.json_out:
         with open(a.json_out, "a") as f:
             for x in lines:

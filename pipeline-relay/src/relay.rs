@@ -367,12 +367,18 @@ impl Watch {
     /// first seen). A sender exits only after its sends completed, so a receive still pending
     /// that long after will never complete.
     fn sender_gone(&self, gone_at: &mut Option<Instant>) -> Option<RelayError> {
+        self.gone_for_good(gone_at, "the sender is gone")
+    }
+
+    /// As [`Watch::sender_gone`], for any peer whose transfers we still wait for; the error
+    /// reads `{what}: {why}`.
+    fn gone_for_good(&self, gone_at: &mut Option<Instant>, what: &str) -> Option<RelayError> {
         if let Some(why) = self.nccl_failure() {
-            return Some(RelayError(format!("the sender is gone: {why}")));
+            return Some(RelayError(format!("{what}: {why}")));
         }
         let why = self.failure()?;
         let t = *gone_at.get_or_insert_with(Instant::now);
-        (t.elapsed() > SENDER_GONE_GRACE).then(|| RelayError(format!("the sender is gone: {why}")))
+        (t.elapsed() > SENDER_GONE_GRACE).then(|| RelayError(format!("{what}: {why}")))
     }
 
     /// The peer said it is done (END): its closing the connection is no failure now.
@@ -1516,18 +1522,8 @@ pub fn nccl_bench(
             if event.query().map_err(err)? {
                 return Ok(());
             }
-            if let Some(why) = watch.nccl_failure() {
-                return Err(RelayError(format!("nccl-bench: {why}")));
-            }
-            if watch.failure().is_some() {
-                let t = *gone_at.get_or_insert_with(Instant::now);
-                if t.elapsed() > SENDER_GONE_GRACE {
-                    return Err(RelayError(
-                        "nccl-bench: the peer closed the connection with our transfers still \
-                         pending"
-                            .into(),
-                    ));
-                }
+            if let Some(e) = watch.gone_for_good(&mut gone_at, "nccl-bench: the peer is gone") {
+                return Err(e);
             }
             std::thread::sleep(Duration::from_micros(100));
         }
