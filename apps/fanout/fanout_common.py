@@ -18,6 +18,7 @@ Nothing here downloads anything: every model is built with `weights=None`.
 from __future__ import annotations
 
 import collections
+import gc
 import json
 import sys
 import time
@@ -54,7 +55,12 @@ def add_frame_args(ap: Any, *, size: bool = True) -> None:
         ap.add_argument("--size", type=int, default=224, help="the model's input size (default 224)")
     ap.add_argument("--height", type=int, default=720, help="frame height (default 720)")
     ap.add_argument("--width", type=int, default=1280, help="frame width (default 1280)")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (CPU runs)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads of this process (default 1; 0 keeps torch's default)",
+    )
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -66,8 +72,11 @@ def dtype_of(name: str) -> torch.dtype:
 
 
 def setup_torch(device: torch.device, threads: int) -> None:
-    """CPU runs use few threads (CI machines are small, and several processes share them)."""
-    if device.type == "cpu" and threads > 0:
+    """Few torch CPU threads (`threads`; 0 keeps torch's default of one per core): several
+    processes share the machine's cores, on CI and on the GPU host alike, where the models'
+    work is on the GPU and each process's own thread launches it."""
+    del device  # the same rule on the CPU and on the GPU
+    if threads > 0:
         torch.set_num_threads(threads)
 
 
@@ -138,11 +147,16 @@ def warm_up(
     model: Model, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, n: int = 3
 ) -> None:
     """Runs the model a few times on a zero frame, so that library initialisation (cuBLAS,
-    cuDNN, the caching allocator) is done before anything is timed or captured."""
+    cuDNN, the caching allocator) is done before anything is timed or captured. Then moves
+    every object alive so far (the model, torch's modules) out of the garbage collector's
+    view: a full collection would otherwise walk them all, a pause of milliseconds at a time
+    no frame can predict."""
     frame = torch.zeros(shape, dtype=dtype, device=device)
     for _ in range(n):
         model(frame)
     sync(device)
+    gc.collect()
+    gc.freeze()
 
 
 class SyntheticFrames:
@@ -184,7 +198,8 @@ def capture(model: Model, x: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.
 
     The graph reads x's address: replaying it later computes the model on whatever that
     memory then holds. x must be usable on the current stream when this is called (for a
-    gpipe batch: made with torch.from_dlpack on it, which enqueued the wait for `ready`).
+    gpipe batch: made with gpipe.torch.as_tensor or torch.from_dlpack on it, which enqueued the
+    wait for `ready`).
 
     As torch asks, the model runs once on a side stream first (outside the capture), and
     the current stream waits for that run, so that a gpipe release afterwards orders
@@ -290,6 +305,10 @@ class Tally:
         self.t_first_timed_ns: Optional[int] = None
         self.t_end_ns: Optional[int] = None
         self.latencies: list[int] = []
+        # Where a latency went, per timed frame: publish -> recv returned -> the frame's
+        # tensor made (the stream waits for `ready`) -> the model enqueued and the batch
+        # released -> the result on the host.
+        self.steps: dict[str, list[int]] = {}
         self.graphs = 0
 
     def frame(self, frame_no: int, warmup: int) -> bool:
@@ -307,10 +326,17 @@ class Tally:
         self.timed += 1
         return True
 
-    def latency(self, t_publish_ns: int) -> None:
+    def latency(self, t_publish_ns: int, marks: Optional[dict[str, int]] = None) -> None:
         """One timed frame's latency: now minus its publish time (CLOCK_MONOTONIC is the same
-        clock in every process of the host)."""
-        self.latencies.append(time.monotonic_ns() - t_publish_ns)
+        clock in every process of the host). `marks`, in order, are the times the frame
+        reached each named step; each step's share is its time minus the one before."""
+        now = time.monotonic_ns()
+        self.latencies.append(now - t_publish_ns)
+        if marks:
+            prev = t_publish_ns
+            for name, t in list(marks.items()) + [("result", now)]:
+                self.steps.setdefault(name, []).append(t - prev)
+                prev = t
 
     def finish(self) -> None:
         """Waits for everything in flight and stamps the end."""
@@ -341,6 +367,7 @@ class Tally:
             "t_first_timed_ns": self.t_first_timed_ns,
             "t_end_ns": self.t_end_ns,
             "latency": latency_summary(self.latencies),
+            "latency_steps": {k: latency_summary(v) for k, v in self.steps.items()} or None,
             "end": end,
             **self.ring.summary(),
         }

@@ -3,8 +3,8 @@
 
 It builds the model (random weights, --dtype, eval mode) and warms it up, then attaches to
 the source's ring (retrying until the source is there), so being attached means being
-ready. For each frame: the frame tensor over the slot itself (torch.from_dlpack, no copy,
-read-only: never written), resized on the device to --size, a batch of 1, the model, the
+ready. For each frame: the frame tensor over the slot itself (gpipe.torch.as_tensor, which is
+torch.from_dlpack without its per-call stream object; no copy, read-only: never written), resized on the device to --size, a batch of 1, the model, the
 argmax. At the end (the source closed the ring) it prints one JSON line on stdout: frames
 seen, whether they came in order, frames/s, latency, outputs.
 
@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gpipe  # noqa: E402
 import torch  # noqa: E402
+from gpipe.torch import as_tensor  # noqa: E402
 from fanout_common import (  # noqa: E402
     add_frame_args,
     EXTRA_MODELS,
@@ -110,7 +111,7 @@ def attach(socket: str, device: torch.device, timeout: float, spin=None) -> gpip
 class GraphPerSlot:
     """One CUDA graph of the model per slot, captured the first time the slot is seen.
 
-    Why one replay is ordered right: torch.from_dlpack(batch[...]) made the frame tensor for
+    Why one replay is ordered right: as_tensor(batch[...]) made the frame tensor for
     the current stream, so gpipe enqueued on that stream the wait for the batch's `ready`;
     CUDAGraph.replay() launches the graph on the current stream, so it runs after that wait;
     releasing the batch records `finished` after the work enqueued by then on every stream a
@@ -174,15 +175,18 @@ def main(argv=None) -> int:
                     batch = c.recv(timeout=a.idle_timeout)
                 except gpipe.Closed:
                     break
+                t_recv = time.monotonic_ns()
                 with batch:
                     frame_no, t_pub, warmup = batch.meta[0], batch.meta[1], batch.meta[2]
                     timed = tally.frame(frame_no, warmup)
-                    x = torch.from_dlpack(batch[FRAME])
+                    x = as_tensor(batch[FRAME])
+                    t_view = time.monotonic_ns()
                     if a.check and not check_marker(x, frame_no):
                         tally.check_failures += 1
                     out = graphs(batch.slot, x) if graphs is not None else model(x)
                     del x
                 # Released: `finished` follows this frame's work on the stream, on the device.
+                t_released = time.monotonic_ns()
                 if a.latency:
                     if out is None:
                         sync(device)
@@ -190,7 +194,8 @@ def main(argv=None) -> int:
                     else:
                         ring.record(int(out))  # waits for the result
                     if timed:
-                        tally.latency(t_pub)
+                        marks = {"recv": t_recv, "view": t_view, "model_release": t_released}
+                        tally.latency(t_pub, marks)
                 else:
                     ring.push(out)
                 del out

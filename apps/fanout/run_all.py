@@ -32,6 +32,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import signal
 import subprocess
 import sys
@@ -205,6 +206,7 @@ def run_gpipe(
                 "late": source.get("late"),
                 "device": source.get("device"),
                 "slots": cfg.slots,
+                "publish_call": source.get("publish_call"),
             },
         )
     if errors:
@@ -248,15 +250,17 @@ def run_baseline(
 def _fps(
     recs: list[dict], run: str, mode: str, models: Optional[list] = None, latency_run: bool = False
 ) -> Optional[float]:
-    for r in recs:
-        if (
-            r.get("run") == run
-            and r.get("mode") == mode
-            and bool(r.get("latency_run")) == latency_run
-        ):
-            if models is None or r.get("models") == models:
-                return r.get("fps")
-    return None
+    """The median frames/s of the matching runs (one per --repeat repetition)."""
+    got = [
+        r["fps"]
+        for r in recs
+        if r.get("run") == run
+        and r.get("mode") == mode
+        and bool(r.get("latency_run")) == latency_run
+        and (models is None or r.get("models") == models)
+        and r.get("fps")
+    ]
+    return statistics.median(got) if got else None
 
 
 def _lat(c: Optional[dict]) -> str:
@@ -281,9 +285,10 @@ def summary(recs: list[dict], models: list[str], mps: str) -> list[str]:
             )
         else:
             per = ",".join(r.get("models") or [])
+        rep = f" (repetition {r['repetition'] + 1})" if r.get("repetition") else ""
         out.append(
             f"{r.get('run', '?'):<11} {r.get('mode', '?'):<6} {fps if fps is not None else '-':>9} "
-            f"{'ok' if r.get('ok') else 'NO':<3} {per}"
+            f"{'ok' if r.get('ok') else 'NO':<3} {per}{rep}"
         )
     lat_recs = [r for r in recs if r.get("latency_run")]
     if lat_recs:
@@ -294,14 +299,24 @@ def summary(recs: list[dict], models: list[str], mps: str) -> list[str]:
             late = f" (source late {r['late']}x)" if r.get("late") else ""
             ok = "ok" if r.get("ok") else "NO"
             out.append(f"  {r.get('run', '?'):<9} {r.get('mode', '?'):<6} {ok:<3} {per}{late}")
+            for c in r.get("consumers") or []:
+                steps = (c or {}).get("latency_steps")
+                if steps:
+                    parts = ", ".join(f"{k} {_lat({'latency': v})}" for k, v in steps.items())
+                    out.append(f"    {c.get('model')}: where it went, p50/p99 µs: {parts}")
+            pub = r.get("publish_call")
+            if pub:
+                out.append(f"    the source's publish call: {_lat({'latency': pub})} µs")
     out.append("targets:")
     solo = [_fps(recs, "solo", "eager", [m]) for m in models if m != "empty"]
     solo = [s for s in solo if s]
     g_eager = _fps(recs, "gpipe", "eager")
+    reps = 1 + max((r.get("repetition") or 0 for r in recs), default=0)
+    med = f" (medians of {reps} repetitions)" if reps > 1 else ""
     if solo and g_eager:
         ratio = g_eager / min(solo)
         out.append(
-            f"  eager: gpipe fan-out {g_eager} / slowest model alone {min(solo)} = {ratio:.2f} "
+            f"  eager: gpipe fan-out {g_eager} / slowest model alone {min(solo)} = {ratio:.2f}{med} "
             f"(target >= {TARGET_EAGER}) {'PASS' if ratio >= TARGET_EAGER else 'MISS'}"
         )
     g_graph = _fps(recs, "gpipe", "graph")
@@ -309,7 +324,7 @@ def summary(recs: list[dict], models: list[str], mps: str) -> list[str]:
     if g_graph and streams:
         ratio = g_graph / streams
         out.append(
-            f"  graph: gpipe fan-out {g_graph} / three-stream replay {streams} = {ratio:.2f} "
+            f"  graph: gpipe fan-out {g_graph} / three-stream replay {streams} = {ratio:.2f}{med} "
             f"(target >= {TARGET_GRAPH}) {'PASS' if ratio >= TARGET_GRAPH else 'MISS'}"
         )
     for r in lat_recs:
@@ -359,6 +374,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--frames", type=int, default=600, help="timed frames of a throughput run (default 600)"
     )
     ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the throughput part this many times, interleaved; the targets use the "
+        "median of each run's frames/s (default 1)",
+    )
+    ap.add_argument(
         "--duration",
         type=float,
         default=3.0,
@@ -380,7 +402,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--size", type=int, default=224)
     ap.add_argument("--dtype", default="float16")
     ap.add_argument(
-        "--threads", type=int, default=1, help="torch CPU threads per process (host backend)"
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads per process (default 1; 0 keeps torch's default)",
     )
     ap.add_argument(
         "--run-timeout", type=float, default=120.0, help="seconds one run may take in all"
@@ -439,11 +464,15 @@ def main(argv=None) -> int:
     def over_budget() -> bool:
         return a.budget > 0 and time.monotonic() - t_begin > a.budget
 
-    def keep(rec: dict) -> None:
+    def keep(rec: dict, rep: Optional[int] = None) -> None:
+        if rep is not None:
+            rec["repetition"] = rep
         rec["mps"] = a.mps
         rec["backend"] = a.backend
         rec["quick"] = a.quick
         rec["spin"] = a.spin
+        rec["torch_threads"] = a.threads
+        rec["cpus"] = os.cpu_count()
         recs.append(rec)
         with open(jsonl, "a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -455,46 +484,47 @@ def main(argv=None) -> int:
         )
 
     tput = dict(frames=a.frames, duration=a.duration)
-    if "inproc" in only and not over_budget():
-        timeout = cfg.run_timeout * 3  # several runs in one process
-        for rec in run_baseline(
-            cfg,
-            [
-                "inproc",
-                "--models",
-                ",".join(models),
-                "--modes",
-                ",".join(modes),
-                "--frames",
-                str(a.frames),
-                "--duration",
-                str(a.duration),
-            ],
-            "inproc",
-            timeout,
-        ):
-            keep(rec)
-    for mode in modes:
-        if "gpipe" in only and not over_budget():
-            keep(run_gpipe(cfg, mode, models, **tput))
-        if "mp-queue" in only and not over_budget():
+    for rep in range(max(1, a.repeat)):
+        if "inproc" in only and not over_budget():
+            timeout = cfg.run_timeout * 3  # several runs in one process
             for rec in run_baseline(
                 cfg,
                 [
-                    "mp-queue",
+                    "inproc",
                     "--models",
                     ",".join(models),
-                    "--mode",
-                    mode,
+                    "--modes",
+                    ",".join(modes),
                     "--frames",
                     str(a.frames),
                     "--duration",
                     str(a.duration),
                 ],
-                f"mp-{mode}",
+                "inproc",
+                timeout,
             ):
-                rec["latency_run"] = False
-                keep(rec)
+                keep(rec, rep)
+        for mode in modes:
+            if "gpipe" in only and not over_budget():
+                keep(run_gpipe(cfg, mode, models, **tput), rep)
+            if "mp-queue" in only and not over_budget():
+                for rec in run_baseline(
+                    cfg,
+                    [
+                        "mp-queue",
+                        "--models",
+                        ",".join(models),
+                        "--mode",
+                        mode,
+                        "--frames",
+                        str(a.frames),
+                        "--duration",
+                        str(a.duration),
+                    ],
+                    f"mp-{mode}",
+                ):
+                    rec["latency_run"] = False
+                    keep(rec, rep)
 
     rate = a.rate
     if not rate:

@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gpipe  # noqa: E402
 import torch  # noqa: E402
+from gpipe.torch import as_tensor  # noqa: E402
 from fanout_common import (
     add_frame_args,
     FRAME,
@@ -46,6 +47,7 @@ from fanout_common import (
     sleep_until,
     sync,
 )  # noqa: E402
+from fanout_records import latency_summary  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -116,11 +118,12 @@ def main(argv=None) -> int:
     p.wait_for_consumers(a.consumers, timeout=a.wait_timeout)
 
     late = 0
+    publish_ns: list[int] = []  # how long each timed publish call took
     period_ns = int(1e9 / a.rate) if a.rate > 0 else 0
 
     def publish(frame_no: int) -> int:
         with p.acquire(timeout=a.timeout) as slot:
-            f = torch.from_dlpack(slot.tensor(FRAME, dtype, shape))
+            f = as_tensor(slot.tensor(FRAME, dtype, shape))
             frames.fill(f, frame_no)
             del f
             if period_ns and frame_no >= a.warmup:
@@ -128,6 +131,8 @@ def main(argv=None) -> int:
             t = time.monotonic_ns()
             # ready is recorded after the fill on this (the current) stream
             slot.publish(meta=[frame_no, t, a.warmup])
+            if frame_no >= a.warmup:
+                publish_ns.append(time.monotonic_ns() - t)
             return t
 
     with (
@@ -172,6 +177,7 @@ def main(argv=None) -> int:
             "t_last_publish_ns": t_last,
             "publish_fps": round(timed / span, 1) if span > 0 and timed > 1 else None,
             "counters": counters,
+            "publish_call": latency_summary(publish_ns),
         }
     )
     return 0

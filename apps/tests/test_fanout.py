@@ -129,6 +129,14 @@ def test_gpipe_fanout_at_a_fixed_rate_every_frame_in_order_with_latency(tmp_path
     assert_tiny_outputs(rec, expected_outputs(WARMUP + FRAMES))
     assert rec["memory"] == "host" and rec["rate"] == 200.0
     assert rec["fps"] and rec["fps"] > 0
+    # Where each frame's latency went: the steps, in order, add up to the whole.
+    for c in rec["consumers"]:
+        steps = c["latency_steps"]
+        assert list(steps) == ["recv", "view", "model_release", "result"], c
+        assert all(v["n"] == FRAMES and v["max_us"] >= 0 for v in steps.values()), c
+        total = sum(v["mean_us"] for v in steps.values())
+        assert abs(total - c["latency"]["mean_us"]) <= 0.5, (total, c)
+    assert rec["publish_call"]["n"] == FRAMES and rec["publish_call"]["p50_us"] > 0, rec
 
 
 def test_mp_queue_baseline(tmp_path):
@@ -228,6 +236,23 @@ def test_summary_targets():
     assert "gpipe fan-out 170.0 / slowest model alone 180.0 = 0.94 (target >= 0.9) PASS" in text
     assert "gpipe fan-out 850.0 / three-stream replay 1000.0 = 0.85 (target >= 0.9) MISS" in text
     assert "p99 worst 120.0 µs (target <= 100) MISS" in text
+    # With --repeat, each figure is the median of its repetitions.
+    more = [
+        {"run": "solo", "mode": "eager", "models": ["b"], "fps": 150.0, "ok": True,
+         "repetition": 1},
+        {"run": "solo", "mode": "eager", "models": ["b"], "fps": 100.0, "ok": True,
+         "repetition": 2},
+        {"run": "gpipe", "mode": "eager", "models": ["a", "b"], "fps": 140.0, "ok": True,
+         "repetition": 1, "consumers": []},
+        {"run": "gpipe", "mode": "eager", "models": ["a", "b"], "fps": 160.0, "ok": True,
+         "repetition": 2, "consumers": []},
+    ]  # fmt: skip
+    text = "\n".join(run_all.summary(recs + more, ["a", "b"], "on"))
+    assert (
+        "gpipe fan-out 160.0 / slowest model alone 150.0 = 1.07 (medians of 3 repetitions) "
+        "(target >= 0.9) PASS" in text
+    ), text
+    assert "(repetition 3)" in text
 
 
 def test_latency_statistics():
@@ -289,3 +314,31 @@ def test_cuda_inproc_graph_and_streams(tmp_path):
         for c in r["consumers"]:
             same = sum(g == w for g, w in zip(c["outputs_head"], want))
             assert same >= 0.9 * len(c["outputs_head"]), (r, want)
+
+
+def test_latency_floor_measures_every_reader(tmp_path):
+    """apps/fanout/latency_floor.py: readers asleep in a pipe read each report their
+    latencies (a spinning reader would need a core of its own, which CI may not have)."""
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, str(APP / "latency_floor.py"), "--readers", "2", "--rate", "100"]
+        + ["--seconds", "0.3", "--wait", "sleep"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    rec = json.loads(out.stdout.strip().splitlines()[-1])
+    assert rec["run"] == "latency-floor" and rec["wait"] == "sleep" and rec["stamps"] == 30
+    assert [r["reader"] for r in rec["results"]] == [0, 1]
+    for r in rec["results"]:
+        assert 1 <= r["n"] <= 30, r
+        assert 0 < r["p50_us"] <= r["p99_us"] <= r["max_us"] < 5e6, r
+    bad = subprocess.run(
+        [sys.executable, str(APP / "latency_floor.py"), "--readers", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "must be positive" in bad.stderr

@@ -437,21 +437,24 @@ fn control_pipe_in(dir: &Path) -> Option<PathBuf> {
 }
 
 /// The share of the L2 cache the batches in flight may fill under `max_lead = auto`.
-pub const AUTO_LEAD_L2_SHARE: f64 = 0.6;
+pub const AUTO_LEAD_L2_SHARE: f64 = 0.5;
 
-/// The producer-lead bound `auto` derives from a device's L2 size: as many batches as fit in
+/// The producer-lead bound `auto` derives from a device's L2 size: the largest lead whose
+/// batches in flight (the lead, plus the batch a consumer is reading) fit in
 /// [`AUTO_LEAD_L2_SHARE`] of the L2, so that a consumer reads a batch while it is still in the
-/// L2 the producer wrote it to. `None` (the ring's own bound, `slots`) when that many batches
-/// are the whole ring anyway, or when fewer than 2 fit: with a lead of 1 the producer could not
-/// write a batch while a consumer reads the last, and the overlap matters more than the cache.
-/// Measured on an H100 (50 MB L2, MPS, 2026-11-22): 8 MiB batches ran 0.72x of the one-process
-/// ceiling with 8 slots in flight and 0.84-0.86x with 2-4; 64 MiB ran 0.95x at 2, 4 and 8.
+/// L2 the producer wrote it to. `None` (the ring's own bound, `slots`) when that lead is the
+/// whole ring anyway, or below 2: with a lead of 1 the producer could not write a batch while
+/// a consumer reads the last, and the overlap matters more than the cache.
+/// Measured on an H100 (50 MB L2, MPS, one consumer, 8 slots, medians of 5, 2026-11-23):
+/// 8 MiB batches ran 80.5k batches/s with a lead of 2, 76.9k with 3, 67.9k with 4 and 66.4k
+/// with 8 (the whole ring); 64 MiB ran the same at 2, 4 and 8 (2026-11-22).
 pub fn l2_max_lead(l2_bytes: u64, slot_bytes: u64, slots: u32) -> Option<u32> {
     if slot_bytes == 0 {
         return None;
     }
     let fit = ((l2_bytes as f64 * AUTO_LEAD_L2_SHARE) / slot_bytes as f64).floor() as u64;
-    (2..u64::from(slots)).contains(&fit).then_some(fit as u32)
+    let lead = fit.saturating_sub(1);
+    (2..u64::from(slots)).contains(&lead).then_some(lead as u32)
 }
 
 /// [`l2_max_lead`] for device `ordinal` and slots of `slot_bytes` (rounded as the ring rounds
@@ -784,12 +787,14 @@ mod tests {
     fn auto_lead_keeps_the_batches_in_flight_within_the_l2() {
         let l2 = 50 << 20; // an H100's
         let mib = 1u64 << 20;
-        // 8 MiB: 3 batches fit in 60% of 50 MiB.
-        assert_eq!(l2_max_lead(l2, 8 * mib, 8), Some(3));
-        // 2 MiB: 15 fit, more than the ring holds: the ring's own bound.
+        // 8 MiB: 3 batches fit in half of 50 MiB: a lead of 2 and the one being read.
+        assert_eq!(l2_max_lead(l2, 8 * mib, 8), Some(2));
+        // 2 MiB: 12 fit, more than the ring holds: the ring's own bound.
         assert_eq!(l2_max_lead(l2, 2 * mib, 8), None);
-        assert_eq!(l2_max_lead(l2, 2 * mib, 32), Some(15));
-        // 64 MiB: not even one fits; a lead of 1 would cost the overlap.
+        assert_eq!(l2_max_lead(l2, 2 * mib, 32), Some(11));
+        // 16 MiB: one batch and the one being read; a lead of 1 would cost the overlap.
+        assert_eq!(l2_max_lead(l2, 16 * mib, 8), None);
+        // 64 MiB: not even one fits.
         assert_eq!(l2_max_lead(l2, 64 * mib, 8), None);
         assert_eq!(l2_max_lead(l2, 0, 8), None);
     }

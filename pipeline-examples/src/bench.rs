@@ -423,6 +423,12 @@ pub struct BenchReport {
     pub duplicated: u64,
     /// Seconds the producer spent in `acquire` waiting for consumers to release (whole run).
     pub producer_acquire_wait_s: f64,
+    /// Seconds the producer spent in its fill (enqueueing the fill kernel), whole run.
+    #[serde(default)]
+    pub producer_fill_s: f64,
+    /// Seconds the producer spent in `publish` (signalling `ready`), whole run.
+    #[serde(default)]
+    pub producer_publish_s: f64,
     /// Round trip publish -> consumer done -> slot free, median (µs), with `--round-trip`.
     pub round_trip_p50_us: Option<f64>,
     /// Round trip, 99th percentile (µs).
@@ -850,6 +856,8 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
         lost,
         duplicated,
         producer_acquire_wait_s: timing.acquire_wait.as_secs_f64(),
+        producer_fill_s: timing.fill.as_secs_f64(),
+        producer_publish_s: timing.publish.as_secs_f64(),
         round_trip_p50_us: pct(0.5),
         round_trip_p99_us: pct(0.99),
         problems,
@@ -1146,6 +1154,25 @@ impl std::fmt::Display for BenchReport {
                 .collect::<Vec<_>>()
                 .join("/")
         )?;
+        // Host time per batch of each side's own steps: where a side that never waits spends
+        // its time (a host-bound side shows here, not in the waits above).
+        let per = |s: f64, n: u64| if n == 0 { 0.0 } else { s * 1e6 / n as f64 };
+        writeln!(
+            f,
+            "  host µs per batch: producer fill {:.2}, publish {:.2}; consumers check {}, release {}",
+            per(self.producer_fill_s, self.published),
+            per(self.producer_publish_s, self.published),
+            self.per_consumer
+                .iter()
+                .map(|r| format!("{:.2}", per(r.check_s, r.received)))
+                .collect::<Vec<_>>()
+                .join("/"),
+            self.per_consumer
+                .iter()
+                .map(|r| format!("{:.2}", per(r.release_s, r.received)))
+                .collect::<Vec<_>>()
+                .join("/")
+        )?;
         if let (Some(p50), Some(p99)) = (self.round_trip_p50_us, self.round_trip_p99_us) {
             writeln!(
                 f,
@@ -1432,6 +1459,8 @@ mod mps_hint_tests {
             lost: 0,
             duplicated: 0,
             producer_acquire_wait_s: 0.0,
+            producer_fill_s: 0.0,
+            producer_publish_s: 0.0,
             round_trip_p50_us: None,
             round_trip_p99_us: None,
             problems: Vec::new(),
@@ -1439,6 +1468,27 @@ mod mps_hint_tests {
             extra,
             repetitions: None,
         }
+    }
+
+    #[test]
+    fn the_text_report_gives_each_sides_host_time_per_batch() {
+        let mut r = report(serde_json::json!({}));
+        r.producer_fill_s = 0.008; // 2000 batches: 4 µs each
+        r.producer_publish_s = 0.003;
+        r.per_consumer = vec![crate::work::ConsumerReport {
+            received: 1000,
+            check_s: 0.007,
+            release_s: 0.0015,
+            ..Default::default()
+        }];
+        let text = r.to_string();
+        assert!(
+            text.contains(
+                "  host µs per batch: producer fill 4.00, publish 1.50; consumers check 7.00, \
+                 release 1.50\n"
+            ),
+            "{text}"
+        );
     }
 
     #[test]

@@ -13,6 +13,10 @@ pub struct ProbeCmd {
     /// JSON output.
     #[arg(long)]
     json: bool,
+    /// Also time the driver calls of the hot path on device 0 (host µs per call; under MPS
+    /// when its daemon runs).
+    #[arg(long)]
+    call_costs: bool,
 }
 
 /// Runs `gpipe probe`.
@@ -41,8 +45,16 @@ pub fn command(cmd: ProbeCmd) -> Result<ExitCode, String> {
                 .map(|_| p)
                 .map_err(|e| format!("the benchmark kernels need NVRTC: {e}"))
         });
+    let costs = if cmd.call_costs && path.is_ok() {
+        Some(cuda_work::call_costs().map_err(|e| format!("timing the driver calls: {e}"))?)
+    } else {
+        None
+    };
     if cmd.json {
         let mut v = serde_json::to_value(&report).map_err(|e| e.to_string())?;
+        if let Some(c) = &costs {
+            v["call_costs"] = serde_json::to_value(c).map_err(|e| e.to_string())?;
+        }
         v["chosen_path"] = match &path {
             Ok(p) => serde_json::Value::String(p.clone()),
             Err(e) => serde_json::Value::String(format!("none: {e}")),
@@ -57,6 +69,12 @@ pub fn command(cmd: ProbeCmd) -> Result<ExitCode, String> {
         match &path {
             Ok(p) => println!("\ngpipe will use (auto): {p}"),
             Err(e) => println!("\ngpipe cannot use CUDA here: {e}"),
+        }
+        if let Some(c) = &costs {
+            println!("\nhost cost of a driver call, µs (p50 / p90 over chunks of 128 calls):");
+            for x in c {
+                println!("  {:>7.2} / {:>7.2}  {}", x.p50_us, x.p90_us, x.call);
+            }
         }
     }
     Ok(if path.is_ok() {

@@ -149,6 +149,12 @@ pub struct ConsumerReport {
     pub elapsed_s: f64,
     /// Seconds spent inside `recv` (waiting for the producer, or validating).
     pub recv_wait_s: f64,
+    /// Seconds spent in the check (enqueueing the verify kernel: the consumer's own work).
+    #[serde(default)]
+    pub check_s: f64,
+    /// Seconds spent in `release` (signalling `finished`, handing the slot back).
+    #[serde(default)]
+    pub release_s: f64,
     /// It stopped because it reached `--max-batches` (not because the ring closed).
     #[serde(default)]
     pub reached_quota: bool,
@@ -217,12 +223,14 @@ pub fn consume_loop<B: ConsumerBackend, C: Check<B>>(
             }
         };
         let seq = batch.seq();
+        let t_check = Instant::now();
         if let Some(c) = check.as_deref_mut() {
             if let Err(e) = c.check(&batch) {
                 rep.error = Some(e);
                 break;
             }
         }
+        rep.check_s += t_check.elapsed().as_secs_f64();
         if broadcast {
             if let Some(last) = rep.last_seq {
                 if seq != last + 1 {
@@ -237,7 +245,10 @@ pub fn consume_loop<B: ConsumerBackend, C: Check<B>>(
         if opts.keep_seqs {
             seqs.push(seq);
         }
-        if let Err(e) = batch.release() {
+        let t_release = Instant::now();
+        let released = batch.release();
+        rep.release_s += t_release.elapsed().as_secs_f64();
+        if let Err(e) = released {
             rep.error = Some(e.to_string());
             break;
         }
@@ -271,6 +282,10 @@ pub fn consume_loop<B: ConsumerBackend, C: Check<B>>(
 pub struct ProduceTiming {
     /// Time spent in `acquire` waiting for free slots.
     pub acquire_wait: Duration,
+    /// Time spent filling (enqueueing the fill kernel: the producer's own work).
+    pub fill: Duration,
+    /// Time spent in `publish` (signalling `ready`, handing the batch to the ring).
+    pub publish: Duration,
     /// When set, each batch's round trip in seconds (meaningful with one slot).
     pub round_trips: Option<Vec<f64>>,
 }
@@ -306,10 +321,15 @@ pub fn produce_loop<B: ProducerBackend, F: Fill<B>>(
             }
         }
         let seq = slot.seq();
+        let t_fill = Instant::now();
         let header = fill.fill(&mut slot, seq, len)?;
+        let t_publish = Instant::now();
+        timing.fill += t_publish - t_fill;
         slot.publish_with_header(len, &header)
             .map_err(|e| e.to_string())?;
-        last_publish = Some(Instant::now());
+        let now = Instant::now();
+        timing.publish += now - t_publish;
+        last_publish = Some(now);
         n += 1;
         on_batch(n, producer.consumers());
     }

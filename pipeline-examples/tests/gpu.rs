@@ -50,6 +50,44 @@ fn bench_with(mode: &str, consumers: u32, extra: &[&str]) {
         "every batch checked by the GPU verify kernel"
     );
     assert!(r["extra"]["ceiling_batches_per_s"].as_f64().unwrap() > 0.0);
+    // Each side's own host time was measured: a launch per batch costs something.
+    assert!(r["producer_fill_s"].as_f64().unwrap() > 0.0, "{r}");
+    assert!(r["producer_publish_s"].as_f64().unwrap() > 0.0, "{r}");
+    assert!(
+        per.iter()
+            .all(|c| c["check_s"].as_f64().unwrap() > 0.0 && c["release_s"].as_f64().unwrap() > 0.0),
+        "{r}"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_probe_times_the_hot_paths_driver_calls() {
+    watchdog(120, |_| {
+        let out = Command::new(GPIPE)
+            .args(["probe", "--json", "--call-costs"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let costs = r["call_costs"].as_array().expect("call_costs");
+        let calls: Vec<&str> = costs.iter().map(|c| c["call"].as_str().unwrap()).collect();
+        for want in [
+            "cuLaunchKernel",
+            "cuStreamWriteValue64",
+            "cuStreamWaitValue64",
+        ] {
+            assert!(calls.iter().any(|c| c.starts_with(want)), "{calls:?}");
+        }
+        for c in costs {
+            let (p50, p90) = (c["p50_us"].as_f64().unwrap(), c["p90_us"].as_f64().unwrap());
+            assert!(p50 > 0.0 && p50 <= p90 && p90 < 10_000.0, "{c}");
+        }
+    });
 }
 
 #[test]
