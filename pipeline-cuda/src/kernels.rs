@@ -48,17 +48,48 @@ __device__ __forceinline__ u64 gpipe_warp_sum(u64 v) {
     return v;
 }
 
-extern "C" __global__ void gpipe_fill(u64* __restrict__ data, u64 nwords, u64 seq) {
+__device__ __forceinline__ u64 gpipe_now() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// GPU timeline stamps (stamps == 0: none). stamps[0]: when block 0 started; stamps[1]: when the
+// last block finished; stamps[2]: blocks finished so far (zero before the launch). The timer
+// is the GPU's, shared by every context and process on it, in nanoseconds.
+__device__ __forceinline__ void gpipe_stamp_begin(u64* stamps) {
+    if (stamps != 0 && blockIdx.x == 0 && threadIdx.x == 0) {
+        stamps[0] = gpipe_now();
+    }
+}
+
+__device__ __forceinline__ void gpipe_stamp_end(u64* stamps) {
+    if (stamps == 0) {
+        return;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(&stamps[2], 1ULL) == (u64)gridDim.x - 1ULL) {
+            stamps[1] = gpipe_now();
+        }
+    }
+}
+
+extern "C" __global__ void gpipe_fill(u64* __restrict__ data, u64 nwords, u64 seq, u64* stamps) {
+    gpipe_stamp_begin(stamps);
     const u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < nwords; i += stride) {
         data[i] = gpipe_pattern_word(seq, i);
     }
+    gpipe_stamp_end(stamps);
 }
 
 // out[0] += checksum of the data, out[1] += checksum of the expected pattern,
 // out[2] += number of words that differ from the pattern. blockDim.x must be a multiple of 32.
 extern "C" __global__ void gpipe_verify(const u64* __restrict__ data, u64 nwords, u64 seq,
-                                        u64* out) {
+                                        u64* out, u64* stamps) {
+    gpipe_stamp_begin(stamps);
     u64 actual = 0, expected = 0, mismatched = 0;
     const u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < nwords; i += stride) {
@@ -94,6 +125,7 @@ extern "C" __global__ void gpipe_verify(const u64* __restrict__ data, u64 nwords
             atomicAdd(&out[2], mismatched);
         }
     }
+    gpipe_stamp_end(stamps);
 }
 "#;
 
@@ -103,6 +135,9 @@ pub const THREADS_PER_BLOCK: u32 = 256;
 const WORDS_PER_THREAD: u64 = 4;
 /// Blocks per SM at most; the kernels are grid-stride loops, so more data means more iterations.
 const BLOCKS_PER_SM: u32 = 4;
+/// Size of one kernel's GPU timeline stamps: start, end (GPU global timer, ns) and a block
+/// counter that must be zero before the launch.
+pub const STAMP_BYTES: usize = 24;
 /// Size of one verify result slot: three `u64` counters (see [`VerifyResult`]).
 pub const VERIFY_RESULT_BYTES: usize = 24;
 
@@ -368,18 +403,38 @@ impl Kernels {
         nbytes: usize,
         seq: u64,
     ) -> Result<(), CudaError> {
+        // SAFETY: the caller's guarantees; no stamps.
+        unsafe { self.fill_stamped(stream, ptr, nbytes, seq, 0) }
+    }
+
+    /// As [`Kernels::fill`], also writing the kernel's GPU start and end times (the GPU's
+    /// global timer, ns, shared by every process on the device) into `stamps` (0: none): see
+    /// [`STAMP_BYTES`].
+    ///
+    /// # Safety
+    /// As for [`Kernels::fill`]; `stamps` is 0 or 8-byte aligned device memory valid for
+    /// [`STAMP_BYTES`], whose third word is zero, not used by unordered work meanwhile.
+    pub unsafe fn fill_stamped(
+        &self,
+        stream: &Stream,
+        ptr: CUdeviceptr,
+        nbytes: usize,
+        seq: u64,
+        stamps: CUdeviceptr,
+    ) -> Result<(), CudaError> {
         let mut nwords = words_in(nbytes)?;
         if nwords == 0 {
             return Ok(());
         }
-        let (mut data, mut seq) = (ptr, seq);
+        let (mut data, mut seq, mut stamps) = (ptr, seq, stamps);
         let mut params = [
             (&mut data as *mut u64).cast::<c_void>(),
             (&mut nwords as *mut u64).cast::<c_void>(),
             (&mut seq as *mut u64).cast::<c_void>(),
+            (&mut stamps as *mut u64).cast::<c_void>(),
         ];
-        // SAFETY: gpipe_fill takes (u64*, u64, u64), matching `params`; the caller guarantees
-        // the memory. The driver copies the arguments before cuLaunchKernel returns.
+        // SAFETY: gpipe_fill takes (u64*, u64, u64, u64*), matching `params`; the caller
+        // guarantees the memory. The driver copies the arguments before cuLaunchKernel returns.
         unsafe { self.launch(self.fill, stream, nwords, &mut params) }
     }
 
@@ -399,19 +454,37 @@ impl Kernels {
         seq: u64,
         out: CUdeviceptr,
     ) -> Result<(), CudaError> {
+        // SAFETY: the caller's guarantees; no stamps.
+        unsafe { self.verify_stamped(stream, ptr, nbytes, seq, out, 0) }
+    }
+
+    /// As [`Kernels::verify`], with GPU timeline stamps as in [`Kernels::fill_stamped`].
+    ///
+    /// # Safety
+    /// As for [`Kernels::verify`] and, for `stamps`, [`Kernels::fill_stamped`].
+    pub unsafe fn verify_stamped(
+        &self,
+        stream: &Stream,
+        ptr: CUdeviceptr,
+        nbytes: usize,
+        seq: u64,
+        out: CUdeviceptr,
+        stamps: CUdeviceptr,
+    ) -> Result<(), CudaError> {
         let mut nwords = words_in(nbytes)?;
         if nwords == 0 {
             return Ok(());
         }
-        let (mut data, mut seq, mut out) = (ptr, seq, out);
+        let (mut data, mut seq, mut out, mut stamps) = (ptr, seq, out, stamps);
         let mut params = [
             (&mut data as *mut u64).cast::<c_void>(),
             (&mut nwords as *mut u64).cast::<c_void>(),
             (&mut seq as *mut u64).cast::<c_void>(),
             (&mut out as *mut u64).cast::<c_void>(),
+            (&mut stamps as *mut u64).cast::<c_void>(),
         ];
-        // SAFETY: gpipe_verify takes (const u64*, u64, u64, u64*), matching `params`; the
-        // caller guarantees both ranges. The driver copies the arguments before returning.
+        // SAFETY: gpipe_verify takes (const u64*, u64, u64, u64*, u64*), matching `params`; the
+        // caller guarantees the ranges. The driver copies the arguments before returning.
         unsafe { self.launch(self.verify, stream, nwords, &mut params) }
     }
 }
@@ -536,6 +609,51 @@ mod tests {
             // SAFETY: the stream is idle, so nothing writes `host`.
             let bytes = unsafe { host.as_slice() };
             VerifyResult::from_bytes(bytes.try_into().unwrap())
+        }
+
+        #[test]
+        #[ignore = "needs a CUDA GPU"]
+        fn stamped_kernels_record_their_gpu_start_and_end_in_stream_order() {
+            let ctx = Context::new(0).unwrap();
+            let stream = Stream::new(&ctx).unwrap();
+            let kernels = Kernels::load(&ctx).unwrap();
+            let nbytes = 64 << 20;
+            let data = DeviceBuffer::new(&ctx, nbytes).unwrap();
+            let results = DeviceBuffer::new(&ctx, VERIFY_RESULT_BYTES).unwrap();
+            let stamps = DeviceBuffer::new(&ctx, 2 * STAMP_BYTES).unwrap();
+            let host = PinnedBuffer::new(&ctx, 2 * STAMP_BYTES).unwrap();
+            // SAFETY: our own buffers, used only on `stream`; the stamps are zeroed first and
+            // read on the host after synchronize.
+            unsafe {
+                memset_d8_async(stamps.ptr(), 0, 2 * STAMP_BYTES, &stream).unwrap();
+                memset_d8_async(results.ptr(), 0, VERIFY_RESULT_BYTES, &stream).unwrap();
+                kernels
+                    .fill_stamped(&stream, data.ptr(), nbytes, 7, stamps.ptr())
+                    .unwrap();
+                let second = stamps.ptr() + STAMP_BYTES as u64;
+                kernels
+                    .verify_stamped(&stream, data.ptr(), nbytes, 7, results.ptr(), second)
+                    .unwrap();
+                memcpy_dtoh_async(host.as_ptr(), stamps.ptr(), 2 * STAMP_BYTES, &stream).unwrap();
+            }
+            stream.synchronize().unwrap();
+            // SAFETY: the stream is idle, so nothing writes `host`.
+            let b = unsafe { host.as_slice() };
+            let w: Vec<u64> = b
+                .chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            let blocks = u64::from(launch_blocks((nbytes / 8) as u64, kernels.sm_count()));
+            // Every block counted itself; the fill ran, then the verify, each taking some time
+            // (64 MiB: tens of µs on any GPU that runs this, under a second).
+            assert_eq!((w[2], w[5]), (blocks, blocks), "{w:?}");
+            assert!(w[0] > 0 && w[0] < w[1], "fill: {w:?}");
+            assert!(w[1] <= w[3] && w[3] < w[4], "verify after fill: {w:?}");
+            assert!(w[4] - w[0] < 1_000_000_000, "{w:?}");
+            // Unstamped launches of the same kernels still verify.
+            let host_r = PinnedBuffer::new(&ctx, VERIFY_RESULT_BYTES).unwrap();
+            let r = run_verify(&kernels, &stream, data.ptr(), nbytes, 7, &results, &host_r);
+            assert!(r.passed(), "{r:?}");
         }
 
         #[test]

@@ -71,6 +71,16 @@ pub struct BenchCmd {
     /// (16,1). The fair ceiling does the same reads.
     #[arg(long, value_delimiter = ',', default_value = "1", value_parser = clap::value_parser!(u32).range(1..=10_000))]
     passes: Vec<u32>,
+    /// CUDA: stamp the GPU start and end of the fill and of each consumer's verify of this
+    /// many timed batches (the GPU's global timer, shared by every process), and report how
+    /// busy the GPU was, how much the kernels overlapped, the idle gaps and the handover
+    /// (verify start minus fill end) under `gpu_timeline`.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
+    gpu_timeline: u64,
+    /// With --gpu-timeline: also write every stamp here (JSON; with --repeat, the last
+    /// repetition's).
+    #[arg(long, requires = "gpu_timeline")]
+    gpu_timeline_out: Option<std::path::PathBuf>,
 }
 
 /// Runs `gpipe bench`.
@@ -94,6 +104,8 @@ pub fn command(cmd: BenchCmd) -> Result<ExitCode, String> {
         delivery: cmd.delivery.clone(),
         fanout: cmd.fanout,
         passes: cmd.passes.clone(),
+        gpu_timeline: cmd.gpu_timeline,
+        gpu_timeline_out: cmd.gpu_timeline_out.clone(),
     };
     if cmd.round_trip && cmd.ring.slots != SlotsArg::Count(1) {
         return Err("--round-trip measures a single-slot round trip: add --slots 1".into());
@@ -127,6 +139,18 @@ pub fn command(cmd: BenchCmd) -> Result<ExitCode, String> {
         ));
     }
     let backend = resolve_backend(cmd.backend)?;
+    if cmd.gpu_timeline > 0 {
+        if backend != BackendArg::Cuda {
+            return Err("--gpu-timeline stamps GPU kernels: it needs --backend cuda".into());
+        }
+        if cmd.consumer_devices.iter().any(|&d| d != 0) || cmd.fanout != Fanout::Direct {
+            return Err(
+                "--gpu-timeline needs every consumer on the producer's GPU, reading its ring \
+                 (each GPU has a timer of its own)"
+                    .into(),
+            );
+        }
+    }
     let mut depth = cmd.ring.depth(backend == BackendArg::Cuda);
     if depth.auto && backend == BackendArg::Cuda && depth.slots > 8 {
         // No MPS: measure the depths within the budget, and take the best.
@@ -238,7 +262,28 @@ fn run_cuda(args: &BenchArgs, cuda: &CudaArgs) -> Result<BenchReport, String> {
         .map(|r| r.mps_active())
         .unwrap_or(false);
     let options = cuda.options()?;
-    let mut report = run::<CudaProducer, _>(args, options, &mut cuda_work::CudaFill::default())?;
+    let mut fill = cuda_work::CudaFill::with_timeline(warmup_of(args.batches), args.gpu_timeline);
+    let mut report = run::<CudaProducer, _>(args, options, &mut fill)?;
+    let timeline = match fill.timeline()? {
+        Some(fills) => {
+            let verifies: Vec<Vec<[u64; 2]>> = report
+                .per_consumer
+                .iter_mut()
+                .map(|c| c.gpu_timeline.take().unwrap_or_default())
+                .collect();
+            if let Some(path) = &args.gpu_timeline_out {
+                let raw = serde_json::json!({
+                    "first_seq": warmup_of(args.batches),
+                    "fills": fills,
+                    "verifies": verifies,
+                });
+                std::fs::write(path, raw.to_string())
+                    .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+            }
+            Some(timeline_summary(&fills, &verifies))
+        }
+        None => None,
+    };
     let (bytes, slots, batches) = (args.batch_bytes, args.slots, args.batches.min(4000));
     let ceiling = cuda_work::ceiling(bytes, slots, batches)
         .map_err(|e| format!("measuring the single-process ceiling: {e}"))?;
@@ -294,6 +339,9 @@ fn run_cuda(args: &BenchArgs, cuda: &CudaArgs) -> Result<BenchReport, String> {
             .map(|c| c.delivery.clone().unwrap_or_default())
             .collect::<Vec<_>>(),
     });
+    if let Some(t) = timeline {
+        extra["gpu_timeline"] = t;
+    }
     // Consumers on other GPUs: the same-run single-process ceilings of the link, per device.
     let mut others: Vec<usize> = args
         .consumer_devices
@@ -360,6 +408,15 @@ pub struct BenchArgs {
     pub fanout: Fanout,
     /// Reads of every batch by each consumer (one entry: all of them).
     pub passes: Vec<u32>,
+    /// CUDA: record the GPU start and end of this many timed batches' fill and verify.
+    pub gpu_timeline: u64,
+    /// Where to write those stamps (JSON), if anywhere.
+    pub gpu_timeline_out: Option<std::path::PathBuf>,
+}
+
+/// Batches published before timing starts (verified like the others, not timed).
+pub fn warmup_of(batches: u64) -> u64 {
+    (batches / 5).min(100)
 }
 
 impl BenchArgs {
@@ -645,6 +702,17 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
             .arg(args.passes_of(i).to_string())
             .args(&args.consumer_args)
             .args(
+                (args.gpu_timeline > 0 && args.backend == "cuda")
+                    .then(|| {
+                        [
+                            "--gpu-timeline".to_string(),
+                            format!("{}:{}", warmup_of(args.batches), args.gpu_timeline),
+                        ]
+                    })
+                    .into_iter()
+                    .flatten(),
+            )
+            .args(
                 device
                     .map(|d| ["--device".to_string(), d.to_string()])
                     .into_iter()
@@ -699,7 +767,7 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
     };
     // The first batches warm up (kernel compilation, first touches) and are not timed, but
     // they are verified like every other.
-    let warmup = (args.batches / 5).min(100);
+    let warmup = warmup_of(args.batches);
     let mut timed_from: Option<Instant> = (warmup == 0).then(Instant::now);
     let mut timed_from_wall = std::time::SystemTime::now();
     let published = work::produce_loop(
@@ -746,12 +814,8 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
     let published = published?;
     // Collect consumer reports.
     let mut per_consumer = Vec::new();
-    for (i, mut c) in std::mem::take(&mut children.0).into_iter().enumerate() {
-        let status = wait_child(&mut c, deadline);
-        let mut out = String::new();
-        if let Some(mut so) = c.stdout.take() {
-            let _ = std::io::Read::read_to_string(&mut so, &mut out);
-        }
+    let ended = wait_all_with_output(std::mem::take(&mut children.0), deadline);
+    for (i, (status, out)) in ended.into_iter().enumerate() {
         let report = out
             .lines()
             .rev()
@@ -917,12 +981,8 @@ fn collect_forwarders(
     problems: &mut Vec<String>,
 ) -> Vec<Option<RelayReport>> {
     let mut out = Vec::new();
-    for (i, mut c) in std::mem::take(&mut forwarders.0).into_iter().enumerate() {
-        let status = wait_child(&mut c, deadline);
-        let mut text = String::new();
-        if let Some(mut so) = c.stdout.take() {
-            let _ = std::io::Read::read_to_string(&mut so, &mut text);
-        }
+    let ended = wait_all_with_output(std::mem::take(&mut forwarders.0), deadline);
+    for (i, (status, text)) in ended.into_iter().enumerate() {
         let report = text
             .lines()
             .rev()
@@ -951,6 +1011,38 @@ fn collect_forwarders(
         out.push(report);
     }
     out
+}
+
+/// Waits for every child (killing those still running at `deadline`: None) and returns
+/// each one's stdout. Every stdout is read from the start, on a thread of its own: a child
+/// whose report is larger than a pipe holds would otherwise block writing it while we wait
+/// for it to exit.
+fn wait_all_with_output(
+    children: Vec<Child>,
+    deadline: Instant,
+) -> Vec<(Option<std::process::ExitStatus>, String)> {
+    let mut children = children;
+    let readers: Vec<_> = children
+        .iter_mut()
+        .map(|c| {
+            c.stdout.take().map(|mut so| {
+                std::thread::spawn(move || {
+                    let mut text = String::new();
+                    let _ = std::io::Read::read_to_string(&mut so, &mut text);
+                    text
+                })
+            })
+        })
+        .collect();
+    children
+        .iter_mut()
+        .zip(readers)
+        .map(|(c, reader)| {
+            let status = wait_child(c, deadline);
+            let text = reader.and_then(|r| r.join().ok()).unwrap_or_default();
+            (status, text)
+        })
+        .collect()
 }
 
 /// Waits for a child until `deadline`, then kills it (None: it had to be killed).
@@ -1261,6 +1353,81 @@ fn mps_hint(
     ))
 }
 
+/// What the GPU did over the stamped batches, from the (start, end) GPU times (ns) of each
+/// batch's fill and of each consumer's verify (zeros: not stamped; such batches are left
+/// out): the span, how much of it some kernel ran (`busy`) and two ran at once (`overlap`),
+/// the idle gaps between kernels, each kernel's duration, and the handover: how long after
+/// its fill ended a batch's verify started.
+pub fn timeline_summary(fills: &[[u64; 2]], verifies: &[Vec<[u64; 2]>]) -> serde_json::Value {
+    let ok = |t: &[u64; 2]| t[0] > 0 && t[1] >= t[0];
+    let complete: Vec<usize> = (0..fills.len())
+        .filter(|&i| ok(&fills[i]) && verifies.iter().all(|v| v.get(i).is_some_and(ok)))
+        .collect();
+    if complete.is_empty() {
+        return serde_json::json!({ "batches": 0 });
+    }
+    let mut spans: Vec<[u64; 2]> = Vec::new();
+    let (mut fill_us, mut verify_us, mut handover_us) = (Vec::new(), Vec::new(), Vec::new());
+    for &i in &complete {
+        let f = fills[i];
+        spans.push(f);
+        fill_us.push((f[1] - f[0]) as f64 / 1e3);
+        for v in verifies {
+            let v = v[i];
+            spans.push(v);
+            verify_us.push((v[1] - v[0]) as f64 / 1e3);
+            handover_us.push((v[0] as f64 - f[1] as f64) / 1e3);
+        }
+    }
+    // Sweep the starts and ends: time with at least one kernel running, with two or more,
+    // and the gaps with none.
+    let mut events: Vec<(u64, i32)> = spans.iter().flat_map(|s| [(s[0], 1), (s[1], -1)]).collect();
+    events.sort_unstable();
+    let (t0, t1) = (events[0].0, events[events.len() - 1].0);
+    let (mut running, mut last) = (0i32, t0);
+    let (mut busy, mut overlap) = (0u64, 0u64);
+    let mut gaps_us: Vec<f64> = Vec::new();
+    for (t, d) in events {
+        let dt = t - last;
+        match running {
+            0 if dt > 0 => gaps_us.push(dt as f64 / 1e3),
+            0 => {}
+            1 => busy += dt,
+            _ => {
+                busy += dt;
+                overlap += dt;
+            }
+        }
+        running += d;
+        last = t;
+    }
+    let span = (t1 - t0).max(1) as f64;
+    let pct = |xs: &mut Vec<f64>, q: f64| -> f64 {
+        if xs.is_empty() {
+            return 0.0;
+        }
+        xs.sort_by(f64::total_cmp);
+        xs[((xs.len() - 1) as f64 * q).round() as usize]
+    };
+    let gap_total: f64 = gaps_us.iter().sum();
+    let round = |x: f64| (x * 100.0).round() / 100.0;
+    serde_json::json!({
+        "batches": complete.len(),
+        "span_us": round(span / 1e3),
+        "per_batch_us": round(span / 1e3 / complete.len() as f64),
+        "busy": round(busy as f64 / span),
+        "overlap": round(overlap as f64 / span),
+        "fill_us_p50": round(pct(&mut fill_us, 0.5)),
+        "verify_us_p50": round(pct(&mut verify_us, 0.5)),
+        "handover_us_p50": round(pct(&mut handover_us, 0.5)),
+        "handover_us_p99": round(pct(&mut handover_us, 0.99)),
+        "idle_gaps": gaps_us.len(),
+        "idle_gap_us_total": round(gap_total),
+        "idle_gap_us_p50": round(pct(&mut gaps_us, 0.5)),
+        "idle_gap_us_max": round(pct(&mut gaps_us, 1.0)),
+    })
+}
+
 /// Batches per second in three significant figures: 20.1k, 143k, 950.
 fn compact_rate(x: f64) -> String {
     if x >= 1e5 {
@@ -1468,6 +1635,29 @@ mod mps_hint_tests {
             extra,
             repetitions: None,
         }
+    }
+
+    #[test]
+    fn the_gpu_timeline_gives_busy_overlap_gaps_and_handover() {
+        let us = |a: u64, b: u64| [a * 1000, b * 1000];
+        // Batch 0: fill 100-200, verify 250-350; batch 1: fill 300-400, verify 450-500;
+        // batch 2 was not stamped on the consumer and is left out.
+        let fills = [us(100, 200), us(300, 400), us(600, 700)];
+        let verifies = vec![vec![us(250, 350), us(450, 500), [0, 0]]];
+        let t = super::timeline_summary(&fills, &verifies);
+        assert_eq!(t["batches"], 2);
+        assert_eq!(t["span_us"], 400.0);
+        assert_eq!(t["per_batch_us"], 200.0);
+        assert_eq!(t["busy"], 0.75, "{t}"); // 300 of 400 µs
+        assert_eq!(t["overlap"], 0.13, "{t}"); // 300-350: fill 1 and verify 0
+        assert_eq!(t["idle_gaps"], 2, "{t}");
+        assert_eq!(t["idle_gap_us_total"], 100.0, "{t}");
+        assert_eq!(t["idle_gap_us_max"], 50.0, "{t}");
+        assert_eq!(t["handover_us_p50"], 50.0, "{t}");
+        assert_eq!(t["fill_us_p50"], 100.0, "{t}");
+        // Nothing stamped: nothing to say.
+        let none = super::timeline_summary(&[[0, 0]], &[vec![[0, 0]]]);
+        assert_eq!(none["batches"], 0);
     }
 
     #[test]

@@ -43,6 +43,10 @@ pub struct ConsumeCmd {
     /// Internal: run as a bench consumer (JSON report on stdout).
     #[arg(long, hide = true)]
     bench_child: bool,
+    /// Internal (`gpipe bench --gpu-timeline`): FROM:COUNT, record the GPU start and end of
+    /// the verify of batches FROM..FROM+COUNT (CUDA, with --verify).
+    #[arg(long, hide = true, value_parser = parse_window)]
+    gpu_timeline: Option<(u64, u64)>,
     /// CUDA device to consume on (default: the producer's). Another device reaches the slots
     /// by peer access; the attach fails, naming both devices, where there is none.
     #[arg(long)]
@@ -56,6 +60,19 @@ pub struct ConsumeCmd {
     /// the ring's slot count).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     mirror_buffers: Option<u32>,
+}
+
+/// `FROM:COUNT`, two integers.
+fn parse_window(s: &str) -> Result<(u64, u64), String> {
+    let (a, b) = s
+        .split_once(':')
+        .ok_or_else(|| format!("expected FROM:COUNT, got {s:?}"))?;
+    let num = |x: &str| {
+        x.trim()
+            .parse::<u64>()
+            .map_err(|e| format!("{x:?} in {s:?}: {e}"))
+    };
+    Ok((num(a)?, num(b)?))
 }
 
 /// Runs `gpipe consume`.
@@ -106,6 +123,7 @@ pub fn command(cmd: ConsumeCmd) -> Result<ExitCode, String> {
             )
         }
         BackendKind::Cuda => {
+            let (from, count) = cmd.gpu_timeline.unwrap_or((0, 0));
             let c: Consumer<CudaConsumer> = pending
                 .finish(CudaOptions {
                     device: cmd.device,
@@ -117,7 +135,7 @@ pub fn command(cmd: ConsumeCmd) -> Result<ExitCode, String> {
             let attach = serde_json::to_value(c.backend().import_timings()).ok();
             consume(
                 c,
-                &mut cuda_work::CudaCheck::with_passes(cmd.passes),
+                &mut cuda_work::CudaCheck::with_passes(cmd.passes).with_timeline(from, count),
                 &opts,
                 attach,
             )

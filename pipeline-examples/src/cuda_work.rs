@@ -42,6 +42,24 @@ pub fn auto_sync(words: pipeline_cuda::backend::TimelineMemory) -> SyncMode {
 #[derive(Default)]
 pub struct CudaFill {
     kernels: Option<Kernels>,
+    /// GPU timeline stamps of some batches' fills (`gpipe bench --gpu-timeline`).
+    stamps: Option<StampRecorder>,
+}
+
+impl CudaFill {
+    /// Also records the GPU start and end of the fills of batches `from..from + count`.
+    pub fn with_timeline(from: u64, count: u64) -> Self {
+        Self {
+            kernels: None,
+            stamps: (count > 0).then(|| StampRecorder::new(from, count)),
+        }
+    }
+
+    /// The recorded fills' (start, end) GPU times in ns, by sequence number from `from`
+    /// (zeros for batches never filled); None when not recording. Waits for the GPU.
+    pub fn timeline(&mut self) -> Result<Option<Vec<[u64; 2]>>, String> {
+        self.stamps.as_mut().map(StampRecorder::read).transpose()
+    }
 }
 
 impl Fill<CudaProducer> for CudaFill {
@@ -63,9 +81,15 @@ impl Fill<CudaProducer> for CudaFill {
                 mem.capacity
             ));
         }
+        let stamps = match self.stamps.as_mut() {
+            Some(r) => r.ptr_for(mem.stream, seq)?,
+            None => 0,
+        };
         // SAFETY: the slot is ours between acquire and publish; its stream already waits for
-        // the previous holders' finished events; len <= capacity and the pointer is 2 MiB aligned.
-        unsafe { k.fill(mem.stream, mem.ptr, len as usize, seq) }.map_err(|e| e.to_string())?;
+        // the previous holders' finished events; len <= capacity and the pointer is 2 MiB
+        // aligned; `stamps` is 0 or this batch's zeroed stamps, used by this launch only.
+        unsafe { k.fill_stamped(mem.stream, mem.ptr, len as usize, seq, stamps) }
+            .map_err(|e| e.to_string())?;
         let mut h = [0u64; USER_HEADER_WORDS];
         h[H_SEQ] = seq;
         Ok(h)
@@ -98,6 +122,8 @@ pub struct CudaCheck {
     stamps: crate::work::StampCheck,
     /// Extra verify passes over each batch after the one whose result counts.
     extra_passes: u32,
+    /// GPU timeline stamps of some batches' first verify (`gpipe bench --gpu-timeline`).
+    timeline: Option<StampRecorder>,
 }
 
 impl CudaCheck {
@@ -108,6 +134,12 @@ impl CudaCheck {
             extra_passes: passes.saturating_sub(1),
             ..Self::default()
         }
+    }
+
+    /// Also records the GPU start and end of the first verify of batches `from..from + count`.
+    pub fn with_timeline(mut self, from: u64, count: u64) -> Self {
+        self.timeline = (count > 0).then(|| StampRecorder::new(from, count));
+        self
     }
 
     fn drain(&mut self, stream: &Stream) -> Result<(), String> {
@@ -197,11 +229,22 @@ impl Check<CudaConsumer> for CudaCheck {
         }
         let view = batch.data();
         let out = st.results.ptr() + (st.seqs.len() * VERIFY_RESULT_BYTES) as u64;
+        let times = match self.timeline.as_mut() {
+            Some(r) => r.ptr_for(view.stream, batch.seq())?,
+            None => 0,
+        };
         // SAFETY: the batch is published and unreleased; its stream waits `ready`; `out` is a
-        // zeroed 24-byte result slot of ours not used by any other pending kernel.
+        // zeroed 24-byte result slot of ours not used by any other pending kernel; `times` is 0
+        // or this batch's zeroed stamps, used by this launch only.
         unsafe {
-            st.kernels
-                .verify(view.stream, view.ptr, view.len as usize, stamped, out)
+            st.kernels.verify_stamped(
+                view.stream,
+                view.ptr,
+                view.len as usize,
+                stamped,
+                out,
+                times,
+            )
         }
         .map_err(|e| e.to_string())?;
         for _ in 0..self.extra_passes {
@@ -225,6 +268,79 @@ impl Check<CudaConsumer> for CudaCheck {
     fn finish(&mut self, consumer: &Consumer<CudaConsumer>) -> Result<Vec<u64>, String> {
         self.drain(consumer.backend().stream())?;
         Ok(std::mem::take(&mut self.bad))
+    }
+
+    fn timeline(&mut self) -> Result<Option<Vec<[u64; 2]>>, String> {
+        self.timeline.as_mut().map(StampRecorder::read).transpose()
+    }
+}
+
+/// GPU timeline stamps (start and end of a kernel, the GPU's global timer in ns) of the
+/// batches with sequence numbers `from..from + count`, in one device buffer zeroed at first
+/// use. Kernels outside the window are not stamped.
+pub struct StampRecorder {
+    from: u64,
+    count: u64,
+    buf: Option<(DeviceBuffer, Arc<Context>)>,
+}
+
+impl StampRecorder {
+    /// A recorder for batches `from..from + count`.
+    pub fn new(from: u64, count: u64) -> Self {
+        Self {
+            from,
+            count,
+            buf: None,
+        }
+    }
+
+    /// The stamps of batch `seq` for a kernel about to be launched on `stream` (0: not
+    /// recorded). The buffer is made and zeroed on `stream` at first use, before any launch.
+    pub fn ptr_for(&mut self, stream: &Stream, seq: u64) -> Result<u64, String> {
+        let Some(i) = seq.checked_sub(self.from).filter(|&i| i < self.count) else {
+            return Ok(0);
+        };
+        if self.buf.is_none() {
+            let ctx = Arc::clone(stream.context());
+            let len = self.count as usize * kernels::STAMP_BYTES;
+            let buf = DeviceBuffer::new(&ctx, len).map_err(|e| e.to_string())?;
+            // SAFETY: freshly allocated and ours; every stamped launch comes after this memset
+            // on the same stream.
+            unsafe { driver::memset_d8_async(buf.ptr(), 0, len, stream) }
+                .map_err(|e| e.to_string())?;
+            self.buf = Some((buf, ctx));
+        }
+        let (buf, _) = self.buf.as_ref().ok_or("stamp buffer")?;
+        Ok(buf.ptr() + i * kernels::STAMP_BYTES as u64)
+    }
+
+    /// Every recorded (start, end), by sequence number from `from`; zeros where a batch was
+    /// not stamped. Waits for the whole context, so every stamped kernel is done.
+    pub fn read(&mut self) -> Result<Vec<[u64; 2]>, String> {
+        let Some((buf, ctx)) = self.buf.as_ref() else {
+            return Ok(Vec::new());
+        };
+        let err = |e: CudaError| e.to_string();
+        ctx.synchronize().map_err(err)?;
+        let len = self.count as usize * kernels::STAMP_BYTES;
+        let host = PinnedBuffer::new(ctx, len).map_err(err)?;
+        let stream = Stream::new(ctx).map_err(err)?;
+        // SAFETY: both buffers hold `len` bytes; every kernel writing `buf` has completed (the
+        // context was synchronized); the host reads `host` after the stream's synchronize.
+        unsafe { driver::memcpy_dtoh_async(host.as_ptr(), buf.ptr(), len, &stream) }
+            .map_err(err)?;
+        stream.synchronize().map_err(err)?;
+        // SAFETY: the copy above completed; nothing else writes `host`.
+        let bytes = unsafe { host.as_slice() };
+        Ok(bytes
+            .chunks_exact(kernels::STAMP_BYTES)
+            .map(|c| {
+                let w = |k: usize| {
+                    u64::from_le_bytes(c[k * 8..k * 8 + 8].try_into().unwrap_or_default())
+                };
+                [w(0), w(1)]
+            })
+            .collect())
     }
 }
 

@@ -34,6 +34,11 @@ pub trait Check<B: ConsumerBackend> {
     fn check(&mut self, batch: &Batch<B>) -> Result<(), String>;
     /// Sequence numbers whose verification failed, once all are known.
     fn finish(&mut self, consumer: &Consumer<B>) -> Result<Vec<u64>, String>;
+    /// The GPU start and end (ns) of the recorded batches' work, after `finish` (None: not
+    /// recorded).
+    fn timeline(&mut self) -> Result<Option<Vec<[u64; 2]>>, String> {
+        Ok(None)
+    }
 }
 
 /// Host fill: the pattern, with its checksum in the header.
@@ -155,6 +160,9 @@ pub struct ConsumerReport {
     /// Seconds spent in `release` (signalling `finished`, handing the slot back).
     #[serde(default)]
     pub release_s: f64,
+    /// GPU (start, end) in ns of the recorded batches' verify (`gpipe bench --gpu-timeline`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_timeline: Option<Vec<[u64; 2]>>,
     /// It stopped because it reached `--max-batches` (not because the ring closed).
     #[serde(default)]
     pub reached_quota: bool,
@@ -270,6 +278,13 @@ pub fn consume_loop<B: ConsumerBackend, C: Check<B>>(
             }
             Err(e) => {
                 rep.error.get_or_insert(e);
+            }
+        }
+        match c.timeline() {
+            Ok(t) => rep.gpu_timeline = t,
+            Err(e) => {
+                rep.error
+                    .get_or_insert(format!("reading the GPU timeline: {e}"));
             }
         }
     }

@@ -62,6 +62,51 @@ fn bench_with(mode: &str, consumers: u32, extra: &[&str]) {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
+fn cuda_bench_stamps_a_gpu_timeline() {
+    watchdog(180, |_| {
+        let out = tmpdir("timeline").join("timeline.json");
+        let out_s = out.to_str().unwrap().to_string();
+        let r = bench_json(&[
+            "bench",
+            "--backend",
+            "cuda",
+            "--consumers",
+            "2",
+            "--batches",
+            "2400",
+            "--batch-bytes",
+            "8MiB",
+            "--json",
+            "--gpu-timeline",
+            "2000",
+            "--gpu-timeline-out",
+            &out_s,
+        ]); // fmt: skip
+        assert_eq!(r["mismatches"], 0);
+        let t = &r["extra"]["gpu_timeline"];
+        // Batches 100..2100 (after the 100 warm-up ones) were stamped on both sides: each
+        // consumer's report (tens of kB of stamps) is more than a pipe holds, which the bench
+        // must read while the consumer writes it.
+        assert_eq!(t["batches"], 2000, "{t}");
+        let busy = t["busy"].as_f64().unwrap();
+        assert!(busy > 0.0 && busy <= 1.0, "{t}");
+        assert!(t["overlap"].as_f64().unwrap() <= busy, "{t}");
+        assert!(t["fill_us_p50"].as_f64().unwrap() > 0.0, "{t}");
+        assert!(t["verify_us_p50"].as_f64().unwrap() > 0.0, "{t}");
+        // A verify starts after its fill ends: it waits for `ready`.
+        assert!(t["handover_us_p50"].as_f64().unwrap() >= 0.0, "{t}");
+        let raw: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+        assert_eq!(raw["first_seq"], 100);
+        assert_eq!(raw["fills"].as_array().unwrap().len(), 2000);
+        assert_eq!(raw["verifies"].as_array().unwrap().len(), 2);
+        // The consumers' reports do not carry the raw stamps.
+        assert!(r["per_consumer"][0].get("gpu_timeline").is_none(), "{r}");
+    });
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
 fn cuda_probe_times_the_hot_paths_driver_calls() {
     watchdog(120, |_| {
         let out = Command::new(GPIPE)

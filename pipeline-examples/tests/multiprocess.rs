@@ -556,6 +556,16 @@ fn bench_with_a_lead_bound_verifies_every_batch_and_reports_it() {
 }
 
 #[test]
+fn bench_gpu_timeline_needs_the_cuda_backend() {
+    let (code, err) = gpipe_exit(&["bench", "--backend", "host", "--gpu-timeline", "10"]);
+    assert_ne!(code, Some(0));
+    assert!(err.contains("--gpu-timeline stamps GPU kernels"), "{err}");
+    let (code, err) = gpipe_exit(&["bench", "--backend", "host", "--gpu-timeline-out", "/tmp/x"]);
+    assert_ne!(code, Some(0));
+    assert!(err.contains("--gpu-timeline"), "{err}");
+}
+
+#[test]
 fn bench_repeat_keeps_every_repetition_and_reports_the_median() {
     let r = bench_json(&[
         "bench",
