@@ -109,16 +109,7 @@ fn cuda_bench_stamps_a_gpu_timeline() {
 #[ignore = "needs a CUDA GPU"]
 fn cuda_probe_times_the_hot_paths_driver_calls() {
     watchdog(120, |_| {
-        let out = Command::new(GPIPE)
-            .args(["probe", "--json", "--call-costs"])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let r = bench_json(&["probe", "--json", "--call-costs"]);
         let costs = r["call_costs"].as_array().expect("call_costs");
         let calls: Vec<&str> = costs.iter().map(|c| c["call"].as_str().unwrap()).collect();
         for want in [
