@@ -67,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--read-threads", type=int, default=8, help="file-reading threads (default 8; a pack needs none)")
     ap.add_argument("--warmup", type=int, default=10, help="batches left out of the steady-state rate")
     ap.add_argument("--attach-timeout", type=float, default=120.0, help="seconds to wait for the trainers")
+    ap.add_argument("--drain-timeout", type=float, default=600.0,
+                    help="seconds the trainers may take with the last batches after the last is published "
+                         "(default 600: a DDP rank may wait that long for a slower one; a trainer that dies "
+                         "is let go at once)")
     ap.add_argument("--json-out", default=None, help="also append the JSON line to this file")
     ap.add_argument("--side-stream", action="store_true",
                     help="augment and publish on a stream of its own instead of the device's default stream "
@@ -100,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
     producer = gpipe.Producer(
         a.socket, slots=a.slots, batch_bytes=slot_bytes, mode="broadcast", backend=backend, device=a.device,
+        drain_timeout=a.drain_timeout,
     )
     print(f"listening on {a.socket} ({producer.device}, {producer.memory}, {a.slots} slots of "
           f"{producer.slot_bytes >> 20} MiB); {plan.batches_per_epoch} batches per epoch", file=sys.stderr, flush=True)

@@ -425,6 +425,35 @@ def test_one_producer_two_trainers_taking_turns(data, procs):
         assert t["epochs"] == {"0": 4, "1": 4}
 
 
+def test_the_producer_waits_for_a_trainer_slow_with_its_last_batch(data, procs):
+    """A DDP rank may sit on its last batch while it waits for a slower rank: the producer, done
+    publishing, must wait for it, not take the batch back after gpipe's default 5 s drain."""
+    import time
+
+    import gpipe
+
+    s = sock()
+    prod = procs("producer.py", *producer_args(data, s, "--epochs", "1"))
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    while True:
+        try:
+            c = gpipe.Consumer(s)
+            break
+        except gpipe.AttachError:
+            assert time.monotonic() < deadline, "no producer"
+            time.sleep(0.1)
+    per_epoch = IMAGES // 4
+    with c:
+        for _ in range(per_epoch - 1):
+            c.recv(timeout=CHILD_TIMEOUT_S).release()
+        last = c.recv(timeout=CHILD_TIMEOUT_S)
+        time.sleep(6.0)  # longer than the 5 s the producer used to wait
+        last.release()  # raised Detached when the producer had taken it back
+    p = prod.result()
+    assert p["end"] == "done" and p["batches"] == per_epoch
+    assert p["counters"]["detached"] == 0, p["counters"]
+
+
 def test_two_ddp_ranks_each_fed_by_its_own_producer(data, procs):
     socks = [sock(), sock()]
     pg = f"file://{SOCK_DIR / uuid.uuid4().hex[:8]}"
