@@ -280,11 +280,12 @@ pub fn consume_loop<B: ConsumerBackend, C: Check<B>>(
                 rep.error.get_or_insert(e);
             }
         }
-        match c.timeline() {
-            Ok(t) => rep.gpu_timeline = t,
-            Err(e) => {
-                rep.error
-                    .get_or_insert(format!("reading the GPU timeline: {e}"));
+        // Only after a clean run: reading waits for the whole context, and a stream may wait
+        // forever on a dead producer's `ready`.
+        if rep.error.is_none() {
+            match c.timeline() {
+                Ok(t) => rep.gpu_timeline = t,
+                Err(e) => rep.error = Some(format!("reading the GPU timeline: {e}")),
             }
         }
     }
