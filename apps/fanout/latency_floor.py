@@ -25,7 +25,7 @@ import struct
 import sys
 import time
 
-STAMP = struct.Struct("<QQ")  # sequence number, then the stamp (ns); one reader's line each
+STAMP = struct.Struct("<QQ")  # sequence number, then the stamp (ns)
 
 
 def percentile(xs: list[int], q: float) -> float:
@@ -46,10 +46,8 @@ def writer(shm: mmap.mmap, pipes: list[int], rate: float, count: int) -> None:
             time.sleep(ahead)
         while time.monotonic_ns() < due:
             pass
-        # The stamp first, then the sequence number the readers watch (x86 keeps the order
-        # of the two stores).
-        shm[8:16] = struct.pack("<Q", time.monotonic_ns())
-        shm[0:8] = struct.pack("<Q", seq)
+        # The sequence number the readers watch and the stamp, in one 16-byte store.
+        shm[0:16] = STAMP.pack(seq, time.monotonic_ns())
         for w in pipes:
             os.write(w, b"x")
     shm[0:8] = struct.pack("<Q", 2**64 - 1)  # the end
@@ -71,7 +69,13 @@ def reader(shm: mmap.mmap, rfd: int, wait: str, out, count: int) -> None:
         now = time.monotonic_ns()
         if seq == 2**64 - 1:
             break
-        stamp = struct.unpack("<Q", shm[8:16])[0]
+        # Both words, read twice: a pair that changed between the reads was being written.
+        pair = shm[0:16]
+        if shm[0:16] != pair:
+            continue
+        seq, stamp = STAMP.unpack(pair)
+        if seq == 2**64 - 1:
+            break
         seen = seq
         lat.append(now - stamp)
         if len(lat) >= count:

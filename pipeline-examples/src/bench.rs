@@ -138,11 +138,7 @@ pub fn command(cmd: BenchCmd) -> Result<ExitCode, String> {
             duration::plural(u64::from(cmd.consumers), "consumer", "consumers")
         ));
     }
-    let backend = resolve_backend(cmd.backend)?;
     if cmd.gpu_timeline > 0 {
-        if backend != BackendArg::Cuda {
-            return Err("--gpu-timeline stamps GPU kernels: it needs --backend cuda".into());
-        }
         if cmd.consumer_devices.iter().any(|&d| d != 0) || cmd.fanout != Fanout::Direct {
             return Err(
                 "--gpu-timeline needs every consumer on the producer's GPU, reading its ring \
@@ -150,6 +146,22 @@ pub fn command(cmd: BenchCmd) -> Result<ExitCode, String> {
                     .into(),
             );
         }
+        // Each batch's fill and one verify per consumer are stamped: work besides them
+        // would show as idle time, and a batch must reach every consumer once.
+        if args.mode == Mode::Shared
+            || cmd.passes.iter().any(|&p| p > 1)
+            || cmd.delivery.contains(&Delivery::Mirror)
+        {
+            return Err(
+                "--gpu-timeline stamps one fill and one verify per consumer of each batch: it \
+                 needs --mode broadcast, --passes 1 and in-place delivery"
+                    .into(),
+            );
+        }
+    }
+    let backend = resolve_backend(cmd.backend)?;
+    if cmd.gpu_timeline > 0 && backend != BackendArg::Cuda {
+        return Err("--gpu-timeline stamps GPU kernels: it needs --backend cuda".into());
     }
     let mut depth = cmd.ring.depth(backend == BackendArg::Cuda);
     if depth.auto && backend == BackendArg::Cuda && depth.slots > 8 {
@@ -480,12 +492,15 @@ pub struct BenchReport {
     pub duplicated: u64,
     /// Seconds the producer spent in `acquire` waiting for consumers to release (whole run).
     pub producer_acquire_wait_s: f64,
-    /// Seconds the producer spent in its fill (enqueueing the fill kernel), whole run.
+    /// Seconds the producer spent in its fill (enqueueing the fill kernel), timed batches.
     #[serde(default)]
     pub producer_fill_s: f64,
-    /// Seconds the producer spent in `publish` (signalling `ready`), whole run.
+    /// Seconds the producer spent in `publish` (signalling `ready`), timed batches.
     #[serde(default)]
     pub producer_publish_s: f64,
+    /// Batches the producer's fill and publish times cover (the timed ones).
+    #[serde(default)]
+    pub producer_host_timed: u64,
     /// Round trip publish -> consumer done -> slot free, median (µs), with `--round-trip`.
     pub round_trip_p50_us: Option<f64>,
     /// Round trip, 99th percentile (µs).
@@ -700,6 +715,8 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
             .arg(dir.join(format!("consumer-{i}.seq")))
             .arg("--passes")
             .arg(args.passes_of(i).to_string())
+            .arg("--timed-from")
+            .arg(warmup_of(args.batches).to_string())
             .args(&args.consumer_args)
             .args(
                 (args.gpu_timeline > 0 && args.backend == "cuda")
@@ -763,6 +780,7 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
     let stop = AtomicBool::new(false);
     let mut timing = work::ProduceTiming {
         round_trips: args.round_trip.then(Vec::new),
+        timed_from: warmup_of(args.batches),
         ..Default::default()
     };
     // The first batches warm up (kernel compilation, first touches) and are not timed, but
@@ -922,6 +940,7 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
         producer_acquire_wait_s: timing.acquire_wait.as_secs_f64(),
         producer_fill_s: timing.fill.as_secs_f64(),
         producer_publish_s: timing.publish.as_secs_f64(),
+        producer_host_timed: timing.timed,
         round_trip_p50_us: pct(0.5),
         round_trip_p99_us: pct(0.99),
         problems,
@@ -1252,16 +1271,16 @@ impl std::fmt::Display for BenchReport {
         writeln!(
             f,
             "  host µs per batch: producer fill {:.2}, publish {:.2}; consumers check {}, release {}",
-            per(self.producer_fill_s, self.published),
-            per(self.producer_publish_s, self.published),
+            per(self.producer_fill_s, self.producer_host_timed),
+            per(self.producer_publish_s, self.producer_host_timed),
             self.per_consumer
                 .iter()
-                .map(|r| format!("{:.2}", per(r.check_s, r.received)))
+                .map(|r| format!("{:.2}", per(r.check_s, r.host_timed)))
                 .collect::<Vec<_>>()
                 .join("/"),
             self.per_consumer
                 .iter()
-                .map(|r| format!("{:.2}", per(r.release_s, r.received)))
+                .map(|r| format!("{:.2}", per(r.release_s, r.host_timed)))
                 .collect::<Vec<_>>()
                 .join("/")
         )?;
@@ -1628,6 +1647,7 @@ mod mps_hint_tests {
             producer_acquire_wait_s: 0.0,
             producer_fill_s: 0.0,
             producer_publish_s: 0.0,
+            producer_host_timed: 0,
             round_trip_p50_us: None,
             round_trip_p99_us: None,
             problems: Vec::new(),
@@ -1663,10 +1683,12 @@ mod mps_hint_tests {
     #[test]
     fn the_text_report_gives_each_sides_host_time_per_batch() {
         let mut r = report(serde_json::json!({}));
-        r.producer_fill_s = 0.008; // 2000 batches: 4 µs each
+        r.producer_fill_s = 0.008; // 2000 timed batches: 4 µs each
         r.producer_publish_s = 0.003;
+        r.producer_host_timed = 2000;
         r.per_consumer = vec![crate::work::ConsumerReport {
-            received: 1000,
+            received: 1100,
+            host_timed: 1000,
             check_s: 0.007,
             release_s: 0.0015,
             ..Default::default()

@@ -47,6 +47,9 @@ pub struct ConsumeCmd {
     /// the verify of batches FROM..FROM+COUNT (CUDA, with --verify).
     #[arg(long, hide = true, value_parser = parse_window)]
     gpu_timeline: Option<(u64, u64)>,
+    /// Internal (`gpipe bench`): host times per batch count from this sequence number on.
+    #[arg(long, hide = true, default_value_t = 0)]
+    timed_from: u64,
     /// CUDA device to consume on (default: the producer's). Another device reaches the slots
     /// by peer access; the attach fails, naming both devices, where there is none.
     #[arg(long)]
@@ -103,6 +106,7 @@ pub fn command(cmd: ConsumeCmd) -> Result<ExitCode, String> {
         json,
         quiet: cmd.bench_child,
         work_us: cmd.work_us,
+        timed_from: cmd.timed_from,
     };
     match pending.backend() {
         BackendKind::Host if cmd.device.is_some() => Err(failed(
@@ -151,6 +155,7 @@ struct Settings {
     json: bool,
     quiet: bool,
     work_us: u64,
+    timed_from: u64,
 }
 
 /// Consumes until the ring closes, `max_batches`, Ctrl-C or an error, then reports.
@@ -189,6 +194,7 @@ fn consume<B: ConsumerBackend, C: Check<B>>(
                 stop: &STOP,
                 keep_seqs: opts.seq_log.is_some(),
                 progress: !opts.quiet,
+                timed_from: opts.timed_from,
             },
         )
     } else {
@@ -200,6 +206,7 @@ fn consume<B: ConsumerBackend, C: Check<B>>(
                 stop: &STOP,
                 keep_seqs: opts.seq_log.is_some(),
                 progress: !opts.quiet,
+                timed_from: opts.timed_from,
             },
         )
     };
@@ -255,6 +262,12 @@ impl<B: ConsumerBackend, C: Check<B>> Check<B> for Slow<'_, C> {
         match self.inner.as_deref_mut() {
             Some(c) => c.finish(consumer),
             None => Ok(Vec::new()),
+        }
+    }
+    fn timeline(&mut self) -> Result<Option<Vec<[u64; 2]>>, String> {
+        match self.inner.as_deref_mut() {
+            Some(c) => c.timeline(),
+            None => Ok(None),
         }
     }
 }

@@ -154,12 +154,17 @@ pub struct ConsumerReport {
     pub elapsed_s: f64,
     /// Seconds spent inside `recv` (waiting for the producer, or validating).
     pub recv_wait_s: f64,
-    /// Seconds spent in the check (enqueueing the verify kernel: the consumer's own work).
+    /// Seconds spent in the check (enqueueing the verify kernel: the consumer's own work), over
+    /// the `host_timed` batches from [`ConsumeOptions::timed_from`] on.
     #[serde(default)]
     pub check_s: f64,
-    /// Seconds spent in `release` (signalling `finished`, handing the slot back).
+    /// Seconds spent in `release` (signalling `finished`, handing the slot back), likewise.
     #[serde(default)]
     pub release_s: f64,
+    /// Batches `check_s` and `release_s` cover (the warm-up, with its one-off setup such as
+    /// loading the kernels, is left out).
+    #[serde(default)]
+    pub host_timed: u64,
     /// GPU (start, end) in ns of the recorded batches' verify (`gpipe bench --gpu-timeline`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu_timeline: Option<Vec<[u64; 2]>>,
@@ -192,6 +197,8 @@ pub struct ConsumeOptions<'a> {
     pub keep_seqs: bool,
     /// Print a line per second.
     pub progress: bool,
+    /// Host times per batch count from this sequence number on (the bench's warm-up before).
+    pub timed_from: u64,
 }
 
 /// Receives until the producer closes (or `max_batches`, or Ctrl-C), verifying with `check`.
@@ -231,6 +238,7 @@ pub fn consume_loop<B: ConsumerBackend, C: Check<B>>(
             }
         };
         let seq = batch.seq();
+        let timed = seq >= opts.timed_from;
         let t_check = Instant::now();
         if let Some(c) = check.as_deref_mut() {
             if let Err(e) = c.check(&batch) {
@@ -238,7 +246,7 @@ pub fn consume_loop<B: ConsumerBackend, C: Check<B>>(
                 break;
             }
         }
-        rep.check_s += t_check.elapsed().as_secs_f64();
+        let checked = t_check.elapsed().as_secs_f64();
         if broadcast {
             if let Some(last) = rep.last_seq {
                 if seq != last + 1 {
@@ -255,7 +263,11 @@ pub fn consume_loop<B: ConsumerBackend, C: Check<B>>(
         }
         let t_release = Instant::now();
         let released = batch.release();
-        rep.release_s += t_release.elapsed().as_secs_f64();
+        if timed {
+            rep.check_s += checked;
+            rep.release_s += t_release.elapsed().as_secs_f64();
+            rep.host_timed += 1;
+        }
         if let Err(e) = released {
             rep.error = Some(e.to_string());
             break;
@@ -298,10 +310,16 @@ pub fn consume_loop<B: ConsumerBackend, C: Check<B>>(
 pub struct ProduceTiming {
     /// Time spent in `acquire` waiting for free slots.
     pub acquire_wait: Duration,
-    /// Time spent filling (enqueueing the fill kernel: the producer's own work).
+    /// Time spent filling (enqueueing the fill kernel: the producer's own work), over the
+    /// `timed` batches from `timed_from` on.
     pub fill: Duration,
-    /// Time spent in `publish` (signalling `ready`, handing the batch to the ring).
+    /// Time spent in `publish` (signalling `ready`, handing the batch to the ring), likewise.
     pub publish: Duration,
+    /// Fill and publish times count from this sequence number on (the warm-up before, with
+    /// its one-off setup such as loading the kernels, is left out).
+    pub timed_from: u64,
+    /// Batches `fill` and `publish` cover.
+    pub timed: u64,
     /// When set, each batch's round trip in seconds (meaningful with one slot).
     pub round_trips: Option<Vec<f64>>,
 }
@@ -340,11 +358,14 @@ pub fn produce_loop<B: ProducerBackend, F: Fill<B>>(
         let t_fill = Instant::now();
         let header = fill.fill(&mut slot, seq, len)?;
         let t_publish = Instant::now();
-        timing.fill += t_publish - t_fill;
         slot.publish_with_header(len, &header)
             .map_err(|e| e.to_string())?;
         let now = Instant::now();
-        timing.publish += now - t_publish;
+        if seq >= timing.timed_from {
+            timing.fill += t_publish - t_fill;
+            timing.publish += now - t_publish;
+            timing.timed += 1;
+        }
         last_publish = Some(now);
         n += 1;
         on_batch(n, producer.consumers());

@@ -563,6 +563,21 @@ fn bench_gpu_timeline_needs_the_cuda_backend() {
     let (code, err) = gpipe_exit(&["bench", "--backend", "host", "--gpu-timeline-out", "/tmp/x"]);
     assert_ne!(code, Some(0));
     assert!(err.contains("--gpu-timeline"), "{err}");
+    // Only one fill and one verify per consumer of each batch are stamped.
+    for extra in [
+        ["--mode", "shared"],
+        ["--passes", "2"],
+        ["--delivery", "mirror"],
+    ] {
+        let mut args = vec!["bench", "--backend", "host", "--gpu-timeline", "10"];
+        args.extend(extra);
+        let (code, err) = gpipe_exit(&args);
+        assert_ne!(code, Some(0), "{extra:?}");
+        assert!(
+            err.contains("needs --mode broadcast, --passes 1"),
+            "{extra:?}: {err}"
+        );
+    }
 }
 
 #[test]

@@ -27,10 +27,12 @@ echo "== eager: models alone, the gpipe fan-out"
 limit 200 python3 apps/fanout/run_all.py --mps on --out "$O" --run-timeout 60 \
   --modes eager --only inproc,gpipe "$@"
 echo "== ResNet-50 alone, three busy CPU neighbours"
-for k in 1 2 3; do setsid python3 -c 'while True: pass' & done
+busy_pids=()
+for k in 1 2 3; do setsid python3 -c 'while True: pass' & busy_pids+=($!); done
+trap 'kill -9 "${busy_pids[@]}" 2>/dev/null' EXIT
 limit 90 python3 apps/fanout/baselines.py inproc --models resnet50 --modes eager --runs solo \
   --duration 3 | tee -a "$O/fanout.jsonl"
-pkill -9 -f 'while True: pass'
+kill -9 "${busy_pids[@]}" 2>/dev/null; wait "${busy_pids[@]}" 2>/dev/null
 echo "== empty models at 110 frames/s, consumers spinning 20 ms"
 limit 120 python3 apps/fanout/run_all.py --mps on --out "$O" --run-timeout 60 \
   --modes eager --only empty --rate 110 --spin 0.02 "$@"

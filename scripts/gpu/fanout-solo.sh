@@ -19,8 +19,10 @@ for l in sys.stdin:
     r = json.loads(l); r["label"] = sys.argv[1]; print(json.dumps(r))
     print(sys.argv[1], "fps", r["fps"], file=sys.stderr)' "$label" >>"$O/solo.jsonl"
 }
-busy() { for k in 1 2 3; do setsid python3 -c 'while True: pass' & done; }
-quiet() { pkill -9 -f 'while True: pass'; wait 2>/dev/null; }
+busy_pids=()
+busy() { for k in 1 2 3; do setsid python3 -c 'while True: pass' & busy_pids+=($!); done; }
+quiet() { kill -9 "${busy_pids[@]}" 2>/dev/null; wait "${busy_pids[@]}" 2>/dev/null; busy_pids=(); }
+trap quiet EXIT
 mps_on
 for rep in 1 2; do
   solo "alone-$rep"

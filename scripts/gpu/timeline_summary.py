@@ -37,16 +37,18 @@ def runs(path: str) -> None:
         spans += [(s, "C") for s in v if s[0]]
     spans.sort(key=lambda x: x[0][0])
     lengths = {"P": [], "C": []}
-    side, n, t_start = None, 0, None
+    side, n, last_end = None, 0, 0
     switches = []
     for (s, who) in spans:
         if who != side:
             if side is not None:
                 lengths[side].append(n)
+                # From the latest end so far (kernels may overlap with MPS): negative when
+                # the next side's kernel started while the last was still running.
                 switches.append(s[0] - last_end)
             side, n = who, 0
         n += 1
-        last_end = s[1]
+        last_end = max(last_end, s[1])
     if side is not None:
         lengths[side].append(n)
 
@@ -54,13 +56,13 @@ def runs(path: str) -> None:
         xs = sorted(xs)
         return xs[len(xs) // 2] if xs else 0
 
-    sw = sorted(switches)
+    sw = sorted(switches)  # ns
     print(
         f"{path}: {len(spans)} kernels; runs of one side: producer median {med(lengths['P'])} "
         f"(max {max(lengths['P'], default=0)}), consumer median {med(lengths['C'])} "
         f"(max {max(lengths['C'], default=0)}); at a switch of side, the next kernel started "
-        f"{med(sw) / 1e3:.1f} µs (median) / {sw[int(0.9 * (len(sw) - 1))] / 1e3 if sw else 0:.1f} "
-        f"µs (p90) after the last one ended"
+        f"{med(sw) / 1e3:.1f} µs (median) / {(sw[int(0.9 * (len(sw) - 1))] if sw else 0) / 1e3:.1f} "
+        f"µs (p90) after the latest end so far"
     )
 
 
