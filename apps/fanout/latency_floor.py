@@ -25,13 +25,10 @@ import struct
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fanout_records import latency_summary  # noqa: E402  (no torch: plain Python)
+
 STAMP = struct.Struct("<QQ")  # sequence number, then the stamp (ns)
-
-
-def percentile(xs: list[int], q: float) -> float:
-    """The q-quantile (0..1) of the sorted copy of xs, nearest rank."""
-    s = sorted(xs)
-    return float(s[min(len(s) - 1, int(q * len(s)))])
 
 
 def writer(shm: mmap.mmap, pipes: list[int], rate: float, count: int) -> None:
@@ -120,15 +117,7 @@ def main(argv=None) -> int:
             return 1
         lat = links[k][0].recv()
         p.join(5.0)
-        results.append(
-            {
-                "reader": k,
-                "n": len(lat),
-                "p50_us": percentile(lat, 0.5) / 1e3,
-                "p99_us": percentile(lat, 0.99) / 1e3,
-                "max_us": max(lat) / 1e3,
-            }
-        )
+        results.append({"reader": k, **(latency_summary(lat) or {"n": 0})})
     print(
         json.dumps(
             {

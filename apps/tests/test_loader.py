@@ -430,18 +430,11 @@ def test_the_producer_waits_for_a_trainer_slow_with_its_last_batch(data, procs):
     publishing, must wait for it, not take the batch back after gpipe's default 5 s drain."""
     import time
 
-    import gpipe
+    import train
 
     s = sock()
     prod = procs("producer.py", *producer_args(data, s, "--epochs", "1"))
-    deadline = time.monotonic() + CHILD_TIMEOUT_S
-    while True:
-        try:
-            c = gpipe.Consumer(s)
-            break
-        except gpipe.AttachError:
-            assert time.monotonic() < deadline, "no producer"
-            time.sleep(0.1)
+    c = train.attach(s, CHILD_TIMEOUT_S)
     per_epoch = IMAGES // 4
     with c:
         for _ in range(per_epoch - 1):
