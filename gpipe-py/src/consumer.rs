@@ -76,12 +76,14 @@ pub struct PyConsumer {
     device: DLDevice,
     /// Batches arrive as copies in the consumer's own memory (mirror delivery).
     mirrored: bool,
+    /// CUDA: `ready` waited for and `finished` written on side streams of ours.
+    side_signals: bool,
 }
 
 #[pymethods]
 impl PyConsumer {
     #[new]
-    #[pyo3(signature = (socket, *, device=None, timeout=5.0, spin=None, delivery="auto", mirror_buffers=None))]
+    #[pyo3(signature = (socket, *, device=None, timeout=5.0, spin=None, delivery="auto", mirror_buffers=None, side_signals=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -91,6 +93,7 @@ impl PyConsumer {
         spin: Option<f64>,
         delivery: &str,
         mirror_buffers: Option<u32>,
+        side_signals: Option<bool>,
     ) -> PyResult<Self> {
         let delivery: Delivery = delivery.parse().map_err(PyValueError::new_err)?;
         if mirror_buffers == Some(0) {
@@ -181,6 +184,7 @@ impl PyConsumer {
                             // Auto: in place on the producer's GPU, mirrored on another.
                             delivery,
                             mirror_buffers,
+                            side_signals,
                             ..CudaOptions::default()
                         })
                     })
@@ -206,6 +210,10 @@ impl PyConsumer {
             AnyConsumer::Host(c) => c.backend().placement().mirror,
             AnyConsumer::Cuda(c) => c.backend().placement().mirror,
         };
+        let side_signals = match &inner {
+            AnyConsumer::Host(_) => false,
+            AnyConsumer::Cuda(c) => c.backend().side_signals(),
+        };
         Ok(Self {
             inner: Mutex::new(Some(inner)),
             socket: socket.display().to_string(),
@@ -216,6 +224,7 @@ impl PyConsumer {
             slot_bytes: layout.slot_bytes,
             device: dl,
             mirrored,
+            side_signals,
         })
     }
 
@@ -292,6 +301,13 @@ impl PyConsumer {
     #[getter]
     fn delivery(&self) -> &'static str {
         if self.mirrored { "mirror" } else { "in-place" }
+    }
+
+    /// True when this CUDA consumer waits for `ready` and writes `finished` on side streams
+    /// of its own, joined to the tensors' streams by in-process events.
+    #[getter]
+    fn side_signals(&self) -> bool {
+        self.side_signals
     }
 
     /// "broadcast" or "shared".

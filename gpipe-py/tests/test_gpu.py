@@ -20,11 +20,13 @@ N = 1 << 18  # int32 words per batch (1 MiB)
 
 # A consumer child. Every batch is checked on the GPU against its sequence number with no
 # host synchronisation per batch; the mismatch count is read once at the end.
-# argv: socket, how ("default" | "side" | "record" | "fast" | "hold"), delay_s
+# argv: socket, how ("default" | "side" | "record" | "fast" | "hold"), delay_s, and optionally
+# side_signals ("on" | "off" | "auto")
 CONSUMER = r"""
 import json, sys, time, torch, gpipe, gpipe.torch
 sock, how, delay = sys.argv[1], sys.argv[2], float(sys.argv[3])
-c = gpipe.Consumer(sock)
+signals = {"on": True, "off": False, "auto": None}[sys.argv[4] if len(sys.argv) > 4 else "auto"]
+c = gpipe.Consumer(sock, side_signals=signals)
 print("attached", flush=True)
 bad = torch.zeros((), dtype=torch.int64, device="cuda")
 side = torch.cuda.Stream()
@@ -67,7 +69,8 @@ try:
 except gpipe.Error as e:
     end = type(e).__name__ + ": " + str(e)
 torch.cuda.synchronize()
-print(json.dumps({"seqs": seqs, "bad": int(bad.item()), "end": end}), flush=True)
+print(json.dumps({"seqs": seqs, "bad": int(bad.item()), "end": end,
+                  "side_signals": c.side_signals}), flush=True)
 """
 
 
@@ -105,11 +108,38 @@ def feed_one(child, p, script, *args, n=200):
     return result(k)
 
 
-def start_consumers(child, sock, n, how="default", delay="0"):
-    kids = [child(CONSUMER, sock, how, delay) for _ in range(n)]
+def start_consumers(child, sock, n, how="default", delay="0", signals="auto"):
+    kids = [child(CONSUMER, sock, how, delay, signals) for _ in range(n)]
     for k in kids:
         assert k.readline(timeout=60) == "attached"
     return kids
+
+
+@pytest.mark.parametrize("how", ["default", "side", "record", "fast"])
+def test_side_signals_keep_every_batch_in_order(sock, child, how):
+    # The consumers wait for `ready` and write `finished` on side streams of their own
+    # (side_signals=True), joined to the tensors' streams by events: a slow writer and slow
+    # readers still never see a batch early or have it refilled under them.
+    p = gpipe.Producer(sock, slots=4, batch_bytes=2 << 20, backend="cuda")
+    kids = start_consumers(child, sock, 2, how=how, signals="on")
+    p.wait_for_consumers(2, timeout=30)
+    produce(p, 300)
+    p.close()
+    for r in (result(k) for k in kids):
+        assert r["bad"] == 0 and r["end"] == "closed", r
+        assert r["side_signals"] is True and r["seqs"] == list(range(300)), r
+
+
+@pytest.mark.parametrize("mib, expected", [(2, False), (32, True)])
+def test_side_signals_by_default_from_32_mib_slots(sock, child, mib, expected):
+    p = gpipe.Producer(sock, slots=2, batch_bytes=mib << 20, backend="cuda")
+    (k,) = start_consumers(child, sock, 1)
+    p.wait_for_consumers(1, timeout=30)
+    produce(p, 20)
+    p.close()
+    r = result(k)
+    assert r["bad"] == 0 and r["seqs"] == list(range(20)), r
+    assert r["side_signals"] is expected, r
 
 
 @pytest.mark.parametrize("mode", ["broadcast", "shared"])

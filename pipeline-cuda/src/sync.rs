@@ -553,3 +553,83 @@ impl ReadySignal {
         }
     }
 }
+
+/// Batches of this many bytes and more take [`SideSignals`] unless told otherwise
+/// ([`crate::backend::CudaOptions::side_signals`]). Measured on an H100 with MPS
+/// (docs/benchmarks.md, 2026-11-23): every stream write or wait on a timeline word between two
+/// kernels of one stream idles the GPU 3 µs longer than the kernels alone, an in-process
+/// event record or wait on a completed event adds nothing; moving a 64 MiB consumer's two
+/// signals off its stream took that stream's gap per batch from 6.9 to about 3 µs. Each batch
+/// then costs the host four more driver calls (about 4 µs), which small batches, bound by the
+/// host's calls, feel more than the GPU time saved.
+pub const SIDE_SIGNALS_AUTO_BYTES: u64 = 32 << 20;
+
+/// A consumer's cross-process signals moved off the stream that uses the batch: a stream of
+/// ours waits for `ready` and records an ordering-only event that the batch's stream waits
+/// for; the batch's stream records an ordering-only event after its work, which a second
+/// stream of ours waits for before it writes `finished`. The batch's stream then carries only
+/// in-process event records and waits between its kernels.
+pub(crate) struct SideSignals {
+    /// Waits for `ready` (and may block there); nothing else runs on it.
+    waits: Stream,
+    /// Writes `finished`, each after the batch's stream has got past the batch's work.
+    writes: Stream,
+    /// Recorded on `waits` once `ready` is reached.
+    ready: Event,
+    /// Recorded on the batch's stream after its work.
+    done: Event,
+}
+
+impl SideSignals {
+    /// Two streams and two ordering-only events in `ctx`.
+    pub(crate) fn new(ctx: &Arc<Context>) -> Result<SideSignals, CudaError> {
+        Ok(SideSignals {
+            waits: Stream::new(ctx)?,
+            writes: Stream::new(ctx)?,
+            ready: Event::new_plain(ctx)?,
+            done: Event::new_plain(ctx)?,
+        })
+    }
+
+    /// Makes `stream` wait until batch `seq` in `slot` is ready, through `waits`. A batch the
+    /// host can already tell is ready adds nothing.
+    ///
+    /// # Safety
+    /// `stream` is a live stream handle of this context (or `CU_STREAM_LEGACY` /
+    /// `CU_STREAM_PER_THREAD`).
+    pub(crate) unsafe fn wait_ready(
+        &self,
+        signal: &ReadySignal,
+        stream: driver::CUstream,
+        slot: u32,
+        seq: u64,
+    ) -> Result<(), CudaError> {
+        if signal.is_ready(slot, seq)? {
+            return Ok(());
+        }
+        // SAFETY: `waits` is ours and live.
+        unsafe { signal.wait(self.waits.raw(), slot, seq) }?;
+        self.ready.record(&self.waits)?;
+        // SAFETY: the caller guarantees `stream`; the event is ours.
+        unsafe { Stream::raw_wait_event(stream, &self.ready) }
+    }
+
+    /// Writes `value` to the timeline word at `word` on `writes`, after the work enqueued on
+    /// `stream` so far.
+    ///
+    /// # Safety
+    /// As for [`SideSignals::wait_ready`]; `word` is a timeline word mapped for at least as
+    /// long as `writes` may run.
+    pub(crate) unsafe fn write_after(
+        &self,
+        stream: driver::CUstream,
+        word: CUdeviceptr,
+        value: u64,
+    ) -> Result<(), CudaError> {
+        // SAFETY: the caller guarantees `stream`.
+        unsafe { self.done.record_raw(stream) }?;
+        self.writes.wait_event(&self.done)?;
+        // SAFETY: `writes` is ours; the caller guarantees the word.
+        unsafe { driver::stream_write_value64(&self.writes, word, value) }
+    }
+}

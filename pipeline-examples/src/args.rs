@@ -34,6 +34,39 @@ impl From<ModeArg> for Mode {
     }
 }
 
+/// `--side-signals`: where a CUDA consumer waits for `ready` and writes `finished`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SideSignalsArg {
+    /// On side streams for slots of 32 MiB and more (measured faster there), else on the
+    /// stream that uses the batch.
+    #[default]
+    Auto,
+    /// Always on side streams of the consumer's own.
+    On,
+    /// Always on the stream that uses the batch.
+    Off,
+}
+
+impl SideSignalsArg {
+    /// As [`CudaOptions::side_signals`].
+    pub fn option(self) -> Option<bool> {
+        match self {
+            SideSignalsArg::Auto => None,
+            SideSignalsArg::On => Some(true),
+            SideSignalsArg::Off => Some(false),
+        }
+    }
+
+    /// The name on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SideSignalsArg::Auto => "auto",
+            SideSignalsArg::On => "on",
+            SideSignalsArg::Off => "off",
+        }
+    }
+}
+
 /// How the CUDA backend shares memory and signals `ready`.
 #[derive(clap::Args, Clone, Debug)]
 pub struct CudaArgs {

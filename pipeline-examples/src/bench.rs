@@ -14,7 +14,9 @@ use pipeline_cuda::backend::CudaProducer;
 
 use pipeline_relay::{Fanout, FanoutPlan, RelayReport};
 
-use crate::args::{BackendArg, CudaArgs, DepthChoice, RingArgs, SlotsArg, resolve_backend};
+use crate::args::{
+    BackendArg, CudaArgs, DepthChoice, RingArgs, SideSignalsArg, SlotsArg, resolve_backend,
+};
 use crate::work::{self, ConsumerReport, Fill};
 use crate::{cuda_work, duration};
 
@@ -60,6 +62,11 @@ pub struct BenchCmd {
     /// Mirroring consumers: batches each may hold at once (default: the ring's slot count).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     mirror_buffers: Option<u32>,
+    /// CUDA consumers in place: wait for `ready` and write `finished` on side streams of
+    /// their own (on) or on the stream that runs the verify (off); auto: on for slots of 32
+    /// MiB and more (see `gpipe consume --help`).
+    #[arg(long, value_enum, default_value = "auto")]
+    side_signals: SideSignalsArg,
     /// How batches reach the GPUs other than the producer's (broadcast): direct (every
     /// consumer reads the producer's ring), chain (a forwarder per GPU copies from the GPU
     /// before it into a ring of its own), tree (a binary tree of forwarders), or auto. On the
@@ -98,7 +105,20 @@ pub fn command(cmd: BenchCmd) -> Result<ExitCode, String> {
         consumer_args: cmd
             .mirror_buffers
             .map(|n| vec!["--mirror-buffers".to_string(), n.to_string()])
-            .unwrap_or_default(),
+            .into_iter()
+            .flatten()
+            .chain(
+                (cmd.side_signals != SideSignalsArg::Auto)
+                    .then(|| {
+                        [
+                            "--side-signals".to_string(),
+                            cmd.side_signals.as_str().into(),
+                        ]
+                    })
+                    .into_iter()
+                    .flatten(),
+            )
+            .collect(),
         round_trip: cmd.round_trip,
         consumer_devices: cmd.consumer_devices.clone(),
         delivery: cmd.delivery.clone(),

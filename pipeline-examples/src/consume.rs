@@ -11,6 +11,7 @@ use pipeline_core::{
 };
 use pipeline_cuda::backend::{CudaConsumer, CudaOptions};
 
+use crate::args::SideSignalsArg;
 use crate::work::{self, Check, ConsumeOptions};
 use crate::{STOP, bench, cuda_work};
 
@@ -63,6 +64,12 @@ pub struct ConsumeCmd {
     /// the ring's slot count).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     mirror_buffers: Option<u32>,
+    /// CUDA, in place: wait for `ready` and write `finished` on streams of this consumer's
+    /// own, joined to the batch's stream by in-process events (on), or on the batch's stream
+    /// (off). Saves the batch's stream GPU time between kernels, costs the host more driver
+    /// calls; auto: on for slots of 32 MiB and more (measured: docs/benchmarks.md).
+    #[arg(long, value_enum, default_value = "auto")]
+    side_signals: SideSignalsArg,
 }
 
 /// `FROM:COUNT`, two integers.
@@ -133,10 +140,14 @@ pub fn command(cmd: ConsumeCmd) -> Result<ExitCode, String> {
                     device: cmd.device,
                     delivery: cmd.delivery,
                     mirror_buffers: cmd.mirror_buffers,
+                    side_signals: cmd.side_signals.option(),
                     ..CudaOptions::default()
                 })
                 .map_err(|e| failed(e.to_string()))?;
-            let attach = serde_json::to_value(c.backend().import_timings()).ok();
+            let mut attach = serde_json::to_value(c.backend().import_timings()).ok();
+            if let Some(serde_json::Value::Object(a)) = attach.as_mut() {
+                a.insert("side_signals".into(), c.backend().side_signals().into());
+            }
             consume(
                 c,
                 &mut cuda_work::CudaCheck::with_passes(cmd.passes).with_timeline(from, count),

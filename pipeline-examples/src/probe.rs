@@ -17,6 +17,10 @@ pub struct ProbeCmd {
     /// when its daemon runs).
     #[arg(long)]
     call_costs: bool,
+    /// Also measure on device 0 how long the GPU idles between two kernels with each stream
+    /// operation of the hot path between them (µs, from the kernels' own GPU timer stamps).
+    #[arg(long)]
+    gpu_gaps: bool,
 }
 
 /// Runs `gpipe probe`.
@@ -50,10 +54,18 @@ pub fn command(cmd: ProbeCmd) -> Result<ExitCode, String> {
     } else {
         None
     };
+    let gaps = if cmd.gpu_gaps && path.is_ok() {
+        Some(cuda_work::gpu_gaps(200).map_err(|e| format!("timing the GPU's gaps: {e}"))?)
+    } else {
+        None
+    };
     if cmd.json {
         let mut v = serde_json::to_value(&report).map_err(|e| e.to_string())?;
         if let Some(c) = &costs {
             v["call_costs"] = serde_json::to_value(c).map_err(|e| e.to_string())?;
+        }
+        if let Some(g) = &gaps {
+            v["gpu_gaps"] = serde_json::to_value(g).map_err(|e| e.to_string())?;
         }
         v["chosen_path"] = match &path {
             Ok(p) => serde_json::Value::String(p.clone()),
@@ -74,6 +86,15 @@ pub fn command(cmd: ProbeCmd) -> Result<ExitCode, String> {
             println!("\nhost cost of a driver call, µs (p50 / p90 over chunks of 128 calls):");
             for x in c {
                 println!("  {:>7.2} / {:>7.2}  {}", x.p50_us, x.p90_us, x.call);
+            }
+        }
+        if let Some(g) = &gaps {
+            println!("\nGPU idle between two 2 MiB fills, µs (p50 / p90 / mean over 199 pairs):");
+            for x in g {
+                println!(
+                    "  {:>7.2} / {:>7.2} / {:>7.2}  {}",
+                    x.p50_us, x.p90_us, x.mean_us, x.case
+                );
             }
         }
     }

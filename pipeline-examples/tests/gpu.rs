@@ -13,7 +13,7 @@ fn bench(mode: &str, consumers: u32) {
     bench_with(mode, consumers, &[]);
 }
 
-fn bench_with(mode: &str, consumers: u32, extra: &[&str]) {
+fn bench_with(mode: &str, consumers: u32, extra: &[&str]) -> serde_json::Value {
     let consumers_arg = consumers.to_string();
     let mut args = vec![
         "bench",
@@ -58,6 +58,62 @@ fn bench_with(mode: &str, consumers: u32, extra: &[&str]) {
             .all(|c| c["check_s"].as_f64().unwrap() > 0.0 && c["release_s"].as_f64().unwrap() > 0.0),
         "{r}"
     );
+    r
+}
+
+/// Each consumer's `side_signals`, as its attach resolved it.
+fn side_signals(r: &serde_json::Value) -> Vec<bool> {
+    r["per_consumer"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["attach"]["side_signals"].as_bool().unwrap())
+        .collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_side_signals_keep_every_batch_verified() {
+    // `ready` waited for and `finished` written on the consumers' side streams: every batch
+    // verified in both modes, with semaphores on device words and events with host words.
+    for mode in ["broadcast", "shared"] {
+        for (sync, words) in [("semaphore", "device"), ("events", "host")] {
+            watchdog(180, move |_| {
+                let extra = [
+                    "--side-signals",
+                    "on",
+                    "--sync",
+                    sync,
+                    "--timeline-memory",
+                    words,
+                ];
+                let r = bench_with(mode, 2, &extra);
+                assert_eq!(side_signals(&r), [true, true], "{mode} {sync} {words}");
+            });
+        }
+    }
+    // By default: from 32 MiB slots on, not below (8 MiB).
+    watchdog(180, |_| {
+        let r = bench_with("broadcast", 1, &[]);
+        assert_eq!(side_signals(&r), [false]);
+        let r = bench_json(&[
+            "bench",
+            "--backend",
+            "cuda",
+            "--consumers",
+            "1",
+            "--batches",
+            "300",
+            "--batch-bytes",
+            "32MiB",
+            "--json",
+        ]);
+        assert_eq!(
+            (r["lost"].as_u64(), r["mismatches"].as_u64()),
+            (Some(0), Some(0))
+        );
+        assert_eq!(side_signals(&r), [true]);
+    });
 }
 
 #[test]
@@ -109,7 +165,7 @@ fn cuda_bench_stamps_a_gpu_timeline() {
 #[ignore = "needs a CUDA GPU"]
 fn cuda_probe_times_the_hot_paths_driver_calls() {
     watchdog(120, |_| {
-        let r = bench_json(&["probe", "--json", "--call-costs"]);
+        let r = bench_json(&["probe", "--json", "--call-costs", "--gpu-gaps"]);
         let costs = r["call_costs"].as_array().expect("call_costs");
         let calls: Vec<&str> = costs.iter().map(|c| c["call"].as_str().unwrap()).collect();
         for want in [
@@ -122,6 +178,18 @@ fn cuda_probe_times_the_hot_paths_driver_calls() {
         for c in costs {
             let (p50, p90) = (c["p50_us"].as_f64().unwrap(), c["p90_us"].as_f64().unwrap());
             assert!(p50 > 0.0 && p50 <= p90 && p90 < 10_000.0, "{c}");
+        }
+        // Every operation between the two kernels keeps them in order, on one stream and
+        // handed between two: the second never starts before the first has ended.
+        let gaps = r["gpu_gaps"].as_array().expect("gpu_gaps");
+        assert_eq!(gaps.len(), 16, "{gaps:?}");
+        assert!(
+            gaps.iter()
+                .any(|g| g["case"].as_str().unwrap().starts_with("handover"))
+        );
+        for g in gaps {
+            let (min, p50) = (g["min_us"].as_f64().unwrap(), g["p50_us"].as_f64().unwrap());
+            assert!(min >= 0.0 && p50 >= min && p50 < 10_000.0, "{g}");
         }
     });
 }
@@ -153,7 +221,7 @@ fn cuda_mirror_buffers_moving_between_copy_streams_verify_every_batch() {
                     "--passes",
                     "2",
                 ],
-            )
+            );
         });
     }
 }
