@@ -130,8 +130,8 @@ def test_side_signals_keep_every_batch_in_order(sock, child, how):
         assert r["side_signals"] is True and r["seqs"] == list(range(300)), r
 
 
-@pytest.mark.parametrize("mib, expected", [(2, False), (32, True)])
-def test_side_signals_by_default_from_32_mib_slots(sock, child, mib, expected):
+@pytest.mark.parametrize("mib, expected", [(2, False), (16, True)])
+def test_side_signals_by_default_from_16_mib_slots(sock, child, mib, expected):
     p = gpipe.Producer(sock, slots=2, batch_bytes=mib << 20, backend="cuda")
     (k,) = start_consumers(child, sock, 1)
     p.wait_for_consumers(1, timeout=30)

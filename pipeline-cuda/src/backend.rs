@@ -67,8 +67,7 @@ pub use crate::memory::{HandleKind, ImportTimings, MAX_VMM_FD_SLOTS, MemoryPath}
 use crate::mirror::{self, Mirror};
 use crate::probe::Capabilities;
 use crate::sync::{
-    FinishedWords, RELEASED, ReadySignal, SIDE_SIGNALS_AUTO_BYTES, SideSignals, Timelines,
-    join_into,
+    FinishedWords, RELEASED, ReadySignal, SideSignals, Timelines, join_into, side_signals_auto,
 };
 pub use crate::sync::{SyncMode, TimelineMemory};
 
@@ -1051,7 +1050,7 @@ impl ConsumerBackend for CudaConsumer {
         let side = if mirror.is_none()
             && options
                 .side_signals
-                .unwrap_or(slot_bytes >= SIDE_SIGNALS_AUTO_BYTES)
+                .unwrap_or(side_signals_auto(slot_bytes))
         {
             Some(Mutex::new(SideSignals::new(&ctx)?))
         } else {

@@ -518,8 +518,32 @@ pub fn auto_timeline_memory(report: &ProbeReport, ordinal: usize) -> (TimelineMe
     rule_timeline_memory(vmm, max_connections())
 }
 
+/// Hardware queues a consumer with side signals should have: its stream and the two side
+/// streams each on a queue of their own.
+pub const SIDE_SIGNALS_CONNECTIONS: u32 = 8;
+
+/// Whether this process's `CUDA_DEVICE_MAX_CONNECTIONS` gives side signals their queues, and
+/// if not, what to set. Unset counts as not: CUDA's default is 8 queues without MPS, but
+/// under MPS a client's streams were measured sharing queues when it was unset
+/// (docs/benchmarks.md: 64 MiB with side signals at 0.934x of the ceiling unset, 0.979x with
+/// 8).
+pub fn side_signals_connections() -> Result<(), String> {
+    match max_connections() {
+        Some(n) if n >= SIDE_SIGNALS_CONNECTIONS => Ok(()),
+        Some(n) => Err(format!(
+            "CUDA_DEVICE_MAX_CONNECTIONS={n}: the side streams may share hardware queues with \
+             the batch's stream; {SIDE_SIGNALS_CONNECTIONS} or more lets each have its own"
+        )),
+        None => Err(format!(
+            "CUDA_DEVICE_MAX_CONNECTIONS is unset: under MPS a client's streams then share \
+             hardware queues and side signals gain little; set it to \
+             {SIDE_SIGNALS_CONNECTIONS} in the consumer's environment"
+        )),
+    }
+}
+
 /// `CUDA_DEVICE_MAX_CONNECTIONS`, when set to a number.
-pub(crate) fn max_connections() -> Option<u32> {
+pub fn max_connections() -> Option<u32> {
     std::env::var("CUDA_DEVICE_MAX_CONNECTIONS")
         .ok()
         .and_then(|v| v.trim().parse().ok())

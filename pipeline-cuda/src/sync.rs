@@ -554,15 +554,25 @@ impl ReadySignal {
     }
 }
 
-/// Batches of this many bytes and more take [`SideSignals`] unless told otherwise
+/// Slots of this many bytes and more take [`SideSignals`] unless told otherwise
 /// ([`crate::backend::CudaOptions::side_signals`]). Measured on an H100 with MPS
-/// (docs/benchmarks.md, 2026-11-23): every stream write or wait on a timeline word between two
-/// kernels of one stream idles the GPU 3 µs longer than the kernels alone, an in-process
-/// event record or wait on a completed event adds nothing; moving a 64 MiB consumer's two
-/// signals off its stream took that stream's gap per batch from 6.9 to about 3 µs. Each batch
-/// then costs the host four more driver calls (about 4 µs), which small batches, bound by the
-/// host's calls, feel more than the GPU time saved.
-pub const SIDE_SIGNALS_AUTO_BYTES: u64 = 32 << 20;
+/// (docs/benchmarks.md, 2026-11-23), 1 consumer:
+///
+/// * Every stream write or wait on a timeline word between two kernels of one stream idles
+///   the GPU about 3 µs longer than the kernels alone. An in-process event record, or a wait
+///   on a completed one, adds nothing.
+/// * From 16 MiB, side signals ran 2-4% faster, and 16-38% faster with
+///   `CUDA_DEVICE_MAX_CONNECTIONS=8` in the consumer's environment (64 MiB: 0.98x of the
+///   one-process ceiling). Under MPS that variable is needed: unset, a client's streams shared
+///   hardware queues.
+/// * At 2 and 8 MiB they were slower: the host's driver calls bound those rates, and side
+///   signals add four a batch.
+pub const SIDE_SIGNALS_AUTO_BYTES: u64 = 16 << 20;
+
+/// Whether `auto` takes side signals for slots of `slot_bytes`.
+pub fn side_signals_auto(slot_bytes: u64) -> bool {
+    slot_bytes >= SIDE_SIGNALS_AUTO_BYTES
+}
 
 /// A consumer's cross-process signals moved off the stream that uses the batch: a stream of
 /// ours waits for `ready` and records an ordering-only event that the batch's stream waits

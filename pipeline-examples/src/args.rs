@@ -37,7 +37,7 @@ impl From<ModeArg> for Mode {
 /// `--side-signals`: where a CUDA consumer waits for `ready` and writes `finished`.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum SideSignalsArg {
-    /// On side streams for slots of 32 MiB and more (measured faster there), else on the
+    /// On side streams for slots of 16 MiB and more (measured faster there), else on the
     /// stream that uses the batch.
     #[default]
     Auto,

@@ -63,8 +63,10 @@ pub struct BenchCmd {
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     mirror_buffers: Option<u32>,
     /// CUDA consumers in place: wait for `ready` and write `finished` on side streams of
-    /// their own (on) or on the stream that runs the verify (off); auto: on for slots of 32
-    /// MiB and more (see `gpipe consume --help`).
+    /// their own (on) or on the stream that runs the verify (off); auto: on for slots of 16
+    /// MiB and more (see `gpipe consume --help`). With them on, the run's processes get
+    /// CUDA_DEVICE_MAX_CONNECTIONS=8 unless it is set: under MPS a process's streams would
+    /// share hardware queues otherwise.
     #[arg(long, value_enum, default_value = "auto")]
     side_signals: SideSignalsArg,
     /// How batches reach the GPUs other than the producer's (broadcast): direct (every
@@ -126,6 +128,7 @@ pub fn command(cmd: BenchCmd) -> Result<ExitCode, String> {
         passes: cmd.passes.clone(),
         gpu_timeline: cmd.gpu_timeline,
         gpu_timeline_out: cmd.gpu_timeline_out.clone(),
+        cuda_env: Vec::new(),
     };
     if cmd.round_trip && cmd.ring.slots != SlotsArg::Count(1) {
         return Err("--round-trip measures a single-slot round trip: add --slots 1".into());
@@ -207,6 +210,15 @@ pub fn command(cmd: BenchCmd) -> Result<ExitCode, String> {
                 .into(),
         );
     }
+    if backend != BackendArg::Host {
+        args.cuda_env = PROCESS_ENV.get().cloned().unwrap_or_default();
+        for (k, v) in &args.cuda_env {
+            eprintln!(
+                "gpipe bench: the producer and consumers run with {k}={v} (side signals on and \
+                 the variable unset: under MPS a process's streams would share hardware queues)"
+            );
+        }
+    }
     let mut reports = Vec::new();
     for i in 0..cmd.repeat {
         if cmd.repeat > 1 && !cmd.json {
@@ -225,6 +237,9 @@ pub fn command(cmd: BenchCmd) -> Result<ExitCode, String> {
                 if depth.auto {
                     r.extra["slots_auto"] = serde_json::to_value(&depth).unwrap_or_default();
                 }
+                if !args.cuda_env.is_empty() {
+                    r.extra["cuda_env"] = args.cuda_env.iter().cloned().collect();
+                }
                 r
             }
         };
@@ -235,6 +250,53 @@ pub fn command(cmd: BenchCmd) -> Result<ExitCode, String> {
     }
     let report = fold_repetitions(reports);
     crate::print_report(&report, cmd.json, report.problems.is_empty())
+}
+
+/// What [`set_process_env`] set.
+static PROCESS_ENV: std::sync::OnceLock<Vec<(String, String)>> = std::sync::OnceLock::new();
+
+/// What a CUDA run's processes need in their environment: side signals (as `--side-signals`
+/// resolves for slots of `batch_bytes`) want a process's streams on hardware queues of their
+/// own, so `CUDA_DEVICE_MAX_CONNECTIONS=8` where it is unset (measured under MPS, with it
+/// set for the producer and the consumers: docs/benchmarks.md). A value the user set is kept.
+fn cuda_env(side: SideSignalsArg, batch_bytes: u64) -> Vec<(String, String)> {
+    let slot = pipeline_core::round_slot_bytes(batch_bytes);
+    let on = side
+        .option()
+        .unwrap_or_else(|| pipeline_cuda::sync::side_signals_auto(slot));
+    if on && pipeline_cuda::probe::max_connections().is_none() {
+        let n = pipeline_cuda::probe::SIDE_SIGNALS_CONNECTIONS;
+        vec![("CUDA_DEVICE_MAX_CONNECTIONS".into(), n.to_string())]
+    } else {
+        Vec::new()
+    }
+}
+
+/// Sets [`cuda_env`] in this process's environment, which the consumer processes inherit.
+/// CUDA reads it when a context is made, so call it first thing in `main`, while this is the
+/// only thread.
+pub fn set_process_env(cmd: &BenchCmd) {
+    let vars = set_cuda_env(cmd.backend, cmd.side_signals, cmd.ring.batch_bytes);
+    let _ = PROCESS_ENV.set(vars);
+}
+
+/// Sets [`cuda_env`] for a CUDA (or auto) backend in this process's environment and returns
+/// what it set. The same rules as [`set_process_env`]: first thing in `main`.
+pub fn set_cuda_env(
+    backend: BackendArg,
+    side: SideSignalsArg,
+    batch_bytes: u64,
+) -> Vec<(String, String)> {
+    if backend == BackendArg::Host {
+        return Vec::new();
+    }
+    let vars = cuda_env(side, batch_bytes);
+    for (k, v) in &vars {
+        // SAFETY: called from `main` before any other thread starts (see above), so nothing
+        // reads the environment concurrently.
+        unsafe { std::env::set_var(k, v) };
+    }
+    vars
 }
 
 /// `--slots auto` on a GPU without MPS: a short run at each depth within the budget (the
@@ -444,6 +506,9 @@ pub struct BenchArgs {
     pub gpu_timeline: u64,
     /// Where to write those stamps (JSON), if anywhere.
     pub gpu_timeline_out: Option<std::path::PathBuf>,
+    /// Environment variables this process set for itself, before CUDA, and so for every
+    /// process of the run ([`set_process_env`]).
+    pub cuda_env: Vec<(String, String)>,
 }
 
 /// Batches published before timing starts (verified like the others, not timed).
@@ -738,6 +803,7 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
             .arg("--timed-from")
             .arg(warmup_of(args.batches).to_string())
             .args(&args.consumer_args)
+            .envs(args.cuda_env.iter().map(|(k, v)| (k, v)))
             .args(
                 (args.gpu_timeline > 0 && args.backend == "cuda")
                     .then(|| {
@@ -1758,5 +1824,28 @@ mod mps_hint_tests {
                 .ends_with("per batch | reads per batch 16,1"),
             "{text}"
         );
+    }
+}
+
+#[cfg(test)]
+mod cuda_env_tests {
+    use super::cuda_env;
+    use crate::args::SideSignalsArg;
+
+    #[test]
+    fn eight_queues_go_with_side_signals_only_and_never_override_the_user() {
+        let want = if pipeline_cuda::probe::max_connections().is_some() {
+            Vec::new() // the user's value is kept
+        } else {
+            vec![("CUDA_DEVICE_MAX_CONNECTIONS".to_string(), "8".to_string())]
+        };
+        // Auto: side signals from 16 MiB slots (a 15 MiB batch rounds up to a 16 MiB slot).
+        assert_eq!(cuda_env(SideSignalsArg::Auto, 2 << 20), []);
+        assert_eq!(cuda_env(SideSignalsArg::Auto, 8 << 20), []);
+        assert_eq!(cuda_env(SideSignalsArg::Auto, 15 << 20), want);
+        assert_eq!(cuda_env(SideSignalsArg::Auto, 64 << 20), want);
+        // Asked for: on at any size, never when off.
+        assert_eq!(cuda_env(SideSignalsArg::On, 2 << 20), want);
+        assert_eq!(cuda_env(SideSignalsArg::Off, 64 << 20), []);
     }
 }

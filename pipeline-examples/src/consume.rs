@@ -67,7 +67,7 @@ pub struct ConsumeCmd {
     /// CUDA, in place: wait for `ready` and write `finished` on streams of this consumer's
     /// own, joined to the batch's stream by in-process events (on), or on the batch's stream
     /// (off). Saves the batch's stream GPU time between kernels, costs the host more driver
-    /// calls; auto: on for slots of 32 MiB and more (measured: docs/benchmarks.md).
+    /// calls; auto: on for slots of 16 MiB and more (measured: docs/benchmarks.md).
     #[arg(long, value_enum, default_value = "auto")]
     side_signals: SideSignalsArg,
 }
@@ -144,6 +144,11 @@ pub fn command(cmd: ConsumeCmd) -> Result<ExitCode, String> {
                     ..CudaOptions::default()
                 })
                 .map_err(|e| failed(e.to_string()))?;
+            if c.backend().side_signals() && !cmd.bench_child {
+                if let Err(why) = pipeline_cuda::probe::side_signals_connections() {
+                    eprintln!("gpipe: side signals on; {why}");
+                }
+            }
             let mut attach = serde_json::to_value(c.backend().import_timings()).ok();
             if let Some(serde_json::Value::Object(a)) = attach.as_mut() {
                 a.insert("side_signals".into(), c.backend().side_signals().into());

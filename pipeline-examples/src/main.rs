@@ -81,6 +81,12 @@ fn use_color(stderr_is_terminal: bool, no_color: Option<std::ffi::OsString>) -> 
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Before anything else: these may set CUDA's environment, which must precede any thread.
+    match &cli.cmd {
+        Cmd::Bench(cmd) => bench::set_process_env(cmd),
+        Cmd::Produce(cmd) => produce::set_process_env(cmd),
+        _ => {}
+    }
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cli.log));
     tracing_subscriber::fmt()

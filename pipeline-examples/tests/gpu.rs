@@ -92,7 +92,7 @@ fn cuda_side_signals_keep_every_batch_verified() {
             });
         }
     }
-    // By default: from 32 MiB slots on, not below (8 MiB).
+    // By default: from 16 MiB slots on (here 32), not below (8 MiB).
     watchdog(180, |_| {
         let r = bench_with("broadcast", 1, &[]);
         assert_eq!(side_signals(&r), [false]);
