@@ -785,7 +785,8 @@ impl CudaConsumer {
 
     /// Makes the consumer's own stream wait for batch `seq` in `slot` to be ready.
     fn own_wait_ready(&self, slot: u32, seq: u64) -> Result<(), BackendError> {
-        // SAFETY: our stream is live.
+        self.ctx.make_current().map_err(be)?;
+        // SAFETY: our stream is live, of the context just made current.
         unsafe { self.wait_ready_raw(self.stream.raw(), slot, seq) }.map_err(be)
     }
 
@@ -822,10 +823,11 @@ impl CudaConsumer {
         let word = self.timelines.device(0, slot);
         match &self.side {
             // SAFETY: the word is in our timelines (registered host or mapped device words),
-            // mapped for our lifetime (a dead producer's are never unmapped: Drop); the caller
-            // guarantees `stream`.
+            // mapped for as long as any stream of ours may write it: Drop synchronizes the
+            // context before it unmaps them, and a dead producer's are never unmapped. The
+            // caller guarantees `stream`.
             Some(side) => unsafe { side.lock().write_after(stream, word, seq + 1) },
-            // SAFETY: as above.
+            // SAFETY: the word as above; the caller guarantees `stream`.
             None => unsafe { driver::stream_write_value64_raw(stream, word, seq + 1) },
         }
     }
@@ -1194,7 +1196,8 @@ impl ConsumerBackend for CudaConsumer {
             // backwards.
             self.own_wait_ready(slot, seq)?;
         }
-        // SAFETY: our stream is live.
+        self.ctx.make_current().map_err(be)?;
+        // SAFETY: our stream is live, of the context just made current.
         unsafe { self.write_finished_raw(self.stream.raw(), slot, seq) }.map_err(be)
     }
 }

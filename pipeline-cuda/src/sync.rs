@@ -534,6 +534,21 @@ impl ReadySignal {
         if self.is_ready(slot, seq)? {
             return Ok(());
         }
+        // SAFETY: the caller guarantees `stream`.
+        unsafe { self.wait_unchecked(stream, slot, seq) }
+    }
+
+    /// As [`ReadySignal::wait`], without first asking whether the batch is ready already (for
+    /// a caller that just asked).
+    ///
+    /// # Safety
+    /// As for [`ReadySignal::signal`].
+    pub(crate) unsafe fn wait_unchecked(
+        &self,
+        stream: driver::CUstream,
+        slot: u32,
+        seq: u64,
+    ) -> Result<(), CudaError> {
         match self {
             // SAFETY: the caller guarantees `stream`; the event is ours, live for our life.
             ReadySignal::Events(events) => unsafe {
@@ -579,6 +594,12 @@ pub fn side_signals_auto(slot_bytes: u64) -> bool {
 /// for; the batch's stream records an ordering-only event after its work, which a second
 /// stream of ours waits for before it writes `finished`. The batch's stream then carries only
 /// in-process event records and waits between its kernels.
+///
+/// Each side stream runs its signals in the order they were asked for: with batches used on
+/// several caller streams, a `finished` write waits behind earlier batches' writes (and a
+/// `ready` wait behind earlier waits), where on the callers' own streams they would not. The
+/// order is the order of receipt and release, so this delays, never deadlocks: a batch's
+/// `ready` depends only on `finished` writes asked for before it was received.
 pub(crate) struct SideSignals {
     /// Waits for `ready` (and may block there); nothing else runs on it.
     waits: Stream,
@@ -617,8 +638,9 @@ impl SideSignals {
         if signal.is_ready(slot, seq)? {
             return Ok(());
         }
-        // SAFETY: `waits` is ours and live.
-        unsafe { signal.wait(self.waits.raw(), slot, seq) }?;
+        // SAFETY: `waits` is ours and live, of the current context (the caller's contract:
+        // `stream` is of this context, and our callers make it current).
+        unsafe { signal.wait_unchecked(self.waits.raw(), slot, seq) }?;
         self.ready.record(&self.waits)?;
         // SAFETY: the caller guarantees `stream`; the event is ours.
         unsafe { Stream::raw_wait_event(stream, &self.ready) }

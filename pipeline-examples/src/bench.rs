@@ -272,17 +272,24 @@ fn cuda_env(side: SideSignalsArg, batch_bytes: u64) -> Vec<(String, String)> {
     }
 }
 
-/// Sets [`cuda_env`] in this process's environment, which the consumer processes inherit.
-/// CUDA reads it when a context is made, so call it first thing in `main`, while this is the
-/// only thread.
-pub fn set_process_env(cmd: &BenchCmd) {
-    let vars = set_cuda_env(cmd.backend, cmd.side_signals, cmd.ring.batch_bytes);
+/// Sets [`cuda_env`] in this process's environment, which the consumer processes inherit
+/// (CUDA reads it when a context is made).
+///
+/// # Safety
+/// No other thread may exist yet (call it first thing in `main`): setting the environment
+/// races with any other thread reading it.
+pub unsafe fn set_process_env(cmd: &BenchCmd) {
+    // SAFETY: the caller guarantees that this is the only thread.
+    let vars = unsafe { set_cuda_env(cmd.backend, cmd.side_signals, cmd.ring.batch_bytes) };
     let _ = PROCESS_ENV.set(vars);
 }
 
 /// Sets [`cuda_env`] for a CUDA (or auto) backend in this process's environment and returns
-/// what it set. The same rules as [`set_process_env`]: first thing in `main`.
-pub fn set_cuda_env(
+/// what it set.
+///
+/// # Safety
+/// As for [`set_process_env`].
+pub unsafe fn set_cuda_env(
     backend: BackendArg,
     side: SideSignalsArg,
     batch_bytes: u64,
@@ -292,8 +299,8 @@ pub fn set_cuda_env(
     }
     let vars = cuda_env(side, batch_bytes);
     for (k, v) in &vars {
-        // SAFETY: called from `main` before any other thread starts (see above), so nothing
-        // reads the environment concurrently.
+        // SAFETY: the caller guarantees that no other thread exists, so nothing reads the
+        // environment concurrently.
         unsafe { std::env::set_var(k, v) };
     }
     vars
@@ -507,7 +514,7 @@ pub struct BenchArgs {
     /// Where to write those stamps (JSON), if anywhere.
     pub gpu_timeline_out: Option<std::path::PathBuf>,
     /// Environment variables this process set for itself, before CUDA, and so for every
-    /// process of the run ([`set_process_env`]).
+    /// process of the run, which inherit them ([`set_process_env`]).
     pub cuda_env: Vec<(String, String)>,
 }
 
@@ -803,7 +810,6 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
             .arg("--timed-from")
             .arg(warmup_of(args.batches).to_string())
             .args(&args.consumer_args)
-            .envs(args.cuda_env.iter().map(|(k, v)| (k, v)))
             .args(
                 (args.gpu_timeline > 0 && args.backend == "cuda")
                     .then(|| {

@@ -750,6 +750,17 @@ pub struct GpuGap {
     pub min_us: f64,
 }
 
+/// Synchronizes its streams when dropped (errors ignored: it runs on the way out).
+struct DrainOnDrop<'a>(&'a [&'a Stream]);
+
+impl Drop for DrainOnDrop<'_> {
+    fn drop(&mut self) {
+        for s in self.0 {
+            let _ = s.synchronize();
+        }
+    }
+}
+
 /// What sits between the two stamped kernels of one [`gpu_gaps`] case.
 #[derive(Clone, Copy)]
 enum Between {
@@ -825,8 +836,9 @@ pub fn gpu_gaps(reps: usize) -> Result<Vec<GpuGap>, CudaError> {
     let stamps = DeviceBuffer::new(&ctx, stamp_len)?;
     let host_stamps = PinnedBuffer::new(&ctx, stamp_len)?;
     let dword = DeviceBuffer::new(&ctx, 8)?;
-    // Pinned host memory is addressed by the same pointer on the GPU (unified addressing,
-    // which every device gpipe runs on has).
+    // Pinned host memory is addressed by the same pointer on the GPU: with unified addressing
+    // (every 64-bit Linux process on the GPUs CUDA 13 supports) `cuMemHostAlloc` memory is
+    // reachable from every device at its host address.
     let hword = PinnedBuffer::new(&ctx, 8)?;
     let hword_ptr = hword.as_ptr() as u64;
     let ipc = Event::new_ipc(&ctx)?;
@@ -839,14 +851,18 @@ pub fn gpu_gaps(reps: usize) -> Result<Vec<GpuGap>, CudaError> {
     unsafe { driver::memset_d8_async(dword.ptr(), 0, 8, &a) }?;
     ipc.record(&a)?;
     a.synchronize()?;
+    // Declared after every buffer and event, so dropped before them: on any return, early
+    // ones included, the streams are drained before what they use is freed.
+    let streams = [&a, &b, &side];
+    let _drain = DrainOnDrop(&streams);
     let mut value = 0u64;
     let mut out = Vec::new();
     for (case, between) in cases {
         // SAFETY: every buffer, word and event below is ours and used only on `a`, `b` and
         // `side` in the order enqueued here; `b`'s waits are each satisfied by a write or record
         // enqueued on `a` just before them, and `side` waits only on records made on `a`, so
-        // nothing waits forever; every stream is drained before the host reads the stamps or
-        // drops anything.
+        // nothing waits forever; every stream is drained before the host reads the stamps,
+        // and `_drain` drains them before anything is freed on every path out.
         unsafe {
             driver::memset_d8_async(stamps.ptr(), 0, stamp_len, &a)?;
             a.synchronize()?;

@@ -83,8 +83,11 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     // Before anything else: these may set CUDA's environment, which must precede any thread.
     match &cli.cmd {
-        Cmd::Bench(cmd) => bench::set_process_env(cmd),
-        Cmd::Produce(cmd) => produce::set_process_env(cmd),
+        // SAFETY: nothing has started a thread yet (argument parsing starts none; the tracing
+        // subscriber and the signal handlers come after).
+        Cmd::Bench(cmd) => unsafe { bench::set_process_env(cmd) },
+        // SAFETY: as above.
+        Cmd::Produce(cmd) => unsafe { produce::set_process_env(cmd) },
         _ => {}
     }
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()

@@ -54,18 +54,19 @@ pub fn command(cmd: ProbeCmd) -> Result<ExitCode, String> {
     } else {
         None
     };
-    let gaps = if cmd.gpu_gaps && path.is_ok() {
-        Some(cuda_work::gpu_gaps(200).map_err(|e| format!("timing the GPU's gaps: {e}"))?)
-    } else {
-        None
-    };
+    // A device that cannot run one of the cases (say, without stream memory operations) still
+    // gets the rest of its report, with the reason in place of the gaps.
+    let gaps = (cmd.gpu_gaps && path.is_ok())
+        .then(|| cuda_work::gpu_gaps(200).map_err(|e| format!("timing the GPU's gaps: {e}")));
     if cmd.json {
         let mut v = serde_json::to_value(&report).map_err(|e| e.to_string())?;
         if let Some(c) = &costs {
             v["call_costs"] = serde_json::to_value(c).map_err(|e| e.to_string())?;
         }
-        if let Some(g) = &gaps {
-            v["gpu_gaps"] = serde_json::to_value(g).map_err(|e| e.to_string())?;
+        match &gaps {
+            Some(Ok(g)) => v["gpu_gaps"] = serde_json::to_value(g).map_err(|e| e.to_string())?,
+            Some(Err(e)) => v["gpu_gaps_error"] = serde_json::Value::String(e.clone()),
+            None => {}
         }
         v["chosen_path"] = match &path {
             Ok(p) => serde_json::Value::String(p.clone()),
@@ -88,7 +89,10 @@ pub fn command(cmd: ProbeCmd) -> Result<ExitCode, String> {
                 println!("  {:>7.2} / {:>7.2}  {}", x.p50_us, x.p90_us, x.call);
             }
         }
-        if let Some(g) = &gaps {
+        if let Some(Err(e)) = &gaps {
+            println!("\n{e}");
+        }
+        if let Some(Ok(g)) = &gaps {
             println!("\nGPU idle between two 2 MiB fills, µs (p50 / p90 / mean over 199 pairs):");
             for x in g {
                 println!(

@@ -171,16 +171,21 @@ fn produce<B: ProducerBackend, F: Fill<B>>(
     n.map(|_| ExitCode::SUCCESS)
 }
 
-/// First thing in `main`, while this is the only thread: under MPS a producer of slots large
-/// enough for its consumers to take side signals wants its streams on hardware queues of
-/// their own, so this sets `CUDA_DEVICE_MAX_CONNECTIONS=8` where it is unset (measured:
-/// docs/benchmarks.md), and says so.
-pub fn set_process_env(cmd: &ProduceCmd) {
-    let vars = crate::bench::set_cuda_env(
-        cmd.backend,
-        crate::args::SideSignalsArg::Auto,
-        cmd.ring.batch_bytes,
-    );
+/// Under MPS a producer of slots large enough for its consumers to take side signals wants
+/// its streams on hardware queues of their own, so this sets `CUDA_DEVICE_MAX_CONNECTIONS=8`
+/// where it is unset (measured: docs/benchmarks.md), and says so.
+///
+/// # Safety
+/// As for [`crate::bench::set_process_env`]: first thing in `main`, the only thread.
+pub unsafe fn set_process_env(cmd: &ProduceCmd) {
+    // SAFETY: the caller guarantees that this is the only thread.
+    let vars = unsafe {
+        crate::bench::set_cuda_env(
+            cmd.backend,
+            crate::args::SideSignalsArg::Auto,
+            cmd.ring.batch_bytes,
+        )
+    };
     for (k, v) in vars {
         eprintln!("gpipe produce: running with {k}={v} (batches large enough for side signals)");
     }
