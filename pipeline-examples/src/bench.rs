@@ -197,6 +197,12 @@ pub fn command(cmd: BenchCmd) -> Result<ExitCode, String> {
     args.slots = depth.slots;
     let lead = cmd.ring.lead(backend == BackendArg::Cuda, depth.slots)?;
     args.max_lead = lead.max_lead;
+    let side = cmd.side_signals;
+    if let Some(why) =
+        side_signals_with_lead(backend, side, args.batch_bytes, args.slots, args.max_lead)
+    {
+        eprintln!("gpipe bench: {why}");
+    }
     let shape = args.plan().shape;
     if shape != Fanout::Direct && args.mode != Mode::Broadcast {
         return Err(format!(
@@ -304,6 +310,29 @@ pub unsafe fn set_cuda_env(
         unsafe { std::env::set_var(k, v) };
     }
     vars
+}
+
+/// A warning when the consumers take side signals and the producer's lead is bounded below
+/// the ring: on an H100 the two together ran slower than either alone (8 and 16 MiB,
+/// docs/benchmarks.md).
+fn side_signals_with_lead(
+    backend: BackendArg,
+    side: SideSignalsArg,
+    batch_bytes: u64,
+    slots: u32,
+    max_lead: Option<u32>,
+) -> Option<String> {
+    let slot = pipeline_core::round_slot_bytes(batch_bytes);
+    let on = side
+        .option()
+        .unwrap_or_else(|| pipeline_cuda::sync::side_signals_auto(slot));
+    let lead = max_lead.filter(|&l| l < slots)?;
+    (backend != BackendArg::Host && on).then(|| {
+        format!(
+            "side signals with a lead bound of {lead} batches: measured slower together than \
+             either alone (docs/benchmarks.md); keep one, e.g. add --side-signals off"
+        )
+    })
 }
 
 /// `--slots auto` on a GPU without MPS: a short run at each depth within the budget (the
@@ -1835,8 +1864,24 @@ mod mps_hint_tests {
 
 #[cfg(test)]
 mod cuda_env_tests {
-    use super::cuda_env;
-    use crate::args::SideSignalsArg;
+    use super::{cuda_env, side_signals_with_lead};
+    use crate::args::{BackendArg, SideSignalsArg};
+
+    #[test]
+    fn side_signals_with_a_bounded_lead_are_flagged() {
+        use BackendArg::{Cuda, Host};
+        use SideSignalsArg::{Auto, Off, On};
+        let w = |b, s, bytes: u64, lead| side_signals_with_lead(b, s, bytes, 8, lead).is_some();
+        // 16 MiB: auto takes side signals; with a lead below the ring's 8 slots, flagged.
+        assert!(w(Cuda, Auto, 16 << 20, Some(2)));
+        assert!(!w(Cuda, Off, 16 << 20, Some(2)));
+        assert!(!w(Host, On, 16 << 20, Some(2)));
+        assert!(!w(Cuda, Auto, 16 << 20, Some(8))); // the ring's own bound
+        assert!(!w(Cuda, Auto, 16 << 20, None));
+        // 8 MiB: auto leaves them off; asked for, flagged.
+        assert!(!w(Cuda, Auto, 8 << 20, Some(2)));
+        assert!(w(Cuda, On, 8 << 20, Some(2)));
+    }
 
     #[test]
     fn eight_queues_go_with_side_signals_only_and_never_override_the_user() {
