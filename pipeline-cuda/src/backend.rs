@@ -785,8 +785,7 @@ impl CudaConsumer {
 
     /// Makes the consumer's own stream wait for batch `seq` in `slot` to be ready.
     fn own_wait_ready(&self, slot: u32, seq: u64) -> Result<(), BackendError> {
-        self.ctx.make_current().map_err(be)?;
-        // SAFETY: our stream is live, of the context just made current.
+        // SAFETY: our stream is live (a created stream: no context need be current).
         unsafe { self.wait_ready_raw(self.stream.raw(), slot, seq) }.map_err(be)
     }
 
@@ -820,12 +819,12 @@ impl CudaConsumer {
         slot: u32,
         seq: u64,
     ) -> Result<(), CudaError> {
+        // The word is in our timelines (registered host or mapped device words), mapped for as
+        // long as any stream of ours may write it: Drop synchronizes the context before it
+        // unmaps them, and a dead producer's are never unmapped.
         let word = self.timelines.device(0, slot);
         match &self.side {
-            // SAFETY: the word is in our timelines (registered host or mapped device words),
-            // mapped for as long as any stream of ours may write it: Drop synchronizes the
-            // context before it unmaps them, and a dead producer's are never unmapped. The
-            // caller guarantees `stream`.
+            // SAFETY: the word as said above; the caller guarantees `stream`.
             Some(side) => unsafe { side.lock().write_after(stream, word, seq + 1) },
             // SAFETY: the word as above; the caller guarantees `stream`.
             None => unsafe { driver::stream_write_value64_raw(stream, word, seq + 1) },
@@ -1196,8 +1195,7 @@ impl ConsumerBackend for CudaConsumer {
             // backwards.
             self.own_wait_ready(slot, seq)?;
         }
-        self.ctx.make_current().map_err(be)?;
-        // SAFETY: our stream is live, of the context just made current.
+        // SAFETY: our stream is live (a created stream: no context need be current).
         unsafe { self.write_finished_raw(self.stream.raw(), slot, seq) }.map_err(be)
     }
 }

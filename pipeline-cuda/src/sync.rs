@@ -638,8 +638,8 @@ impl SideSignals {
         if signal.is_ready(slot, seq)? {
             return Ok(());
         }
-        // SAFETY: `waits` is ours and live, of the current context (the caller's contract:
-        // `stream` is of this context, and our callers make it current).
+        // SAFETY: `waits` is a live stream of ours (a created stream: no context need be
+        // current).
         unsafe { signal.wait_unchecked(self.waits.raw(), slot, seq) }?;
         self.ready.record(&self.waits)?;
         // SAFETY: the caller guarantees `stream`; the event is ours.

@@ -57,6 +57,15 @@ impl SideSignalsArg {
         }
     }
 
+    /// Whether a consumer of slots for batches of `batch_bytes` takes side signals (the
+    /// library's own rule for `auto`, for a process that must know before the consumers
+    /// attach).
+    pub fn resolve(self, batch_bytes: u64) -> bool {
+        let slot = pipeline_core::round_slot_bytes(batch_bytes);
+        self.option()
+            .unwrap_or_else(|| pipeline_cuda::sync::side_signals_auto(slot))
+    }
+
     /// The name on the command line.
     pub fn as_str(self) -> &'static str {
         match self {

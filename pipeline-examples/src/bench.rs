@@ -109,17 +109,7 @@ pub fn command(cmd: BenchCmd) -> Result<ExitCode, String> {
             .map(|n| vec!["--mirror-buffers".to_string(), n.to_string()])
             .into_iter()
             .flatten()
-            .chain(
-                (cmd.side_signals != SideSignalsArg::Auto)
-                    .then(|| {
-                        [
-                            "--side-signals".to_string(),
-                            cmd.side_signals.as_str().into(),
-                        ]
-                    })
-                    .into_iter()
-                    .flatten(),
-            )
+            .chain(["--side-signals".into(), cmd.side_signals.as_str().into()])
             .collect(),
         round_trip: cmd.round_trip,
         consumer_devices: cmd.consumer_devices.clone(),
@@ -266,11 +256,7 @@ static PROCESS_ENV: std::sync::OnceLock<Vec<(String, String)>> = std::sync::Once
 /// own, so `CUDA_DEVICE_MAX_CONNECTIONS=8` where it is unset (measured under MPS, with it
 /// set for the producer and the consumers: docs/benchmarks.md). A value the user set is kept.
 fn cuda_env(side: SideSignalsArg, batch_bytes: u64) -> Vec<(String, String)> {
-    let slot = pipeline_core::round_slot_bytes(batch_bytes);
-    let on = side
-        .option()
-        .unwrap_or_else(|| pipeline_cuda::sync::side_signals_auto(slot));
-    if on && pipeline_cuda::probe::max_connections().is_none() {
+    if side.resolve(batch_bytes) && pipeline_cuda::probe::max_connections().is_none() {
         let n = pipeline_cuda::probe::SIDE_SIGNALS_CONNECTIONS;
         vec![("CUDA_DEVICE_MAX_CONNECTIONS".into(), n.to_string())]
     } else {
@@ -322,12 +308,8 @@ fn side_signals_with_lead(
     slots: u32,
     max_lead: Option<u32>,
 ) -> Option<String> {
-    let slot = pipeline_core::round_slot_bytes(batch_bytes);
-    let on = side
-        .option()
-        .unwrap_or_else(|| pipeline_cuda::sync::side_signals_auto(slot));
     let lead = max_lead.filter(|&l| l < slots)?;
-    (backend != BackendArg::Host && on).then(|| {
+    (backend != BackendArg::Host && side.resolve(batch_bytes)).then(|| {
         format!(
             "side signals with a lead bound of {lead} batches: measured slower together than \
              either alone (docs/benchmarks.md); keep one, e.g. add --side-signals off"

@@ -858,11 +858,12 @@ pub fn gpu_gaps(reps: usize) -> Result<Vec<GpuGap>, CudaError> {
     let mut value = 0u64;
     let mut out = Vec::new();
     for (case, between) in cases {
-        // SAFETY: every buffer, word and event below is ours and used only on `a`, `b` and
-        // `side` in the order enqueued here; `b`'s waits are each satisfied by a write or record
-        // enqueued on `a` just before them, and `side` waits only on records made on `a`, so
-        // nothing waits forever; every stream is drained before the host reads the stamps,
-        // and `_drain` drains them before anything is freed on every path out.
+        // Every buffer, word and event below is ours and used only on `a`, `b` and `side` in
+        // the order enqueued here; `b`'s waits are each satisfied by a write or record enqueued
+        // on `a` just before them, and `side` waits only on records made on `a`, so nothing
+        // waits forever.
+        // SAFETY: as just said; every stream is drained before the host reads the stamps, and
+        // `_drain` drains them before anything is freed on every path out.
         unsafe {
             driver::memset_d8_async(stamps.ptr(), 0, stamp_len, &a)?;
             a.synchronize()?;

@@ -102,8 +102,9 @@ pub unsafe fn stream_write_value64(
 /// As [`stream_write_value64`], on a stream given by handle.
 ///
 /// # Safety
-/// As for [`stream_write_value64`]; `stream` is a live handle of the current context (or
-/// `CU_STREAM_LEGACY` / `CU_STREAM_PER_THREAD`).
+/// As for [`stream_write_value64`]; `stream` is a live stream handle (a created stream names its own
+/// context, as the `&Stream` form relies on), or `CU_STREAM_LEGACY` / `CU_STREAM_PER_THREAD`
+/// with the intended context current.
 pub unsafe fn stream_write_value64_raw(
     stream: CUstream,
     ptr: CUdeviceptr,
@@ -134,8 +135,9 @@ pub unsafe fn stream_wait_value64(
 /// As [`stream_wait_value64`], on a stream given by handle.
 ///
 /// # Safety
-/// As for [`stream_wait_value64`]; `stream` is a live handle of the current context (or
-/// `CU_STREAM_LEGACY` / `CU_STREAM_PER_THREAD`).
+/// As for [`stream_wait_value64`]; `stream` is a live stream handle (a created stream names its own
+/// context, as the `&Stream` form relies on), or `CU_STREAM_LEGACY` / `CU_STREAM_PER_THREAD`
+/// with the intended context current.
 pub unsafe fn stream_wait_value64_raw(
     stream: CUstream,
     ptr: CUdeviceptr,
