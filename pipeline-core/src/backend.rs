@@ -102,6 +102,27 @@ pub trait ProducerBackend: Send + Sync + Sized + 'static {
     /// Marks the producer's writes to batch `seq` in `slot` complete (the ring publishes only
     /// after this).
     fn signal_ready(&self, slot: u32, seq: u64) -> Result<(), BackendError>;
+    /// [`ProducerBackend::signal_ready`], with a look ahead: when `next` is
+    /// `Some((slot, prev_seq, holders))`, the slot of the producer's next batch is already
+    /// released by every holder of its previous batch, and the ring will call
+    /// [`ProducerBackend::wait_finished`] with exactly these arguments before that batch. A
+    /// backend may enqueue that wait now, after the ready signal and together with it (a
+    /// GPU backend saves a stream operation per batch), and then let the later call add
+    /// nothing. The ring works `next` out only when [`ProducerBackend::looks_ahead`] says it
+    /// is used. The default ignores `next`.
+    fn signal_ready_then_wait(
+        &self,
+        slot: u32,
+        seq: u64,
+        next: Option<(u32, u64, u64)>,
+    ) -> Result<(), BackendError> {
+        let _ = next;
+        self.signal_ready(slot, seq)
+    }
+    /// Whether [`ProducerBackend::signal_ready_then_wait`] uses its look ahead (default: no).
+    fn looks_ahead(&self) -> bool {
+        false
+    }
     /// The consumer whose work the producer's oldest unfinished wait (from `wait_finished`)
     /// has expected for longer than `limit`, if any. The ring detaches it under the lag
     /// policy `DetachAfter`, as it does a consumer that holds a slot too long: a wait the
@@ -149,6 +170,27 @@ pub trait ConsumerBackend: Send + Sync + Sized + 'static {
     /// after this). For a mirrored batch, the user is done with the copy: its buffer may be
     /// reused (the producer's slot was signalled when the copy was made).
     fn signal_finished(&self, slot: u32, seq: u64) -> Result<(), BackendError>;
+    /// [`ConsumerBackend::signal_finished`], with a look ahead: when `next` is
+    /// `Some((slot, seq))`, batch `seq` is published (its ready signal is enqueued) and is
+    /// the next this consumer will receive. A backend may enqueue that batch's
+    /// [`ConsumerBackend::wait_ready`] now, after the finished signal and together with it,
+    /// and let the later call add nothing. The ring works `next` out (a few reads of the
+    /// shared segment) only when [`ConsumerBackend::looks_ahead`] says it is used. The
+    /// default ignores `next`.
+    fn signal_finished_then_wait(
+        &self,
+        slot: u32,
+        seq: u64,
+        next: Option<(u32, u64)>,
+    ) -> Result<(), BackendError> {
+        let _ = next;
+        self.signal_finished(slot, seq)
+    }
+    /// Whether [`ConsumerBackend::signal_finished_then_wait`] uses its look ahead (default:
+    /// no).
+    fn looks_ahead(&self) -> bool {
+        false
+    }
     /// Mirror delivery, called after [`ConsumerBackend::wait_ready`]: copies batch `seq`
     /// (`len` bytes in `slot`) into a buffer of the consumer's own and signals `finished` for
     /// the producer's slot once the copy is done, so the ring can release the slot at once.

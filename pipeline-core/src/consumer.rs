@@ -290,6 +290,10 @@ impl PendingAttach {
                 held: (0..layout.slot_count).map(|_| AtomicU64::new(0)).collect(),
                 mirrored: AtomicUsize::new(0),
                 deferred: Mutex::new(None),
+                next_cursor: AtomicU64::new(match layout.mode {
+                    Mode::Broadcast => start,
+                    Mode::Shared => u64::MAX,
+                }),
             }),
             index,
             claim_token,
@@ -317,6 +321,9 @@ struct Link<B: ConsumerBackend> {
     mirrored: AtomicUsize,
     /// An error from releasing a dropped batch, reported by the next `recv`.
     deferred: Mutex<Option<Error>>,
+    /// Broadcast: the sequence number this consumer receives next (its cursor, kept here for
+    /// releases on other threads); `u64::MAX` in shared mode, where the next is claimed.
+    next_cursor: AtomicU64,
 }
 
 /// The consuming side of a ring. One thread receives; the [`Batch`]es it returns are owned
@@ -675,6 +682,7 @@ impl<B: ConsumerBackend> Consumer<B> {
             .consumer(self.index)
             .cursor
             .store(self.cursor, Ordering::Relaxed);
+        self.link.next_cursor.store(self.cursor, Ordering::Relaxed);
         Ok(Some((c, k, false)))
     }
 
@@ -804,6 +812,29 @@ impl<B: ConsumerBackend> Link<B> {
         self.release_slot(slot);
     }
 
+    /// Broadcast: the batch this consumer receives next, `(slot, seq)`, when the producer
+    /// has already published it to us (so its ready signal is enqueued), for
+    /// [`ConsumerBackend::signal_finished_then_wait`]. Read from the segment, and only used
+    /// as a hint: the receive that follows checks the batch as always.
+    fn next_published(&self) -> Option<(u32, u64)> {
+        let c = self.next_cursor.load(Ordering::Relaxed);
+        if c == u64::MAX {
+            return None;
+        }
+        let n = self.layout.slot_count;
+        let head = self.seg.header().head.value.load(Ordering::Acquire);
+        if head <= c || ring::check_window(head, c, n).is_err() {
+            return None;
+        }
+        let k = ring::slot_of(c, n);
+        let desc = self.seg.slot(k);
+        let seq = desc.seq.load(Ordering::Acquire);
+        let pending = desc.pending.load(Ordering::Acquire);
+        ring::check_slot(k, seq, c, pending, self.index)
+            .is_ok()
+            .then_some((k, c))
+    }
+
     /// The backend's finished signal, then the ring's release. A mirrored batch's slot was
     /// released when it was copied: only the consumer's own buffer is given back.
     fn release_batch(
@@ -818,7 +849,12 @@ impl<B: ConsumerBackend> Link<B> {
             self.mirrored.fetch_sub(1, Ordering::AcqRel);
             return r.map_err(Error::Backend);
         }
-        let mut finished = self.backend.signal_finished(slot, seq);
+        let next = if self.backend.looks_ahead() {
+            self.next_published()
+        } else {
+            None
+        };
+        let mut finished = self.backend.signal_finished_then_wait(slot, seq, next);
         if claim_unrecorded {
             finished = finished.and_then(|()| self.backend.complete_now());
         }

@@ -991,6 +991,27 @@ impl<B: ProducerBackend> Producer<B> {
     /// Waits until slot `k` is free; the lag policy counts from `started`.
     /// The batch that must be done with before batch `s` is written, under
     /// [`ProducerConfig::max_lead`]; None when the ring's own bound applies.
+    /// While publishing batch `seq`: when the next batch will be acquired next and its
+    /// slot's previous batch is already released by every holder, what `wait_for_slot` will
+    /// hand [`ProducerBackend::wait_finished`] for it, `(slot, prev_seq, holders)`, for
+    /// [`ProducerBackend::signal_ready_then_wait`]. Not under a lead bound below the ring
+    /// (which waits for a second batch), nor with one slot (the next batch's previous one is
+    /// `seq` itself), nor when a later batch was already taken ahead. The caller holds
+    /// `holders_gate`.
+    fn free_next(&self, seq: u64) -> Option<(u32, u64, u64)> {
+        let sh = &*self.shared;
+        let n = sh.layout.slot_count;
+        let next = seq + 1;
+        if n < 2 || next > MAX_SEQ || self.reserved > next || self.lead_bound(next).is_some() {
+            return None;
+        }
+        let prev = ring::previous_in_slot(next, n)?;
+        let k = ring::slot_of(next, n);
+        let active = sh.active.load(Ordering::Acquire);
+        ring::slot_free(&sh.seg.slot(k).pending, active, sh.shared_mode())
+            .then(|| (k, prev, self.holders_of(k, prev)))
+    }
+
     fn lead_bound(&self, s: u64) -> Option<u64> {
         let lead = u64::from(self.shared.config.max_lead?);
         if lead >= u64::from(self.shared.layout.slot_count) {
@@ -1367,9 +1388,15 @@ impl<'p, B: ProducerBackend> Slot<'p, B> {
                 )));
             }
         }
-        sh.backend
-            .signal_ready(self.slot, self.seq)
-            .map_err(Error::Backend)?;
+        let ready = if sh.backend.looks_ahead() {
+            // Held across the look ahead's `holders_of` and its wait, as in `wait_for_slot`.
+            let _gate = sh.holders_gate.read();
+            let next = p.free_next(self.seq);
+            sh.backend.signal_ready_then_wait(self.slot, self.seq, next)
+        } else {
+            sh.backend.signal_ready(self.slot, self.seq)
+        };
+        ready.map_err(Error::Backend)?;
         let desc = sh.seg.slot(self.slot);
         sh.seg.tensor_table(self.slot).write(tensors);
         desc.len.store(len, Ordering::Relaxed);

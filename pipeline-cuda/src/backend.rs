@@ -243,6 +243,9 @@ pub struct CudaProducer {
     /// Per slot: the generation (`seq + 1`) whose `ready` was already signalled on a caller's
     /// stream ([`CudaProducer::signal_ready_on`]); `signal_ready` then adds nothing.
     presignalled: Vec<AtomicU64>,
+    /// Per slot: `prev_seq + 1` of the finished waits a look ahead already enqueued
+    /// ([`ProducerBackend::signal_ready_then_wait`]); `wait_finished` for them adds nothing.
+    prewaited: Vec<AtomicU64>,
 }
 
 /// What [`ProducerBackend::overdue`] needs: each wait on a `finished` word is followed on the
@@ -488,6 +491,7 @@ impl ProducerBackend for CudaProducer {
             watch,
             scratch: Mutex::new(scratch),
             presignalled: (0..layout.slot_count).map(|_| AtomicU64::new(0)).collect(),
+            prewaited: (0..layout.slot_count).map(|_| AtomicU64::new(0)).collect(),
         })
     }
 
@@ -556,6 +560,12 @@ impl ProducerBackend for CudaProducer {
     }
 
     fn wait_finished(&self, slot: u32, prev_seq: u64, holders: u64) -> Result<(), BackendError> {
+        if self.prewaited[slot as usize]
+            .compare_exchange(prev_seq + 1, 0, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+        {
+            return Ok(());
+        }
         if self.presignalled[slot as usize].load(Ordering::Acquire) == prev_seq + 1 {
             // The previous batch's writes ran on a caller's stream, which nothing of ours has
             // waited for (with no holders, no consumer's `finished` orders after them either):
@@ -570,6 +580,15 @@ impl ProducerBackend for CudaProducer {
         // them passes. Its words are reused only after an attach drains the stream, which
         // the gate holds off until we are done.
         let _gate = self.gate.read();
+        if !self.watch.on.load(Ordering::Acquire) {
+            // Every wait in one batched stream operation.
+            let mut ops = Vec::new();
+            self.finished_waits(slot, prev_seq, holders, &mut ops);
+            // SAFETY: the words are in the consumers' finished words, which stay mapped until
+            // an attach at their index has let every wait enqueued here pass (the gate is
+            // held); the stream is ours.
+            return unsafe { driver::stream_mem_ops_raw(self.stream.raw(), &ops) }.map_err(be);
+        }
         let targets = holders & *self.live.lock();
         for c in 0..64u32 {
             if targets & (1u64 << c) == 0 {
@@ -641,6 +660,68 @@ impl ProducerBackend for CudaProducer {
         // SAFETY: our stream is live.
         unsafe { self.ready.signal(self.stream.raw(), slot, seq) }.map_err(be)
     }
+
+    fn looks_ahead(&self) -> bool {
+        matches!(self.ready, ReadySignal::Semaphore(_)) && !self.watch.on.load(Ordering::Acquire)
+    }
+
+    fn signal_ready_then_wait(
+        &self,
+        slot: u32,
+        seq: u64,
+        next: Option<(u32, u64, u64)>,
+    ) -> Result<(), BackendError> {
+        let (Some((k, prev, holders)), Some(word)) = (next, self.ready.word(slot)) else {
+            return self.signal_ready(slot, seq);
+        };
+        if !self.looks_ahead()
+            || self.presignalled[slot as usize].load(Ordering::Acquire) == seq + 1
+            || self.presignalled[k as usize].load(Ordering::Acquire) == prev + 1
+        {
+            return self.signal_ready(slot, seq);
+        }
+        // The ready write, then the next slot's finished waits, in one stream operation: the
+        // GPU runs them in order, so the ready signal is not held back by the waits.
+        let mut ops = vec![driver::MemOp::Write {
+            ptr: word,
+            value: seq + 1,
+        }];
+        let _gate = self.gate.read();
+        self.finished_waits(k, prev, holders, &mut ops);
+        // SAFETY: the ready word is in our timelines, mapped for our lifetime; the finished
+        // words as in `wait_finished` (the gate is held); the stream is ours.
+        unsafe { driver::stream_mem_ops_raw(self.stream.raw(), &ops) }.map_err(be)?;
+        // Only now: `wait_finished` may leave the waits out once they are enqueued.
+        self.prewaited[k as usize].store(prev + 1, Ordering::Release);
+        Ok(())
+    }
+}
+
+impl CudaProducer {
+    /// Appends to `ops` a wait for each consumer in `holders` that is live and has not yet
+    /// finished batch `prev_seq` in `slot` as far as the host can tell. The caller holds
+    /// `gate` (read) until the waits are enqueued.
+    fn finished_waits(&self, slot: u32, prev_seq: u64, holders: u64, ops: &mut Vec<driver::MemOp>) {
+        let targets = holders & *self.live.lock();
+        let mut rest = targets;
+        while rest != 0 {
+            let c = rest.trailing_zeros();
+            rest &= rest - 1;
+            // Done already (the usual case with host words when the producer is the faster
+            // side): no stream wait.
+            if self.timelines.reached(c, slot, prev_seq + 1) {
+                continue;
+            }
+            // A live consumer has attached, so its words are installed.
+            if let Some(ptr) = self.timelines.device(c, slot) {
+                ops.push(driver::MemOp::Wait {
+                    ptr,
+                    value: prev_seq + 1,
+                    condition: WaitCondition::Geq,
+                });
+            }
+        }
+    }
 }
 
 impl Drop for CudaProducer {
@@ -691,6 +772,9 @@ pub struct CudaConsumer {
     /// [`CudaOptions::side_signals`], resolved at attach: the streams that wait for `ready`
     /// and write `finished` (None: the stream that uses the batch does both).
     side: Option<Mutex<SideSignals>>,
+    /// `seq + 1` of the batch whose `ready` our stream already waits for: a look ahead
+    /// ([`ConsumerBackend::signal_finished_then_wait`]) enqueued it; 0 when none.
+    prewaited: AtomicU64,
 }
 
 impl CudaConsumer {
@@ -785,6 +869,14 @@ impl CudaConsumer {
 
     /// Makes the consumer's own stream wait for batch `seq` in `slot` to be ready.
     fn own_wait_ready(&self, slot: u32, seq: u64) -> Result<(), BackendError> {
+        if self
+            .prewaited
+            .compare_exchange(seq + 1, 0, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+        {
+            // A look ahead enqueued this wait on our stream already.
+            return Ok(());
+        }
         // SAFETY: our stream is live (a created stream: no context need be current).
         unsafe { self.wait_ready_raw(self.stream.raw(), slot, seq) }.map_err(be)
     }
@@ -1082,6 +1174,7 @@ impl ConsumerBackend for CudaConsumer {
                 mirror,
                 on_producer_gpu,
                 side,
+                prewaited: AtomicU64::new(0),
             },
             Export {
                 blob: reply,
@@ -1197,6 +1290,57 @@ impl ConsumerBackend for CudaConsumer {
         }
         // SAFETY: our stream is live (a created stream: no context need be current).
         unsafe { self.write_finished_raw(self.stream.raw(), slot, seq) }.map_err(be)
+    }
+
+    fn looks_ahead(&self) -> bool {
+        self.side.is_none()
+            && self.mirror.is_none()
+            && !self.defer_ready
+            && matches!(*self.ready, ReadySignal::Semaphore(_))
+    }
+
+    fn signal_finished_then_wait(
+        &self,
+        slot: u32,
+        seq: u64,
+        next: Option<(u32, u64)>,
+    ) -> Result<(), BackendError> {
+        let Some((k, next_seq)) = next else {
+            return self.signal_finished(slot, seq);
+        };
+        let Some(ready) = self.ready.word(k) else {
+            return self.signal_finished(slot, seq);
+        };
+        if !self.looks_ahead()
+            || self.presignalled[slot as usize].load(Ordering::Acquire) == seq + 1
+            || self.prewaited.load(Ordering::Acquire) == next_seq + 1
+            || self.ready.is_ready(k, next_seq).map_err(be)?
+        {
+            return self.signal_finished(slot, seq);
+        }
+        // Our `finished` write, then the wait for the next batch's `ready`, in one stream
+        // operation, as the next receive would have enqueued it. Early, but harmless: the
+        // producer enqueued that batch's ready signal before publishing it, behind waits only
+        // on work enqueued before (its slot was released, ours included, before it was
+        // written), so the wait ends without anything of ours enqueued after it.
+        let ops = [
+            driver::MemOp::Write {
+                ptr: self.timelines.device(0, slot),
+                value: seq + 1,
+            },
+            driver::MemOp::Wait {
+                ptr: ready,
+                value: next_seq + 1,
+                condition: WaitCondition::Geq,
+            },
+        ];
+        // SAFETY: the finished word as in `write_finished_raw`, the ready word as in
+        // `ReadySignal::wait_unchecked` (both mapped for as long as our stream may use them);
+        // our stream is live.
+        unsafe { driver::stream_mem_ops_raw(self.stream.raw(), &ops) }.map_err(be)?;
+        // Only now: the receive may leave its wait out once this one is enqueued.
+        self.prewaited.store(next_seq + 1, Ordering::Release);
+        Ok(())
     }
 }
 

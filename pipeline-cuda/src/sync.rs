@@ -475,6 +475,14 @@ impl ReadySignal {
         }
     }
 
+    /// The timeline word of `slot` (semaphore sync), as the GPU addresses it.
+    pub(crate) fn word(&self, slot: u32) -> Option<CUdeviceptr> {
+        match self {
+            ReadySignal::Events(_) => None,
+            ReadySignal::Semaphore(words) => Some(words.device(0, slot)),
+        }
+    }
+
     /// True when a wait on `ready` that will never be signalled can be released from the
     /// host for certain: host words. (Events cannot be; device words are released by a write
     /// on another stream, which teardown does not rely on.)

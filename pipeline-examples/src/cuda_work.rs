@@ -770,6 +770,7 @@ enum Between {
     WaitDeviceReached,
     WaitHostReached,
     WriteWaitDevice,
+    WriteWaitDeviceBatched,
     RecordIpc,
     WaitIpcDone,
     RecordPlain,
@@ -792,7 +793,7 @@ pub fn gpu_gaps(reps: usize) -> Result<Vec<GpuGap>, CudaError> {
     use Between::*;
     const SMALL: usize = 2 << 20;
     const LONG: usize = 64 << 20;
-    let cases: [(&'static str, Between); 16] = [
+    let cases: [(&'static str, Between); 17] = [
         ("kernel, kernel (one stream)", Nothing),
         ("kernel, write device word, kernel", WriteDevice),
         ("kernel, write host word, kernel", WriteHost),
@@ -802,6 +803,10 @@ pub fn gpu_gaps(reps: usize) -> Result<Vec<GpuGap>, CudaError> {
         ),
         ("kernel, wait host word (reached), kernel", WaitHostReached),
         ("kernel, write + wait device words, kernel", WriteWaitDevice),
+        (
+            "kernel, write + wait device words in one batched operation, kernel",
+            WriteWaitDeviceBatched,
+        ),
         ("kernel, record IPC event, kernel", RecordIpc),
         ("kernel, wait IPC event (completed), kernel", WaitIpcDone),
         ("kernel, record plain event, kernel", RecordPlain),
@@ -893,6 +898,19 @@ pub fn gpu_gaps(reps: usize) -> Result<Vec<GpuGap>, CudaError> {
                         value += 1;
                         driver::stream_write_value64(&a, dword.ptr(), value)?;
                         driver::stream_wait_value64(&a, dword.ptr(), 0, driver::WaitCondition::Geq)?
+                    }
+                    WriteWaitDeviceBatched => {
+                        value += 1;
+                        let (ptr, condition) = (dword.ptr(), driver::WaitCondition::Geq);
+                        let ops = [
+                            driver::MemOp::Write { ptr, value },
+                            driver::MemOp::Wait {
+                                ptr,
+                                value: 0,
+                                condition,
+                            },
+                        ];
+                        driver::stream_mem_ops_raw(a.raw(), &ops)?
                     }
                     RecordIpc => ipc.record(&a)?,
                     WaitIpcDone => a.wait_event(&ipc)?,

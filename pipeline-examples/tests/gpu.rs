@@ -182,7 +182,7 @@ fn cuda_probe_times_the_hot_paths_driver_calls() {
         // Every operation between the two kernels keeps them in order, on one stream and
         // handed between two: the second never starts before the first has ended.
         let gaps = r["gpu_gaps"].as_array().expect("gpu_gaps");
-        assert_eq!(gaps.len(), 16, "{gaps:?}");
+        assert_eq!(gaps.len(), 17, "{gaps:?}");
         assert!(
             gaps.iter()
                 .any(|g| g["case"].as_str().unwrap().starts_with("handover"))

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Summarises scripts/gpu/perf.sh's perf.jsonl: per configuration the median (min..max) of
 batches/s and of the ratio to the fair ceiling over the repetitions, the round-trip overhead,
-and issue #13's targets. Usage: perf_summary.py perf.jsonl"""
+and issue #13's targets. A tag that appears on several lines (rounds of one script) gets a
+row per line; the targets use its last. Usage: perf_summary.py perf.jsonl"""
 import json
 import statistics
 import sys
@@ -11,7 +12,7 @@ def main(path):
     rows = [json.loads(line) for line in open(path) if line.strip()]
     by = {r["tag"]: r["report"] for r in rows}
     print(f"{'configuration':28} {'batches/s (median, min..max)':32} {'ratio to fair ceiling':26} lead")
-    for tag, r in by.items():
+    for tag, r in ((x["tag"], x["report"]) for x in rows):
         rep = r.get("repetitions") or {}
         b = rep.get("batches_per_s") or {"median": r["batches_per_s"], "min": r["batches_per_s"], "max": r["batches_per_s"]}
         f = rep.get("ratio_to_fair_ceiling") or {"median": r["extra"]["ratio_to_fair_ceiling"]}
@@ -19,7 +20,7 @@ def main(path):
         print(f"{tag:28} {b['median']:>9.0f} ({b['min']:.0f}..{b['max']:.0f}){'':8} {fr:26} {r.get('max_lead')}")
     print()
     print("round trip at 2 MiB, 1 slot (p50 per repetition, minus the one-process fill + verify time):")
-    for tag, r in by.items():
+    for tag, r in ((x["tag"], x["report"]) for x in rows):
         if "rtt" not in tag:
             continue
         runs = (r.get("repetitions") or {}).get("runs") or [r]

@@ -144,14 +144,102 @@ pub unsafe fn stream_wait_value64_raw(
     value: u64,
     condition: WaitCondition,
 ) -> Result<(), CudaError> {
-    let flags = match condition {
-        WaitCondition::Geq => sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ,
-        WaitCondition::Eq => sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_EQ,
-    } as c_uint;
+    let flags = wait_flags(condition);
     // SAFETY: the caller guarantees `ptr` and `stream`.
     check("cuStreamWaitValue64_v2", unsafe {
         sys::cuStreamWaitValue64_v2(stream, ptr, value, flags)
     })
+}
+
+/// One stream memory operation of a batch ([`stream_mem_ops_raw`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemOp {
+    /// Write `value` to the 8-byte word at `ptr`, as [`stream_write_value64`] does.
+    Write {
+        /// The word.
+        ptr: CUdeviceptr,
+        /// The value.
+        value: u64,
+    },
+    /// Wait until the 8-byte word at `ptr` meets `condition` against `value`, as
+    /// [`stream_wait_value64`] does.
+    Wait {
+        /// The word.
+        ptr: CUdeviceptr,
+        /// The value.
+        value: u64,
+        /// The comparison.
+        condition: WaitCondition,
+    },
+}
+
+/// Most operations [`stream_mem_ops_raw`] hands the driver in one call; longer lists go in
+/// several calls, in order.
+const MEM_OPS_PER_CALL: usize = 8;
+
+impl MemOp {
+    fn params(self) -> sys::CUstreamBatchMemOpParams {
+        match self {
+            MemOp::Write { ptr, value } => sys::CUstreamBatchMemOpParams {
+                writeValue: sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWriteValueParams_st {
+                    operation: sys::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WRITE_VALUE_64,
+                    address: ptr,
+                    __bindgen_anon_1:
+                        sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWriteValueParams_st__bindgen_ty_1 {
+                            value64: value,
+                        },
+                    flags: sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as c_uint,
+                    alias: 0,
+                },
+            },
+            MemOp::Wait {
+                ptr,
+                value,
+                condition,
+            } => sys::CUstreamBatchMemOpParams {
+                waitValue: sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWaitValueParams_st {
+                    operation: sys::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WAIT_VALUE_64,
+                    address: ptr,
+                    __bindgen_anon_1:
+                        sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWaitValueParams_st__bindgen_ty_1 {
+                            value64: value,
+                        },
+                    flags: wait_flags(condition),
+                    alias: 0,
+                },
+            },
+        }
+    }
+}
+
+fn wait_flags(condition: WaitCondition) -> c_uint {
+    (match condition {
+        WaitCondition::Geq => sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ,
+        WaitCondition::Eq => sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_EQ,
+    }) as c_uint
+}
+
+/// Enqueues `ops` on `stream` as batched stream memory operations (`cuStreamBatchMemOp`),
+/// which the driver runs in array order. Measured on an H100 (docs/benchmarks.md), a write
+/// and a wait batched into one operation idle the GPU about 1 µs less between two kernels
+/// than the same two enqueued one by one, and the host makes one driver call instead of two.
+///
+/// # Safety
+/// As for [`stream_write_value64_raw`] and [`stream_wait_value64_raw`], for every word named.
+pub unsafe fn stream_mem_ops_raw(stream: CUstream, ops: &[MemOp]) -> Result<(), CudaError> {
+    for chunk in ops.chunks(MEM_OPS_PER_CALL) {
+        let mut params = [MemOp::Write { ptr: 0, value: 0 }.params(); MEM_OPS_PER_CALL];
+        for (p, op) in params.iter_mut().zip(chunk) {
+            *p = op.params();
+        }
+        // SAFETY: the first `chunk.len()` entries of `params` are initialised operations (the
+        // driver reads them during the call only); the caller guarantees the words and
+        // `stream`.
+        check("cuStreamBatchMemOp_v2", unsafe {
+            sys::cuStreamBatchMemOp_v2(stream, chunk.len() as c_uint, params.as_mut_ptr(), 0)
+        })?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

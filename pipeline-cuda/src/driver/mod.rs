@@ -23,7 +23,7 @@
 //! | `vmm.rs` | [`PhysicalAllocation`], [`VmmMapping`] (`cuMemCreate` / `cuMemMap`) |
 //! | `ipc.rs` | legacy IPC memory handles: [`IpcMemHandle`], [`IpcMapping`] |
 //! | `buffer.rs` | [`PinnedBuffer`], [`DeviceBuffer`], [`HostRegistration`] |
-//! | `memops.rs` | copies, memset, [`stream_write_value64`] / [`stream_wait_value64`] |
+//! | `memops.rs` | copies, memset, [`stream_write_value64`] / [`stream_wait_value64`], and batches of them ([`stream_mem_ops_raw`]) |
 
 use std::ffi::{CStr, c_char, c_int};
 use std::fmt;
@@ -48,8 +48,9 @@ pub use context::{Context, Device, Stream};
 pub use event::Event;
 pub use ipc::{IpcMapping, IpcMemHandle};
 pub use memops::{
-    WaitCondition, memcpy_async, memcpy_dtoh_async, memcpy_htod_async, memset_d8_async,
-    stream_wait_value64, stream_wait_value64_raw, stream_write_value64, stream_write_value64_raw,
+    MemOp, WaitCondition, memcpy_async, memcpy_dtoh_async, memcpy_htod_async, memset_d8_async,
+    stream_mem_ops_raw, stream_wait_value64, stream_wait_value64_raw, stream_write_value64,
+    stream_write_value64_raw,
 };
 pub use pool::{FabricHandle, MemPool, PointerExport, PoolHandleType};
 pub use vmm::{PhysicalAllocation, VmmMapping, allocation_granularity};
