@@ -89,6 +89,16 @@ pub trait ProducerBackend: Send + Sync + Sized + 'static {
     /// `holders` (bit c = consumer c) that had its previous batch, `prev_seq`. The ring has
     /// already seen them release it.
     fn wait_finished(&self, slot: u32, prev_seq: u64, holders: u64) -> Result<(), BackendError>;
+    /// [`ProducerBackend::wait_finished`] for each `(slot, prev_seq, holders)`, in order (the
+    /// ring under a lead bound orders a batch after two: the batch `max_lead` back and its
+    /// slot's previous one). A backend may enqueue them together. The default calls
+    /// `wait_finished` for each.
+    fn wait_finished_all(&self, waits: &[(u32, u64, u64)]) -> Result<(), BackendError> {
+        for &(slot, prev_seq, holders) in waits {
+            self.wait_finished(slot, prev_seq, holders)?;
+        }
+        Ok(())
+    }
     /// The slot's memory for writing.
     ///
     /// # Safety

@@ -928,37 +928,36 @@ impl<B: ProducerBackend> Producer<B> {
         }
         let n = self.shared.layout.slot_count;
         let k = ring::slot_of(s, n);
-        if let Some(early) = self.lead_bound(s) {
-            // The batch `max_lead` back must be done with first (it still sits in its slot:
-            // the lead is below the ring's size).
-            let k_early = ring::slot_of(early, n);
-            let started = match self.stalled_since {
-                Some((seq, t)) if seq == s => t,
-                _ => self.stalled_since.insert((s, Instant::now())).1,
-            };
+        // Under a lead bound, the batch `max_lead` back must be done with too (it still sits
+        // in its slot: the lead is below the ring's size).
+        let early = self.lead_bound(s).map(|e| (ring::slot_of(e, n), e));
+        let prev = ring::previous_in_slot(s, n);
+        if early.is_none() && prev.is_none() {
+            return Ok(());
+        }
+        let started = match self.stalled_since {
+            Some((seq, t)) if seq == s => t,
+            _ => self.stalled_since.insert((s, Instant::now())).1,
+        };
+        if let Some((k_early, _)) = early {
             self.wait_slot_free(k_early, started, deadline)?;
-            let _gate = self.shared.holders_gate.read();
-            let holders = self.holders_of(k_early, early);
-            self.shared
-                .backend
-                .wait_finished(k_early, early, holders)
-                .map_err(Error::Backend)?;
         }
-        if let Some(prev) = ring::previous_in_slot(s, n) {
-            let started = match self.stalled_since {
-                Some((seq, t)) if seq == s => t,
-                _ => self.stalled_since.insert((s, Instant::now())).1,
-            };
+        if prev.is_some() {
             self.wait_slot_free(k, started, deadline)?;
-            self.stalled_since = None;
-            let _gate = self.shared.holders_gate.read();
-            let holders = self.holders_of(k, prev);
-            self.shared
-                .backend
-                .wait_finished(k, prev, holders)
-                .map_err(Error::Backend)?;
         }
-        Ok(())
+        self.stalled_since = None;
+        // Both released: the backend orders after both in one call (one stream operation).
+        let _gate = self.shared.holders_gate.read();
+        let mut waits = [(0, 0, 0); 2];
+        let mut len = 0;
+        for (slot, seq) in early.into_iter().chain(prev.map(|p| (k, p))) {
+            waits[len] = (slot, seq, self.holders_of(slot, seq));
+            len += 1;
+        }
+        self.shared
+            .backend
+            .wait_finished_all(&waits[..len])
+            .map_err(Error::Backend)
     }
 
     /// Takes back a slot let go with [`Slot::into_loan`]. Refused once the producer has

@@ -21,6 +21,8 @@ enum Call {
     Ready(u32, u64, Option<(u32, u64, u64)>),
     /// `wait_finished(slot, prev_seq, holders)`.
     Wait(u32, u64, u64),
+    /// `wait_finished_all` with this many waits (its `wait_finished` calls follow).
+    All(usize),
 }
 
 type Calls = Arc<Mutex<Vec<Call>>>;
@@ -56,6 +58,13 @@ impl ProducerBackend for Looking {
             .lock()
             .unwrap()
             .push(Call::Wait(slot, prev, holders));
+        Ok(())
+    }
+    fn wait_finished_all(&self, waits: &[(u32, u64, u64)]) -> Result<(), BackendError> {
+        self.calls.lock().unwrap().push(Call::All(waits.len()));
+        for &(slot, prev, holders) in waits {
+            self.wait_finished(slot, prev, holders)?;
+        }
         Ok(())
     }
     unsafe fn slot_mut(&self, slot: u32) -> &mut [u8] {
@@ -192,6 +201,64 @@ fn the_producer_looks_ahead_only_at_a_free_slot_and_names_the_wait_it_then_makes
         } else {
             assert_eq!(looked, 0);
         }
+    }
+}
+
+/// Under a lead bound the ring orders each batch after two (the batch `max_lead` back and its
+/// slot's previous one) in one `wait_finished_all`, and never looks ahead (the next batch's
+/// earlier batch is the one just published).
+#[test]
+fn under_a_lead_bound_both_waits_go_in_one_call_and_nothing_is_looked_ahead() {
+    let path = sock("lead");
+    let calls = Calls::default();
+    let config = ProducerConfig {
+        slots: 4,
+        batch_bytes: 4096,
+        max_lead: Some(2),
+        ..Default::default()
+    };
+    let mut producer: Producer<Looking> = Producer::bind(&path, config, calls.clone()).unwrap();
+    let p2 = path.clone();
+    let c = std::thread::spawn(move || {
+        let mut c: Consumer<HostConsumer> = Consumer::attach(&p2, HostOptions::default()).unwrap();
+        let mut n = 0u64;
+        while let Some(b) = c.recv().unwrap() {
+            assert_eq!(b.seq(), n);
+            b.release().unwrap();
+            n += 1;
+        }
+        n
+    });
+    producer
+        .wait_for_consumers(1, Duration::from_secs(10))
+        .unwrap();
+    for _ in 0..12 {
+        producer.acquire().unwrap().publish(8).unwrap();
+    }
+    producer.close();
+    assert_eq!(c.join().unwrap(), 12);
+    let calls = calls.lock().unwrap().clone();
+    for s in 2..12u64 {
+        // The calls made for batch `s`: after batch s - 1's ready signal.
+        let at = calls
+            .iter()
+            .position(|c| matches!(c, Call::Ready(_, r, _) if *r + 1 == s))
+            .unwrap();
+        let Call::Ready(_, _, next) = calls[at] else {
+            unreachable!()
+        };
+        assert_eq!(next, None, "batch {s}: looked ahead under a lead bound");
+        let mut want = vec![Call::Wait(ring::slot_of(s - 2, 4), s - 2, 1)];
+        if s >= 4 {
+            want.push(Call::Wait(ring::slot_of(s, 4), s - 4, 1));
+        }
+        let mut expect = vec![Call::All(want.len())];
+        expect.extend(want);
+        assert_eq!(
+            calls[at + 1..at + 1 + expect.len()],
+            expect[..],
+            "batch {s}: {calls:?}"
+        );
     }
 }
 

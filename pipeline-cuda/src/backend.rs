@@ -661,6 +661,32 @@ impl ProducerBackend for CudaProducer {
         unsafe { self.ready.signal(self.stream.raw(), slot, seq) }.map_err(be)
     }
 
+    fn wait_finished_all(&self, waits: &[(u32, u64, u64)]) -> Result<(), BackendError> {
+        let one_by_one = waits.len() < 2
+            || self.watch.on.load(Ordering::Acquire)
+            || waits.iter().any(|&(slot, prev, _)| {
+                self.presignalled[slot as usize].load(Ordering::Acquire) == prev + 1
+            });
+        if one_by_one {
+            for &(slot, prev, holders) in waits {
+                self.wait_finished(slot, prev, holders)?;
+            }
+            return Ok(());
+        }
+        let mut ops = Vec::new();
+        let _gate = self.gate.read();
+        for &(slot, prev, holders) in waits {
+            let enqueued = self.prewaited[slot as usize]
+                .compare_exchange(prev + 1, 0, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok();
+            if !enqueued && holders != 0 {
+                self.finished_waits(slot, prev, holders, &mut ops);
+            }
+        }
+        // SAFETY: the words as in `wait_finished` (the gate is held); the stream is ours.
+        unsafe { driver::stream_mem_ops_raw(self.stream.raw(), &ops) }.map_err(be)
+    }
+
     fn looks_ahead(&self) -> bool {
         matches!(self.ready, ReadySignal::Semaphore(_)) && !self.watch.on.load(Ordering::Acquire)
     }

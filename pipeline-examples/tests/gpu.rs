@@ -232,6 +232,21 @@ fn cuda_broadcast_four_consumers() {
     watchdog(180, |_| bench("broadcast", 4));
 }
 
+/// The batched stream operations: under a lead bound the producer orders each batch after
+/// two earlier ones in one operation; without one, it and broadcast consumers look ahead to
+/// the next batch (two slots: the look ahead's slot is the one just released). Every batch
+/// verified, both modes, three consumers.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_lead_bound_and_look_aheads_keep_every_batch_verified() {
+    for mode in ["broadcast", "shared"] {
+        watchdog(180, move |_| {
+            bench_with(mode, 3, &["--max-lead", "2", "--slots", "4"]);
+            bench_with(mode, 3, &["--slots", "2"]);
+        });
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_shared_one_consumer() {

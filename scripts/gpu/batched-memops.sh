@@ -5,7 +5,7 @@
 # build before them. Needs that build's `gpipe` in .gpu/base/ (copied there by hand after
 # staging). MPS on, median of $REPS, the two builds alternating, $ROUNDS rounds. From the
 # repo root; results under $OUT and on stdout.
-#   bash scripts/gpu/batched-memops.sh     # about 4 minutes on an H100
+#   bash scripts/gpu/batched-memops.sh     # about 2 minutes on an H100
 set -u
 O=${OUT:-/tmp/o}; mkdir -p "$O"
 . .gpu/env.sh
