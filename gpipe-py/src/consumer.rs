@@ -214,6 +214,21 @@ impl PyConsumer {
             AnyConsumer::Host(_) => false,
             AnyConsumer::Cuda(c) => c.backend().side_signals(),
         };
+        if side_signals && pipeline_cuda::probe::mps_control_pipe().is_some() {
+            // Under MPS, side streams without hardware queues of their own gain little
+            // (docs/benchmarks.md); the queues are fixed when CUDA starts in this process, so
+            // all we can do now is say what to set before it does.
+            if let Err(why) = pipeline_cuda::probe::side_signals_connections() {
+                let msg = format!(
+                    "gpipe: side signals are on (slots of {} bytes) and MPS is running, but {why} \
+                     (before CUDA starts in this process, e.g. at the top of the script)",
+                    layout.slot_bytes
+                );
+                let msg = std::ffi::CString::new(msg).unwrap_or_default();
+                let category = py.get_type::<pyo3::exceptions::PyRuntimeWarning>();
+                PyErr::warn(py, category.as_any(), &msg, 1)?;
+            }
+        }
         Ok(Self {
             inner: Mutex::new(Some(inner)),
             socket: socket.display().to_string(),

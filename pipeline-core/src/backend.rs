@@ -115,7 +115,8 @@ pub trait ProducerBackend: Send + Sync + Sized + 'static {
     /// [`ProducerBackend::signal_ready`], with a look ahead: when `next` is
     /// `Some((slot, prev_seq, holders))`, the slot of the producer's next batch is already
     /// released by every holder of its previous batch, and the ring will call
-    /// [`ProducerBackend::wait_finished`] with exactly these arguments before that batch. A
+    /// [`ProducerBackend::wait_finished`] for that slot and `prev_seq` before that batch (with
+    /// the same holders, or fewer if some departed meanwhile, whose waits pass anyway). A
     /// backend may enqueue that wait now, after the ready signal and together with it (a
     /// GPU backend saves a stream operation per batch), and then let the later call add
     /// nothing. The ring works `next` out only when [`ProducerBackend::looks_ahead`] says it

@@ -987,9 +987,6 @@ impl<B: ProducerBackend> Producer<B> {
         })
     }
 
-    /// Waits until slot `k` is free; the lag policy counts from `started`.
-    /// The batch that must be done with before batch `s` is written, under
-    /// [`ProducerConfig::max_lead`]; None when the ring's own bound applies.
     /// While publishing batch `seq`: when the next batch will be acquired next and its
     /// slot's previous batch is already released by every holder, what `wait_for_slot` will
     /// hand [`ProducerBackend::wait_finished`] for it, `(slot, prev_seq, holders)`, for
@@ -1011,6 +1008,8 @@ impl<B: ProducerBackend> Producer<B> {
             .then(|| (k, prev, self.holders_of(k, prev)))
     }
 
+    /// The batch that must be done with before batch `s` is written, under
+    /// [`ProducerConfig::max_lead`]; None when the ring's own bound applies.
     fn lead_bound(&self, s: u64) -> Option<u64> {
         let lead = u64::from(self.shared.config.max_lead?);
         if lead >= u64::from(self.shared.layout.slot_count) {
@@ -1019,6 +1018,7 @@ impl<B: ProducerBackend> Producer<B> {
         s.checked_sub(lead)
     }
 
+    /// Waits until slot `k` is free; the lag policy counts from `started`.
     fn wait_slot_free(
         &self,
         k: u32,
@@ -1387,14 +1387,17 @@ impl<'p, B: ProducerBackend> Slot<'p, B> {
                 )));
             }
         }
-        let ready = if sh.backend.looks_ahead() {
-            // Held across the look ahead's `holders_of` and its wait, as in `wait_for_slot`.
-            let _gate = sh.holders_gate.read();
-            let next = p.free_next(self.seq);
-            sh.backend.signal_ready_then_wait(self.slot, self.seq, next)
-        } else {
-            sh.backend.signal_ready(self.slot, self.seq)
-        };
+        // Not under `detach-after`: a backend's watch of its waits must see each one as the
+        // acquire makes it.
+        let ready =
+            if sh.backend.looks_ahead() && !matches!(sh.config.lag, LagPolicy::DetachAfter(_)) {
+                // Held across the look ahead's `holders_of` and its wait, as in `wait_for_slot`.
+                let _gate = sh.holders_gate.read();
+                let next = p.free_next(self.seq);
+                sh.backend.signal_ready_then_wait(self.slot, self.seq, next)
+            } else {
+                sh.backend.signal_ready(self.slot, self.seq)
+            };
         ready.map_err(Error::Backend)?;
         let desc = sh.seg.slot(self.slot);
         sh.seg.tensor_table(self.slot).write(tensors);

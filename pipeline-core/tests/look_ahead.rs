@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use pipeline_core::{
     BackendError, BackendKind, Consumer, ConsumerBackend, Export, HostConsumer, HostOptions,
-    HostProducer, Mode, Producer, ProducerBackend, ProducerConfig, RingLayout, ring,
+    HostProducer, LagPolicy, Mode, Producer, ProducerBackend, ProducerConfig, RingLayout, ring,
 };
 
 /// What the producer's ring asked of its backend, in order.
@@ -23,6 +23,8 @@ enum Call {
     Wait(u32, u64, u64),
     /// `wait_finished_all` with this many waits (its `wait_finished` calls follow).
     All(usize),
+    /// `signal_ready(slot, seq)`: no look ahead asked for.
+    Plain(u32, u64),
 }
 
 type Calls = Arc<Mutex<Vec<Call>>>;
@@ -71,8 +73,9 @@ impl ProducerBackend for Looking {
         // SAFETY: forwarded under the same contract the ring upholds for us.
         unsafe { self.inner.slot_mut(slot) }
     }
-    fn signal_ready(&self, _: u32, _: u64) -> Result<(), BackendError> {
-        panic!("a backend that looks ahead gets signal_ready_then_wait");
+    fn signal_ready(&self, slot: u32, seq: u64) -> Result<(), BackendError> {
+        self.calls.lock().unwrap().push(Call::Plain(slot, seq));
+        Ok(())
     }
     fn signal_ready_then_wait(
         &self,
@@ -260,6 +263,49 @@ fn under_a_lead_bound_both_waits_go_in_one_call_and_nothing_is_looked_ahead() {
             "batch {s}: {calls:?}"
         );
     }
+}
+
+/// Under the lag policy `detach-after` the ring asks for no look ahead: the backend's watch
+/// of its waits must see each as the acquire makes it.
+#[test]
+fn under_detach_after_nothing_is_looked_ahead() {
+    let path = sock("detach-after");
+    let calls = Calls::default();
+    let config = ProducerConfig {
+        slots: 4,
+        batch_bytes: 4096,
+        lag: LagPolicy::DetachAfter(Duration::from_secs(30)),
+        ..Default::default()
+    };
+    let mut producer: Producer<Looking> = Producer::bind(&path, config, calls.clone()).unwrap();
+    let p2 = path.clone();
+    let c = std::thread::spawn(move || {
+        let mut c: Consumer<HostConsumer> = Consumer::attach(&p2, HostOptions::default()).unwrap();
+        let mut n = 0u64;
+        while let Some(b) = c.recv().unwrap() {
+            b.release().unwrap();
+            n += 1;
+        }
+        n
+    });
+    producer
+        .wait_for_consumers(1, Duration::from_secs(10))
+        .unwrap();
+    for _ in 0..10 {
+        producer.acquire().unwrap().publish(8).unwrap();
+    }
+    producer.close();
+    assert_eq!(c.join().unwrap(), 10);
+    let calls = calls.lock().unwrap().clone();
+    let plain = calls
+        .iter()
+        .filter(|c| matches!(c, Call::Plain(..)))
+        .count();
+    assert_eq!(plain, 10, "{calls:?}");
+    assert!(
+        !calls.iter().any(|c| matches!(c, Call::Ready(..))),
+        "{calls:?}"
+    );
 }
 
 /// What the consumer's ring handed `signal_finished_then_wait`: (released seq, next).

@@ -712,11 +712,19 @@ impl ProducerBackend for CudaProducer {
             ptr: word,
             value: seq + 1,
         }];
-        let _gate = self.gate.read();
+        // An attach holds the gate while it drains our stream: never make a publish wait for
+        // that; the acquire will wait as usual.
+        let Some(_gate) = self.gate.try_read() else {
+            return self.signal_ready(slot, seq);
+        };
         self.finished_waits(k, prev, holders, &mut ops);
         // SAFETY: the ready word is in our timelines, mapped for our lifetime; the finished
         // words as in `wait_finished` (the gate is held); the stream is ours.
-        unsafe { driver::stream_mem_ops_raw(self.stream.raw(), &ops) }.map_err(be)?;
+        if let Err(e) = unsafe { driver::stream_mem_ops_raw(self.stream.raw(), &ops) } {
+            // Nothing was enqueued: signal alone, and let the acquire wait as usual.
+            tracing::debug!("batched ready signal failed ({e}); signalling alone");
+            return self.signal_ready(slot, seq);
+        }
         // Only now: `wait_finished` may leave the waits out once they are enqueued.
         self.prewaited[k as usize].store(prev + 1, Ordering::Release);
         Ok(())
@@ -1363,10 +1371,40 @@ impl ConsumerBackend for CudaConsumer {
         // SAFETY: the finished word as in `write_finished_raw`, the ready word as in
         // `ReadySignal::wait_unchecked` (both mapped for as long as our stream may use them);
         // our stream is live.
-        unsafe { driver::stream_mem_ops_raw(self.stream.raw(), &ops) }.map_err(be)?;
+        if let Err(e) = unsafe { driver::stream_mem_ops_raw(self.stream.raw(), &ops) } {
+            // Nothing was enqueued: signal alone, and let the receive wait as usual.
+            tracing::debug!("batched finished signal failed ({e}); signalling alone");
+            return self.signal_finished(slot, seq);
+        }
         // Only now: the receive may leave its wait out once this one is enqueued.
         self.prewaited.store(next_seq + 1, Ordering::Release);
         Ok(())
+    }
+}
+
+/// How long a departing consumer waits for a look ahead's wait on a batch it never received
+/// ([`ConsumerBackend::signal_finished_then_wait`]) before it leaves its teardown to the
+/// process's exit. That batch's `ready` follows the producer's waits on the batch's slot's
+/// previous holders, so a consumer whose GPU work hangs could otherwise keep a healthy one
+/// from leaving.
+const LOOK_AHEAD_DRAIN: std::time::Duration = std::time::Duration::from_secs(10);
+
+impl CudaConsumer {
+    /// Waits up to [`LOOK_AHEAD_DRAIN`] for our stream to pass everything enqueued on it (the
+    /// look ahead's wait among it); false when it did not.
+    fn drain_look_ahead(&self) -> bool {
+        let end = Instant::now() + LOOK_AHEAD_DRAIN;
+        loop {
+            match self.stream.query() {
+                Ok(true) => return true,
+                Ok(false) if Instant::now() < end => {
+                    std::thread::sleep(std::time::Duration::from_millis(1))
+                }
+                Ok(false) => return false,
+                // A broken context: the synchronize that follows reports it.
+                Err(_) => return true,
+            }
+        }
     }
 }
 
@@ -1382,6 +1420,17 @@ impl Drop for CudaConsumer {
             // and a mirror's buffers (whose free could wait for a copy stream stuck the same
             // way) to the driver's process teardown.
             tracing::warn!("the producer died: skipping the CUDA consumer's teardown");
+            if let Some(m) = self.mirror.take() {
+                std::mem::forget(m);
+            }
+            return;
+        }
+        if self.prewaited.load(Ordering::Acquire) != 0 && !self.drain_look_ahead() {
+            tracing::warn!(
+                "the CUDA consumer's stream still waits for a batch the producer has not \
+                 finished writing after {LOOK_AHEAD_DRAIN:?}: leaving its teardown to the \
+                 process's exit"
+            );
             if let Some(m) = self.mirror.take() {
                 std::mem::forget(m);
             }

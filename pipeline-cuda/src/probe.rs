@@ -528,7 +528,12 @@ pub const SIDE_SIGNALS_CONNECTIONS: u32 = 8;
 /// (docs/benchmarks.md: 64 MiB with side signals at 0.934x of the ceiling unset, 0.979x with
 /// 8).
 pub fn side_signals_connections() -> Result<(), String> {
-    match max_connections() {
+    side_signals_connections_for(max_connections())
+}
+
+/// [`side_signals_connections`] for a given `CUDA_DEVICE_MAX_CONNECTIONS` (None: unset).
+pub fn side_signals_connections_for(connections: Option<u32>) -> Result<(), String> {
+    match connections {
         Some(n) if n >= SIDE_SIGNALS_CONNECTIONS => Ok(()),
         Some(n) => Err(format!(
             "CUDA_DEVICE_MAX_CONNECTIONS={n}: the side streams may share hardware queues with \
@@ -806,6 +811,19 @@ mod tests {
         let (m, why) = rule_timeline_memory(false, None);
         assert_eq!(m, Host);
         assert!(why.contains("POSIX fds"), "{why}");
+    }
+
+    #[test]
+    fn side_signals_want_eight_queues_and_say_what_to_set() {
+        assert_eq!(side_signals_connections_for(Some(8)), Ok(()));
+        assert_eq!(side_signals_connections_for(Some(32)), Ok(()));
+        let low = side_signals_connections_for(Some(4)).unwrap_err();
+        assert!(low.contains("CUDA_DEVICE_MAX_CONNECTIONS=4"), "{low}");
+        let unset = side_signals_connections_for(None).unwrap_err();
+        assert!(
+            unset.contains("unset") && unset.contains("set it to 8"),
+            "{unset}"
+        );
     }
 
     #[test]

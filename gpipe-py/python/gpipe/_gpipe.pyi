@@ -201,7 +201,9 @@ class Consumer:
         `finished` on streams of the consumer's own, joined to your streams by in-process
         events, so your stream carries no cross-process signal between its kernels (a few µs
         of GPU time per batch saved, a few µs of host time spent); False keeps both on your
-        stream; None (default) takes side streams for slots of 16 MiB and more."""
+        stream; None (default) takes side streams for slots of 16 MiB and more. With them
+        on under MPS and CUDA_DEVICE_MAX_CONNECTIONS unset or below 8, it warns
+        (RuntimeWarning) saying what to set."""
     def recv(self, timeout: Optional[float] = None) -> Batch:
         """The next batch, waiting up to `timeout` seconds (None: until one comes). Raises
         Timeout, Closed at the end of the stream, ProducerDied, Detached, or Deadlock. The

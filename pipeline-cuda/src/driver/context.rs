@@ -337,6 +337,16 @@ impl Stream {
             sys::cuStreamSynchronize(self.raw)
         })
     }
+
+    /// True when all work enqueued on the stream has completed (`cuStreamQuery`).
+    pub fn query(&self) -> Result<bool, CudaError> {
+        // SAFETY: `self.raw` is a live stream.
+        match unsafe { sys::cuStreamQuery(self.raw) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            r => Err(CudaError::driver("cuStreamQuery", r)),
+        }
+    }
 }
 
 impl Drop for Stream {

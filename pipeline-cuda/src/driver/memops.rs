@@ -173,42 +173,39 @@ pub enum MemOp {
     },
 }
 
-/// Most operations [`stream_mem_ops_raw`] hands the driver in one call; longer lists go in
-/// several calls, in order.
-const MEM_OPS_PER_CALL: usize = 8;
+/// Most operations one [`stream_mem_ops_raw`] call takes (the driver's limit is 256).
+pub const MAX_MEM_OPS: usize = 255;
 
 impl MemOp {
     fn params(self) -> sys::CUstreamBatchMemOpParams {
+        // SAFETY: the union and the structs in it are plain C data, for which all-zero bytes
+        // are a valid value; starting from zero leaves no byte (padding, the union's tail)
+        // undefined.
+        let mut p: sys::CUstreamBatchMemOpParams = unsafe { std::mem::zeroed() };
         match self {
-            MemOp::Write { ptr, value } => sys::CUstreamBatchMemOpParams {
-                writeValue: sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWriteValueParams_st {
-                    operation: sys::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WRITE_VALUE_64,
-                    address: ptr,
-                    __bindgen_anon_1:
-                        sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWriteValueParams_st__bindgen_ty_1 {
-                            value64: value,
-                        },
-                    flags: sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as c_uint,
-                    alias: 0,
-                },
-            },
+            MemOp::Write { ptr, value } => {
+                // SAFETY: a borrow of a union field; the bytes are zero, valid for every
+                // variant, and this is the variant the driver will read (`operation`).
+                let w = unsafe { &mut p.writeValue };
+                w.operation = sys::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WRITE_VALUE_64;
+                w.address = ptr;
+                w.__bindgen_anon_1.value64 = value;
+                w.flags = sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as c_uint;
+            }
             MemOp::Wait {
                 ptr,
                 value,
                 condition,
-            } => sys::CUstreamBatchMemOpParams {
-                waitValue: sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWaitValueParams_st {
-                    operation: sys::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WAIT_VALUE_64,
-                    address: ptr,
-                    __bindgen_anon_1:
-                        sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWaitValueParams_st__bindgen_ty_1 {
-                            value64: value,
-                        },
-                    flags: wait_flags(condition),
-                    alias: 0,
-                },
-            },
+            } => {
+                // SAFETY: as above.
+                let w = unsafe { &mut p.waitValue };
+                w.operation = sys::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WAIT_VALUE_64;
+                w.address = ptr;
+                w.__bindgen_anon_1.value64 = value;
+                w.flags = wait_flags(condition);
+            }
         }
+        p
     }
 }
 
@@ -227,19 +224,22 @@ fn wait_flags(condition: WaitCondition) -> c_uint {
 /// # Safety
 /// As for [`stream_write_value64_raw`] and [`stream_wait_value64_raw`], for every word named.
 pub unsafe fn stream_mem_ops_raw(stream: CUstream, ops: &[MemOp]) -> Result<(), CudaError> {
-    for chunk in ops.chunks(MEM_OPS_PER_CALL) {
-        let mut params = [MemOp::Write { ptr: 0, value: 0 }.params(); MEM_OPS_PER_CALL];
-        for (p, op) in params.iter_mut().zip(chunk) {
-            *p = op.params();
-        }
-        // SAFETY: the first `chunk.len()` entries of `params` are initialised operations (the
-        // driver reads them during the call only); the caller guarantees the words and
-        // `stream`.
-        check("cuStreamBatchMemOp_v2", unsafe {
-            sys::cuStreamBatchMemOp_v2(stream, chunk.len() as c_uint, params.as_mut_ptr(), 0)
-        })?;
+    if ops.is_empty() {
+        return Ok(());
     }
-    Ok(())
+    if ops.len() > MAX_MEM_OPS {
+        return Err(CudaError::InvalidArgument(format!(
+            "{} stream memory operations in one batch; at most {MAX_MEM_OPS}",
+            ops.len()
+        )));
+    }
+    let mut params: Vec<sys::CUstreamBatchMemOpParams> = ops.iter().map(|o| o.params()).collect();
+    // SAFETY: `params` holds `ops.len()` fully initialised operations, read by the driver
+    // during the call only; the caller guarantees the words and `stream`. One call: the
+    // driver enqueues all of them or, on an error, none.
+    check("cuStreamBatchMemOp_v2", unsafe {
+        sys::cuStreamBatchMemOp_v2(stream, params.len() as c_uint, params.as_mut_ptr(), 0)
+    })
 }
 
 #[cfg(test)]
