@@ -207,19 +207,11 @@ fn the_producer_looks_ahead_only_at_a_free_slot_and_names_the_wait_it_then_makes
     }
 }
 
-/// Under a lead bound the ring orders each batch after two (the batch `max_lead` back and its
-/// slot's previous one) in one `wait_finished_all`, and never looks ahead (the next batch's
-/// earlier batch is the one just published).
-#[test]
-fn under_a_lead_bound_both_waits_go_in_one_call_and_nothing_is_looked_ahead() {
-    let path = sock("lead");
+/// Runs a ring of `config` with one consumer that receives every batch in order and releases
+/// it at once, publishes `batches`, closes, and returns the producer backend's calls.
+fn run_releasing(name: &str, config: ProducerConfig, batches: u64) -> Vec<Call> {
+    let path = sock(name);
     let calls = Calls::default();
-    let config = ProducerConfig {
-        slots: 4,
-        batch_bytes: 4096,
-        max_lead: Some(2),
-        ..Default::default()
-    };
     let mut producer: Producer<Looking> = Producer::bind(&path, config, calls.clone()).unwrap();
     let p2 = path.clone();
     let c = std::thread::spawn(move || {
@@ -235,12 +227,26 @@ fn under_a_lead_bound_both_waits_go_in_one_call_and_nothing_is_looked_ahead() {
     producer
         .wait_for_consumers(1, Duration::from_secs(10))
         .unwrap();
-    for _ in 0..12 {
+    for _ in 0..batches {
         producer.acquire().unwrap().publish(8).unwrap();
     }
     producer.close();
-    assert_eq!(c.join().unwrap(), 12);
-    let calls = calls.lock().unwrap().clone();
+    assert_eq!(c.join().unwrap(), batches);
+    calls.lock().unwrap().clone()
+}
+
+/// Under a lead bound the ring orders each batch after two (the batch `max_lead` back and its
+/// slot's previous one) in one `wait_finished_all`, and never looks ahead (the next batch's
+/// earlier batch is the one just published).
+#[test]
+fn under_a_lead_bound_both_waits_go_in_one_call_and_nothing_is_looked_ahead() {
+    let config = ProducerConfig {
+        slots: 4,
+        batch_bytes: 4096,
+        max_lead: Some(2),
+        ..Default::default()
+    };
+    let calls = run_releasing("lead", config, 12);
     for s in 2..12u64 {
         // The calls made for batch `s`: after batch s - 1's ready signal.
         let at = calls
@@ -269,34 +275,13 @@ fn under_a_lead_bound_both_waits_go_in_one_call_and_nothing_is_looked_ahead() {
 /// of its waits must see each as the acquire makes it.
 #[test]
 fn under_detach_after_nothing_is_looked_ahead() {
-    let path = sock("detach-after");
-    let calls = Calls::default();
     let config = ProducerConfig {
         slots: 4,
         batch_bytes: 4096,
         lag: LagPolicy::DetachAfter(Duration::from_secs(30)),
         ..Default::default()
     };
-    let mut producer: Producer<Looking> = Producer::bind(&path, config, calls.clone()).unwrap();
-    let p2 = path.clone();
-    let c = std::thread::spawn(move || {
-        let mut c: Consumer<HostConsumer> = Consumer::attach(&p2, HostOptions::default()).unwrap();
-        let mut n = 0u64;
-        while let Some(b) = c.recv().unwrap() {
-            b.release().unwrap();
-            n += 1;
-        }
-        n
-    });
-    producer
-        .wait_for_consumers(1, Duration::from_secs(10))
-        .unwrap();
-    for _ in 0..10 {
-        producer.acquire().unwrap().publish(8).unwrap();
-    }
-    producer.close();
-    assert_eq!(c.join().unwrap(), 10);
-    let calls = calls.lock().unwrap().clone();
+    let calls = run_releasing("detach-after", config, 10);
     let plain = calls
         .iter()
         .filter(|c| matches!(c, Call::Plain(..)))
