@@ -188,11 +188,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def attach(socket: str, timeout: float) -> gpipe.Consumer:
-    """Attaches, retrying until the producer listens (it may still be starting)."""
+    """Attaches, retrying until the producer listens (it may still be starting).
+
+    Side signals off: a training step takes tens of milliseconds, so the few µs of GPU time a
+    side stream saves per batch do not matter, and under MPS they would want
+    CUDA_DEVICE_MAX_CONNECTIONS=8 for the whole trainer, training streams included (the
+    loader's figures in docs/examples.md were measured without both)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return gpipe.Consumer(socket)
+            return gpipe.Consumer(socket, side_signals=False)
         except gpipe.AttachError:
             if time.monotonic() > deadline:
                 raise
