@@ -560,10 +560,7 @@ impl ProducerBackend for CudaProducer {
     }
 
     fn wait_finished(&self, slot: u32, prev_seq: u64, holders: u64) -> Result<(), BackendError> {
-        if self.prewaited[slot as usize]
-            .compare_exchange(prev_seq + 1, 0, Ordering::AcqRel, Ordering::Relaxed)
-            .is_ok()
-        {
+        if self.take_prewaited(slot, prev_seq) {
             return Ok(());
         }
         if self.presignalled[slot as usize].load(Ordering::Acquire) == prev_seq + 1 {
@@ -583,52 +580,37 @@ impl ProducerBackend for CudaProducer {
         if !self.watch.on.load(Ordering::Acquire) {
             // Every wait in one batched stream operation.
             let mut ops = Vec::new();
-            self.finished_waits(slot, prev_seq, holders, &mut ops);
+            self.finished_waits(slot, prev_seq, holders, |_, op| ops.push(op));
             // SAFETY: the words are in the consumers' finished words, which stay mapped until
             // an attach at their index has let every wait enqueued here pass (the gate is
             // held); the stream is ours.
             return unsafe { driver::stream_mem_ops_raw(self.stream.raw(), &ops) }.map_err(be);
         }
-        let targets = holders & *self.live.lock();
-        for c in 0..64u32 {
-            if targets & (1u64 << c) == 0 {
-                continue;
-            }
-            // Done already (the usual case when the producer is the faster side): no stream
-            // wait, which would cost stream time per batch and consumer.
-            if self.timelines.reached(c, slot, prev_seq + 1) {
-                continue;
-            }
-            // A live consumer has attached, so its words are installed.
-            let Some(word) = self.timelines.device(c, slot) else {
-                continue;
-            };
-            // SAFETY: the word is in the consumer's finished words (host or device), which stay
-            // mapped until an attach at its index has let every wait enqueued here pass (the
-            // gate is held); the stream is ours.
-            unsafe {
-                driver::stream_wait_value64(&self.stream, word, prev_seq + 1, WaitCondition::Geq)
-            }
-            .map_err(be)?;
-            if self.watch.on.load(Ordering::Acquire) {
-                // Never hold the watch's lock across a driver call: with the stream stalled
-                // the call may block, and the supervisor must still be able to look.
-                let n = {
-                    let mut st = self.watch.state.lock();
-                    st.enqueued += 1;
-                    st.enqueued
-                };
-                // SAFETY: the word is in our registered progress timeline, mapped for our
-                // lifetime; the stream is ours.
-                unsafe {
-                    driver::stream_write_value64(&self.stream, self.watch.progress.device(0, 0), n)
-                }
-                .map_err(be)?;
+        // Watched: each wait, then a progress write the watch can see it pass by.
+        let mut waits = Vec::new();
+        self.finished_waits(slot, prev_seq, holders, |c, op| waits.push((c, op)));
+        for (c, op) in waits {
+            let n = {
                 let mut st = self.watch.state.lock();
-                self.watch.update(&mut st);
-                if st.pending.len() < MAX_WATCHED {
-                    st.pending.push_back((n, c));
-                }
+                st.enqueued += 1;
+                st.enqueued
+            };
+            let ops = [
+                op,
+                driver::MemOp::Write {
+                    ptr: self.watch.progress.device(0, 0),
+                    value: n,
+                },
+            ];
+            // Never hold the watch's lock across a driver call: with the stream stalled the
+            // call may block, and the supervisor must still be able to look.
+            // SAFETY: the finished word as above (the gate is held); the progress word is in
+            // our registered progress timeline, mapped for our lifetime; the stream is ours.
+            unsafe { driver::stream_mem_ops_raw(self.stream.raw(), &ops) }.map_err(be)?;
+            let mut st = self.watch.state.lock();
+            self.watch.update(&mut st);
+            if st.pending.len() < MAX_WATCHED {
+                st.pending.push_back((n, c));
             }
         }
         Ok(())
@@ -676,11 +658,8 @@ impl ProducerBackend for CudaProducer {
         let mut ops = Vec::new();
         let _gate = self.gate.read();
         for &(slot, prev, holders) in waits {
-            let enqueued = self.prewaited[slot as usize]
-                .compare_exchange(prev + 1, 0, Ordering::AcqRel, Ordering::Relaxed)
-                .is_ok();
-            if !enqueued && holders != 0 {
-                self.finished_waits(slot, prev, holders, &mut ops);
+            if !self.take_prewaited(slot, prev) && holders != 0 {
+                self.finished_waits(slot, prev, holders, |_, op| ops.push(op));
             }
         }
         // SAFETY: the words as in `wait_finished` (the gate is held); the stream is ours.
@@ -717,7 +696,7 @@ impl ProducerBackend for CudaProducer {
         let Some(_gate) = self.gate.try_read() else {
             return self.signal_ready(slot, seq);
         };
-        self.finished_waits(k, prev, holders, &mut ops);
+        self.finished_waits(k, prev, holders, |_, op| ops.push(op));
         // SAFETY: the ready word is in our timelines, mapped for our lifetime; the finished
         // words as in `wait_finished` (the gate is held); the stream is ours.
         if let Err(e) = unsafe { driver::stream_mem_ops_raw(self.stream.raw(), &ops) } {
@@ -732,29 +711,47 @@ impl ProducerBackend for CudaProducer {
 }
 
 impl CudaProducer {
-    /// Appends to `ops` a wait for each consumer in `holders` that is live and has not yet
-    /// finished batch `prev_seq` in `slot` as far as the host can tell. The caller holds
-    /// `gate` (read) until the waits are enqueued.
-    fn finished_waits(&self, slot: u32, prev_seq: u64, holders: u64, ops: &mut Vec<driver::MemOp>) {
-        let targets = holders & *self.live.lock();
-        let mut rest = targets;
+    /// Hands `f` a wait, with its consumer, for each consumer in `holders` that is live and
+    /// has not yet finished batch `prev_seq` in `slot` as far as the host can tell. The
+    /// caller holds `gate` (read) until the waits are enqueued.
+    fn finished_waits(
+        &self,
+        slot: u32,
+        prev_seq: u64,
+        holders: u64,
+        mut f: impl FnMut(u32, driver::MemOp),
+    ) {
+        let mut rest = holders & *self.live.lock();
         while rest != 0 {
             let c = rest.trailing_zeros();
             rest &= rest - 1;
             // Done already (the usual case with host words when the producer is the faster
-            // side): no stream wait.
+            // side): no stream wait, which would cost stream time per batch and consumer.
             if self.timelines.reached(c, slot, prev_seq + 1) {
                 continue;
             }
             // A live consumer has attached, so its words are installed.
             if let Some(ptr) = self.timelines.device(c, slot) {
-                ops.push(driver::MemOp::Wait {
-                    ptr,
-                    value: prev_seq + 1,
-                    condition: WaitCondition::Geq,
-                });
+                let value = prev_seq + 1;
+                let condition = WaitCondition::Geq;
+                f(
+                    c,
+                    driver::MemOp::Wait {
+                        ptr,
+                        value,
+                        condition,
+                    },
+                );
             }
         }
+    }
+
+    /// True (and forgotten) when a look ahead already enqueued the waits for batch
+    /// `prev_seq` in `slot` ([`ProducerBackend::signal_ready_then_wait`]).
+    fn take_prewaited(&self, slot: u32, prev_seq: u64) -> bool {
+        self.prewaited[slot as usize]
+            .compare_exchange(prev_seq + 1, 0, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
     }
 }
 
@@ -1413,24 +1410,26 @@ impl Drop for CudaConsumer {
         // Importers free first: finish our work, drop every import (free pool pointers, unmap
         // and release VMM allocations, close legacy IPC handles), and only then (when the core
         // sends Goodbye after this drop) may the producer free its memory.
-        if self.abandoned.load(Ordering::Acquire) && !self.ready.host_releasable() {
+        // Our stream may be stuck, and nothing may be freed under it: then leave the imports,
+        // the words and a mirror's buffers (whose free could wait for a copy stream stuck the
+        // same way) to the driver's process teardown.
+        let stuck = if self.abandoned.load(Ordering::Acquire) && !self.ready.host_releasable() {
             // The producer died: our stream may wait forever on a `ready` event it recorded
             // but never ran, or resume at any time once a release written to device words
-            // lands. Either way nothing may be freed under it: leave the imports, the words
-            // and a mirror's buffers (whose free could wait for a copy stream stuck the same
-            // way) to the driver's process teardown.
+            // lands.
             tracing::warn!("the producer died: skipping the CUDA consumer's teardown");
-            if let Some(m) = self.mirror.take() {
-                std::mem::forget(m);
-            }
-            return;
-        }
-        if self.prewaited.load(Ordering::Acquire) != 0 && !self.drain_look_ahead() {
+            true
+        } else if self.prewaited.load(Ordering::Acquire) != 0 && !self.drain_look_ahead() {
             tracing::warn!(
                 "the CUDA consumer's stream still waits for a batch the producer has not \
                  finished writing after {LOOK_AHEAD_DRAIN:?}: leaving its teardown to the \
                  process's exit"
             );
+            true
+        } else {
+            false
+        };
+        if stuck {
             if let Some(m) = self.mirror.take() {
                 std::mem::forget(m);
             }

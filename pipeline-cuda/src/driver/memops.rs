@@ -233,7 +233,18 @@ pub unsafe fn stream_mem_ops_raw(stream: CUstream, ops: &[MemOp]) -> Result<(), 
             ops.len()
         )));
     }
-    let mut params: Vec<sys::CUstreamBatchMemOpParams> = ops.iter().map(|o| o.params()).collect();
+    // The hot path's batches (a write and a wait or two) stay on the stack.
+    let mut small = [MemOp::Write { ptr: 0, value: 0 }.params(); 4];
+    let mut large = Vec::new();
+    let params = if ops.len() <= small.len() {
+        for (p, o) in small.iter_mut().zip(ops) {
+            *p = o.params();
+        }
+        &mut small[..ops.len()]
+    } else {
+        large.extend(ops.iter().map(|o| o.params()));
+        &mut large[..]
+    };
     // SAFETY: `params` holds `ops.len()` fully initialised operations, read by the driver
     // during the call only; the caller guarantees the words and `stream`. One call: the
     // driver enqueues all of them or, on an error, none.
