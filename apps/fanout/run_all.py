@@ -18,7 +18,7 @@ Every run appends one JSON line to OUT/fanout.jsonl (OUT: --out, else $OUT, else
 table on stdout, and the issue's targets: eager fan-out ≥ 0.9× the slowest model alone;
 graph fan-out ≥ 0.9× the three-stream replay; added p99 latency ≤ 100 µs.
 
-MPS is not started here: scripts/gpu/app-fanout.sh runs this once without and once with
+MPS is not started here: apps/fanout/gpu.sh runs this once without and once with
 the MPS daemon. --backend host runs everything on CPU tensors (tests; use tiny models).
 
     python3 apps/fanout/run_all.py --mps off

@@ -1,6 +1,6 @@
 """The data loader application (apps/loader) on the host backend, at tiny sizes.
 
-The GPU runs (scripts/gpu/app-loader.sh) measure it; these check that it is right: the data
+The GPU runs (apps/loader/gpu.sh) measure it; these check that it is right: the data
 set maker, the batched augmentation (shape, dtype, layout, normalisation, flip, crop boxes),
 the epoch plan, and the real programs as processes — a producer feeding a trainer (epoch
 marks, every batch once, in order), one producer feeding two trainers that take turns (the

@@ -17,7 +17,7 @@ use pipeline_cuda::backend::{CudaConsumer, CudaOptions};
 
 use crate::dlpack::{DEVICE_CPU, DEVICE_CUDA, DLDevice};
 use crate::tensor::{Keep, PyTensor, StreamUse};
-use crate::{Closed, GpipeError, attach_error, blocking, deadline, to_py};
+use crate::{Closed, GpipeError, args, attach_error, blocking, deadline, to_py};
 
 /// A consumer on one of the backends.
 enum AnyConsumer {
@@ -59,14 +59,90 @@ fn parse_device(device: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Option<usi
     }
 }
 
+thread_local! {
+    /// The exception a signal handler raised while an attach waited ([`signal_arrived`]).
+    static SIGNAL_ERROR: std::cell::RefCell<Option<PyErr>> = const { std::cell::RefCell::new(None) };
+}
+
+/// The core's interruption check during an attach: runs Python's signal handlers (taking
+/// the GIL back for the moment); an exception they raise (KeyboardInterrupt on Ctrl-C) ends
+/// the attach and is raised by [`attach_failed`].
+fn signal_arrived() -> bool {
+    Python::attach(|py| match py.check_signals() {
+        Ok(()) => false,
+        Err(e) => {
+            SIGNAL_ERROR.with(|s| *s.borrow_mut() = Some(e));
+            true
+        }
+    })
+}
+
+/// An attach failed: the exception a signal handler raised meanwhile, if any (Ctrl-C is
+/// KeyboardInterrupt, not an attach error), else the attach error.
+fn attach_failed(e: Error) -> PyErr {
+    SIGNAL_ERROR
+        .with(|s| s.borrow_mut().take())
+        .unwrap_or_else(|| attach_error(e))
+}
+
+/// After `fork()`, the child holds a copy of its parent's consumer: the same socket, the same
+/// consumer index, the same held slots. Were the child to receive or release with it (or say
+/// goodbye when the copy is collected), it would act for the parent, which the producer would
+/// then detach. So a consumer and its batches refuse all use in any process but the one that
+/// attached, and are let go of there without a word to the producer.
+fn forked_child(attached_in: u32) -> PyResult<()> {
+    let here = std::process::id();
+    if here == attached_in {
+        return Ok(());
+    }
+    Err(GpipeError::new_err(format!(
+        "this gpipe consumer was attached in process {attached_in}, and this is process {here}, \
+         a child forked from it: a forked child cannot use its parent's consumer or batches \
+         (it would receive and release for the parent); attach a new gpipe.Consumer in the \
+         child after the fork, or start child processes with the 'spawn' method"
+    )))
+}
+
 /// The wait tick of Python consumers: a blocking call's slices end within about this much of
 /// their deadline, so Ctrl-C and `timeout=` are honoured promptly.
 pub(crate) const TICK: Duration = Duration::from_millis(20);
 
-/// Attaches to a producer's ring: `Consumer(socket, *, device=None, timeout=5.0)`.
+/// The consuming side of a ring: attaches to the producer listening on ``socket`` and
+/// receives its batches in place, with ``recv()`` or by iterating (until the producer closes
+/// the ring). Several batches may be held at once and released in any order. Use it as a
+/// context manager: leaving the block detaches (``close()``).
+///
+/// ``socket``: the producer's socket path. ``device``: None (or ``"cpu"``) for a ring in host
+/// memory; on a CUDA ring None means the producer's GPU, and ``"cuda:N"`` (or ``N``, or a
+/// torch.device) consumes on GPU N, reading the slots in place by peer access or mirroring
+/// them (see ``delivery``). ``timeout``: seconds each step of the attach handshake may take
+/// (connecting, the producer's answer, mapping the ring); a producer that does not answer in
+/// time gives AttachError. It bounds the attach only: ``recv()`` has its own. ``spin``:
+/// seconds ``recv()`` busy-waits for a batch before it sleeps, 0 to 1 (None: 100 µs). A
+/// sleeping consumer is woken by the producer's publish, which costs a wake-up (tens to
+/// hundreds of µs on a VM); a latency-critical consumer that receives a batch every few
+/// milliseconds can spin that long instead, at the cost of a CPU core while it waits.
+/// ``delivery``: ``"in-place"`` (batches are the producer's slots), ``"mirror"`` (a copy in
+/// this consumer's own memory; the producer's slot is released as soon as it is made) or
+/// ``"auto"`` (in place on the producer's GPU, mirrored on another; host rings: in place).
+/// ``mirror_buffers``: the most batches a mirroring consumer holds at once (None: the ring's
+/// slot count); it raises Deadlock when it asks for more. ``side_signals`` (CUDA, in place):
+/// True waits for the producer's ``ready`` and writes ``finished`` on streams of the
+/// consumer's own, joined to your streams by in-process events, so your stream carries no
+/// cross-process signal between its kernels; False keeps both on your stream; None takes side
+/// streams for slots of 16 MiB and more. With them on under MPS and
+/// CUDA_DEVICE_MAX_CONNECTIONS unset or below 8, it warns (RuntimeWarning) saying what to set.
+/// ``allow_producer_uids``: user ids besides this process's own whose producers it attaches
+/// to (None: only its own). The producer is known by the uid listening on the socket, not by
+/// the socket's path, which anyone able to create a file there could have made.
+///
+/// Wrong arguments raise TypeError (a wrong type) or ValueError (a value out of range),
+/// naming the argument.
 #[pyclass(frozen, module = "gpipe", name = "Consumer")]
 pub struct PyConsumer {
     inner: Mutex<Option<AnyConsumer>>,
+    /// The process that attached (see [`forked_child`]).
+    attached_in: u32,
     socket: String,
     backend: BackendKind,
     mode: Mode,
@@ -83,24 +159,20 @@ pub struct PyConsumer {
 #[pymethods]
 impl PyConsumer {
     #[new]
-    #[pyo3(signature = (socket, *, device=None, timeout=5.0, spin=None, delivery="auto", mirror_buffers=None, side_signals=None))]
+    #[pyo3(signature = (socket, *, device=None, timeout=5.0, spin=None, delivery="auto", mirror_buffers=None, side_signals=None, allow_producer_uids=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
-        socket: PathBuf,
+        #[pyo3(from_py_with = args::socket)] socket: PathBuf,
         device: Option<Bound<'_, PyAny>>,
-        timeout: f64,
-        spin: Option<f64>,
+        #[pyo3(from_py_with = args::attach_timeout)] timeout: f64,
+        #[pyo3(from_py_with = args::spin)] spin: Option<f64>,
         delivery: &str,
-        mirror_buffers: Option<u32>,
+        #[pyo3(from_py_with = args::mirror_buffers)] mirror_buffers: Option<u32>,
         side_signals: Option<bool>,
+        allow_producer_uids: Option<Vec<u32>>,
     ) -> PyResult<Self> {
         let delivery: Delivery = delivery.parse().map_err(PyValueError::new_err)?;
-        if mirror_buffers == Some(0) {
-            return Err(PyValueError::new_err(
-                "mirror_buffers must be at least 1 (or None: the ring's slot count)",
-            ));
-        }
         if !(timeout.is_finite() && timeout > 0.0) {
             return Err(PyValueError::new_err(format!(
                 "timeout must be a positive number of seconds, not {timeout}"
@@ -129,11 +201,14 @@ impl PyConsumer {
                 spin,
                 ..default_wait
             },
+            allowed_producer_uids: allow_producer_uids.unwrap_or_default(),
+            // Ctrl-C during the attach raises KeyboardInterrupt (within about 20 ms).
+            interrupted: Some(signal_arrived),
         };
         let path = socket.clone();
         let pending = py
             .detach(|| PendingAttach::connect(&path, config))
-            .map_err(attach_error)?;
+            .map_err(attach_failed)?;
         let layout = pending.layout();
         let (inner, dl) = match pending.backend() {
             BackendKind::Host => {
@@ -151,7 +226,7 @@ impl PyConsumer {
                             mirror_buffers,
                         })
                     })
-                    .map_err(attach_error)?;
+                    .map_err(attach_failed)?;
                 (
                     AnyConsumer::Host(c),
                     DLDevice {
@@ -188,7 +263,7 @@ impl PyConsumer {
                             ..CudaOptions::default()
                         })
                     })
-                    .map_err(attach_error)?;
+                    .map_err(attach_failed)?;
                 let ordinal = c.backend().device_ordinal();
                 // A dead producer must never leave a GPU stream of ours waiting on its
                 // `ready` signal: release such waits as soon as it dies.
@@ -231,6 +306,7 @@ impl PyConsumer {
         }
         Ok(Self {
             inner: Mutex::new(Some(inner)),
+            attached_in: std::process::id(),
             socket: socket.display().to_string(),
             backend: pending_kind(dl),
             mode: layout.mode,
@@ -243,11 +319,16 @@ impl PyConsumer {
         })
     }
 
-    /// Receives the next batch, waiting up to `timeout` seconds (None: until one comes).
-    /// Raises Timeout, Closed once the producer closed the ring and everything published was
-    /// received, ProducerDied, Detached, or Deadlock when the wait could never end.
+    /// Receives the next batch, waiting up to ``timeout`` seconds (None: until one comes).
+    /// Raises Timeout (nothing was lost: call again), Closed once the producer closed the ring
+    /// and everything published was received, ProducerDied, Detached, or Deadlock when the
+    /// wait could never end. The GIL is released while it waits; Ctrl-C interrupts it.
     #[pyo3(signature = (timeout=None))]
-    fn recv(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<PyBatch> {
+    fn recv(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = args::timeout)] timeout: Option<f64>,
+    ) -> PyResult<PyBatch> {
         match self.next(py, timeout)? {
             Some(b) => Ok(b),
             None => Err(Closed::new_err(format!(
@@ -268,7 +349,11 @@ impl PyConsumer {
     /// Detaches from the ring. Batches still held (and tensors made from them) stay valid;
     /// the producer is told goodbye once the last of them is released.
     fn close(&self) {
-        drop(self.inner.lock().take());
+        let inner = self.inner.lock().take();
+        if forked_child(self.attached_in).is_err() {
+            // The parent's: no goodbye from here (see `forked_child`).
+            std::mem::forget(inner);
+        }
     }
 
     /// True after close().
@@ -387,8 +472,18 @@ fn pending_kind(d: DLDevice) -> BackendKind {
     }
 }
 
+impl Drop for PyConsumer {
+    fn drop(&mut self) {
+        if forked_child(self.attached_in).is_err() {
+            // The parent's consumer: no goodbye, no release from here (see `forked_child`).
+            std::mem::forget(self.inner.lock().take());
+        }
+    }
+}
+
 impl PyConsumer {
     fn next(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<PyBatch>> {
+        forked_child(self.attached_in)?;
         let deadline = deadline(timeout)?;
         let got = blocking(py, deadline, |until| {
             let mut g = self.inner.lock();
@@ -437,6 +532,7 @@ impl PyConsumer {
             cell: Mutex::new(Some(Arc::new(BatchCell {
                 batch: Some(b),
                 streams: Mutex::new(Vec::new()),
+                attached_in: self.attached_in,
             }))),
             seq,
             slot,
@@ -456,6 +552,8 @@ impl PyConsumer {
 struct BatchCell {
     batch: Option<AnyBatch>,
     streams: Mutex<Vec<u64>>,
+    /// The process that attached (see [`forked_child`]).
+    attached_in: u32,
 }
 
 impl BatchCell {
@@ -520,6 +618,11 @@ impl BatchCell {
 
 impl Drop for BatchCell {
     fn drop(&mut self) {
+        if forked_child(self.attached_in).is_err() {
+            // The parent's batch: it stays held by the parent (see `forked_child`).
+            std::mem::forget(self.batch.take());
+            return;
+        }
         if let Err(e) = self.join_streams() {
             eprintln!("gpipe: ordering a released batch after its streams failed: {e}");
         }
@@ -567,6 +670,9 @@ pub struct PyBatch {
 
 impl PyBatch {
     fn keep(&self) -> PyResult<Arc<BatchCell>> {
+        if let Some(cell) = self.cell.lock().as_ref() {
+            forked_child(cell.attached_in)?;
+        }
         self.cell.lock().clone().ok_or_else(|| {
             GpipeError::new_err(format!(
                 "batch {} was released: make tensors from it before releasing it",
@@ -728,6 +834,9 @@ impl PyBatch {
     /// Releases the batch now. The slot returns to the producer at once unless tensors made
     /// from the batch are still alive; then it returns when the last of them is gone.
     fn release(&self, py: Python<'_>) -> PyResult<()> {
+        if let Some(cell) = self.cell.lock().as_ref() {
+            forked_child(cell.attached_in)?;
+        }
         let Some(cell) = self.cell.lock().take() else {
             return Ok(());
         };

@@ -11,7 +11,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::{GpipeError, SLICE};
+use crate::{GpipeError, SLICE, args};
 
 /// forward(upstream, socket, *, device=None, slots=8, max_consumers=16,
 ///         wait_for_consumers=0) -> dict
@@ -21,26 +21,26 @@ use crate::{GpipeError, SLICE};
 /// producer's GPU): GPU 0's ring forwarded to GPU 1, whose consumers then read their own
 /// GPU's memory. Blocks until the upstream ring closes (then closes its own once its
 /// consumers are done) and returns the report (``batches``, ``bytes``, ``elapsed_s``,
-/// ``gb_per_s``). ``wait_for_consumers``: take no batch until that many consumers attached
-/// downstream. Ctrl-C stops it (closing its ring) and raises ``KeyboardInterrupt``; if the
+/// ``gb_per_s``). ``slots``: slots in the forwarder's ring, 1 to 4096. ``max_consumers``:
+/// the most consumers attached to it at once, 1 to 63. ``wait_for_consumers``: take no batch
+/// until that many consumers attached downstream. Ctrl-C stops it (closing its ring) and raises ``KeyboardInterrupt``; if the
 /// upstream ring fails (its producer died), it raises ``gpipe.Error`` and leaves its ring as a
 /// crashed producer would, so that its consumers see the producer die.
 #[pyfunction]
 #[pyo3(signature = (upstream, socket, *, device=None, slots=8, max_consumers=16, wait_for_consumers=0))]
 pub fn forward<'py>(
     py: Python<'py>,
-    upstream: PathBuf,
-    socket: PathBuf,
-    device: Option<usize>,
-    slots: u32,
-    max_consumers: u32,
-    wait_for_consumers: u32,
+    #[pyo3(from_py_with = args::upstream)] upstream: PathBuf,
+    #[pyo3(from_py_with = args::socket)] socket: PathBuf,
+    #[pyo3(from_py_with = args::forward_device)] device: Option<usize>,
+    #[pyo3(from_py_with = args::forward_slots)] slots: u32,
+    #[pyo3(from_py_with = args::max_consumers)] max_consumers: u32,
+    #[pyo3(from_py_with = args::wait_for_consumers)] wait_for_consumers: u32,
 ) -> PyResult<Bound<'py, PyDict>> {
-    if slots == 0 || max_consumers == 0 {
-        return Err(PyValueError::new_err(
-            "slots and max_consumers must be at least 1",
-        ));
-    }
+    // The ring's shape rule (pipeline_core::limits); its slot size is the upstream ring's.
+    pipeline_core::limits::check_slots(slots)
+        .and_then(|()| pipeline_core::limits::check_max_consumers(max_consumers))
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
     let config = ProducerConfig {
         slots,
         max_consumers: max_consumers.max(wait_for_consumers),
@@ -92,18 +92,20 @@ pub fn forward<'py>(
 ///     -> dict
 ///
 /// How ``shape`` (``"direct"``, ``"chain"``, ``"tree"`` or ``"auto"``) reaches one consumer
-/// per entry of ``consumer_devices`` (its GPU) from a producer on ``producer_device``:
+/// per entry of ``consumer_devices`` (its GPU) from a producer on ``producer_device``, for
+/// batches of ``batch_bytes`` bytes (what ``"auto"`` weighs):
 /// ``{"shape", "rings": [{"device", "parent"}], "consumer_ring": [...], "depth"}``. Ring 0 is
 /// the producer's; start one :func:`forward` per other ring, from its parent's socket, on its
 /// device, and attach each consumer to its ring.
 #[pyfunction]
-#[pyo3(signature = (consumer_devices, shape="auto", batch_bytes=64 << 20, producer_device=0))]
+// 67108864: 64 MiB, written out so that the signature shows it.
+#[pyo3(signature = (consumer_devices, shape="auto", batch_bytes=67108864, producer_device=0))]
 pub fn fanout_plan<'py>(
     py: Python<'py>,
-    consumer_devices: Vec<usize>,
+    #[pyo3(from_py_with = args::consumer_devices)] consumer_devices: Vec<usize>,
     shape: &str,
-    batch_bytes: u64,
-    producer_device: usize,
+    #[pyo3(from_py_with = args::batch_bytes)] batch_bytes: u64,
+    #[pyo3(from_py_with = args::producer_device_index)] producer_device: usize,
 ) -> PyResult<Bound<'py, PyDict>> {
     let shape: Fanout = shape.parse().map_err(PyValueError::new_err)?;
     let plan = pipeline_relay::plan_fanout(shape, producer_device, &consumer_devices, batch_bytes);

@@ -4,6 +4,7 @@
 //! (and `pipeline-cuda`). Blocking calls release the GIL and wake every [`SLICE`] to let
 //! Python run signal handlers, so Ctrl-C interrupts them.
 
+mod args;
 mod consumer;
 mod dlpack;
 mod forward;
@@ -163,6 +164,30 @@ pub(crate) fn parse_dtype(obj: &Bound<'_, PyAny>) -> PyResult<DType> {
             known.join(", ")
         ))
     })
+}
+
+/// True when `obj` is a torch dtype (`torch.float16`), told by its type, without importing
+/// torch: such a dtype names the framework the caller works in.
+pub(crate) fn is_torch_dtype(obj: &Bound<'_, PyAny>) -> bool {
+    let t = obj.get_type();
+    t.module().is_ok_and(|m| m == "torch") && t.name().is_ok_and(|n| n == "dtype")
+}
+
+/// `gpipe.torch.as_tensor`, looked up once.
+static AS_TENSOR: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
+
+/// A torch tensor over a gpipe tensor's memory, made by `gpipe.torch.as_tensor`: what
+/// `torch.from_dlpack` gives, with its stream rule (torch's current stream on the tensor's
+/// device is the one ordered for its use), and the same lifetime (the tensor keeps the
+/// memory, and so the slot or batch, until torch frees it).
+pub(crate) fn torch_tensor<'py>(tensor: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    let py = tensor.py();
+    let as_tensor = AS_TENSOR.get_or_try_init(py, || {
+        py.import("gpipe.torch")?
+            .getattr("as_tensor")
+            .map(Bound::unbind)
+    })?;
+    as_tensor.bind(py).call1((tensor,))
 }
 
 /// The native module.

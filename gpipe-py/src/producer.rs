@@ -22,7 +22,9 @@ use pipeline_cuda::driver::CUstream;
 use crate::consumer::{TICK, stream_handle};
 use crate::dlpack::{DEVICE_CPU, DEVICE_CUDA, DLDevice};
 use crate::tensor::{PyTensor, StreamUse};
-use crate::{Closed, GpipeError, blocking, deadline, parse_dtype, to_py};
+use crate::{
+    Closed, GpipeError, args, blocking, deadline, is_torch_dtype, parse_dtype, to_py, torch_tensor,
+};
 
 /// A producer on one of the backends.
 enum AnyProducer {
@@ -127,7 +129,39 @@ struct ProducerCell {
     open: AtomicU64,
 }
 
-/// The producing side of a ring. See the package docs for the arguments.
+/// The producing side of a ring: it makes the ring's slots, listens on ``socket`` for
+/// consumers, and publishes batches. ``send()`` copies tensors into the next slot and
+/// publishes them; ``acquire()`` gives a slot to write in place. Use it as a context manager:
+/// leaving the block closes the ring (consumers get everything published, then Closed).
+///
+/// ``socket``: the Unix socket path consumers attach to, made with mode 0600 (only the same
+/// user may attach). ``slots``: slots in the ring, 1 to 4096, or ``"auto"``: 8 with MPS
+/// running (and on the host); without MPS, where the GPU time-slices between processes and a
+/// deeper ring moves more, the deepest of 8, 16, 32 and 64 whose slots fit ``depth_budget``
+/// (``slots_auto`` says which and why). ``batch_bytes``: the largest batch in bytes, at most
+/// 64 GiB; each slot holds this rounded up to 2 MiB. ``mode``: ``"broadcast"`` (every
+/// consumer gets every batch published after it attached) or ``"shared"`` (each batch goes
+/// to exactly one consumer). ``backend``: ``"auto"`` (CUDA when a GPU is usable, else host
+/// memory), ``"cuda"`` or ``"host"``. ``device``: the CUDA device index of the slots (CUDA
+/// backend). ``detach_after_ms``: detach a consumer that holds a slot the producer needs for
+/// longer than this many milliseconds; None: wait for it (back-pressure).
+/// ``max_consumers``: the most consumers attached at once, 1 to 63. ``drain_timeout``:
+/// seconds ``close()`` waits for consumers to release what they hold before it takes it
+/// back. ``sync`` (CUDA): how ``ready`` is signalled: ``"auto"`` or ``"semaphore"``
+/// (timeline words, which consumers release when the producer dies) or ``"events"`` (IPC
+/// events). ``max_lead``: write a batch only once the batch this many back was consumed by
+/// everyone who got it; below ``slots`` it keeps the data in flight small enough for a GPU's
+/// L2 cache; None: the ring's own bound (``slots``); ``"auto"``: from the GPU's L2 size and
+/// ``batch_bytes`` (host rings: None). ``depth_budget``: the most slot memory in bytes that
+/// ``slots="auto"`` may take. ``timeline_memory`` (CUDA): where the ``ready`` and
+/// ``finished`` words live: ``"host"``, ``"device"`` (faster; see docs/python.md for when it
+/// is safe) or ``"auto"``. ``keep_dumpable``: leave this process dumpable; by default the
+/// producer makes it not dumpable, so that other processes of the same user cannot open its
+/// read-write memory through ``/proc/PID/fd`` (no core dumps then, and debuggers and
+/// profilers such as py-spy or gdb need root; docs/security.md).
+///
+/// Wrong arguments raise TypeError (a wrong type) or ValueError (a value out of range),
+/// naming the argument.
 #[pyclass(frozen, subclass, module = "gpipe", name = "Producer")]
 pub struct PyProducer {
     cell: Arc<ProducerCell>,
@@ -146,56 +180,85 @@ fn parse_mode(mode: &str) -> PyResult<Mode> {
     mode.parse().map_err(PyValueError::new_err)
 }
 
+/// The defaults of `Producer(...)`'s arguments, in one place: the ring's own
+/// (`ProducerConfig::default()`), the depth budget of `slots="auto"`, and the Python
+/// package's choices. The signature below uses them, and `gpipe.Producer`'s Python signature
+/// shows them (through `_defaults()`); an argument not here has None (or False) for default.
+struct Defaults {
+    slots: u32,
+    batch_bytes: u64,
+    mode: String,
+    /// CUDA when a GPU is usable, else host memory.
+    backend: String,
+    device: i32,
+    max_consumers: u32,
+    drain_timeout: f64,
+    /// Timeline words (see `sync` in the constructor).
+    sync: String,
+    depth_budget: u64,
+    /// Host memory (see `timeline_memory` in the constructor).
+    timeline_memory: String,
+}
+
+impl Defaults {
+    fn get() -> Self {
+        let ring = ProducerConfig::default();
+        Self {
+            slots: ring.slots,
+            batch_bytes: ring.batch_bytes,
+            mode: ring.mode.to_string(),
+            backend: "auto".into(),
+            device: 0,
+            max_consumers: ring.max_consumers,
+            drain_timeout: ring.drain_timeout.as_secs_f64(),
+            sync: "auto".into(),
+            depth_budget: pipeline_cuda::probe::DEFAULT_DEPTH_BUDGET,
+            timeline_memory: "host".into(),
+        }
+    }
+}
+
 #[pymethods]
 impl PyProducer {
     #[new]
-    #[pyo3(signature = (socket, *, slots=None, batch_bytes=8 << 20, mode="broadcast", backend="auto", device=0, detach_after_ms=None, max_consumers=16, drain_timeout=5.0, sync="auto", max_lead=None, depth_budget=2 << 30, timeline_memory="host"))]
+    #[pyo3(signature = (socket, *, slots=None, batch_bytes=Defaults::get().batch_bytes, mode=Defaults::get().mode, backend=Defaults::get().backend, device=Defaults::get().device, detach_after_ms=None, max_consumers=Defaults::get().max_consumers, drain_timeout=Defaults::get().drain_timeout, sync=Defaults::get().sync, max_lead=None, depth_budget=Defaults::get().depth_budget, timeline_memory=Defaults::get().timeline_memory, keep_dumpable=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
-        socket: PathBuf,
-        slots: Option<Bound<'_, PyAny>>,
-        batch_bytes: u64,
-        mode: &str,
-        backend: &str,
-        device: i64,
-        detach_after_ms: Option<u64>,
-        max_consumers: u32,
-        drain_timeout: f64,
-        sync: &str,
-        max_lead: Option<Bound<'_, PyAny>>,
-        depth_budget: u64,
-        timeline_memory: &str,
+        #[pyo3(from_py_with = args::socket)] socket: PathBuf,
+        #[pyo3(from_py_with = args::slots)] slots: Option<args::OrAuto>,
+        #[pyo3(from_py_with = args::batch_bytes)] batch_bytes: u64,
+        #[pyo3(from_py_with = args::mode)] mode: String,
+        #[pyo3(from_py_with = args::backend)] backend: String,
+        #[pyo3(from_py_with = args::producer_device)] device: i32,
+        #[pyo3(from_py_with = args::detach_after_ms)] detach_after_ms: Option<u64>,
+        #[pyo3(from_py_with = args::max_consumers)] max_consumers: u32,
+        #[pyo3(from_py_with = args::drain_timeout)] drain_timeout: f64,
+        #[pyo3(from_py_with = args::sync)] sync: String,
+        #[pyo3(from_py_with = args::max_lead)] max_lead: Option<args::OrAuto>,
+        #[pyo3(from_py_with = args::depth_budget)] depth_budget: u64,
+        #[pyo3(from_py_with = args::timeline_memory)] timeline_memory: String,
+        keep_dumpable: bool,
     ) -> PyResult<Self> {
-        // None: 8; Some(None): "auto", resolved once the backend is known.
-        let slots_arg: Option<u32> = match &slots {
-            None => Some(8),
-            Some(v) => match v.extract::<String>() {
-                Ok(s) if s == "auto" => None,
-                Ok(s) => {
-                    return Err(PyValueError::new_err(format!(
-                        "slots must be a number or \"auto\" (8 with MPS; without it the deepest ring within depth_budget), not {s:?}"
-                    )));
-                }
-                // A number; the ring's layout checks its range (0 is refused there).
-                Err(_) => Some(v.extract::<u32>()?),
-            },
+        let (mode, backend, sync, timeline_memory) = (
+            mode.as_str(),
+            backend.as_str(),
+            sync.as_str(),
+            timeline_memory.as_str(),
+        );
+        // None: the default; Some(None): "auto", resolved once the backend is known. The
+        // ring's shape rule checks the range.
+        let slots_arg: Option<u32> = match slots {
+            None => Some(Defaults::get().slots),
+            Some(args::OrAuto::Auto) => None,
+            Some(args::OrAuto::Value(n)) => Some(n),
         };
-        let mut slots = slots_arg.unwrap_or(8);
+        let mut slots = slots_arg.unwrap_or(Defaults::get().slots);
         // None: the ring's own bound; Some(None): "auto", resolved once the backend is known.
-        let lead_err = || {
-            PyValueError::new_err(
-                "max_lead must be a number of batches (1 or more), \"auto\" (from the GPU's L2 size), or None (the ring's own bound, slots)",
-            )
-        };
-        let max_lead: Option<Option<u32>> = match &max_lead {
-            None => None,
-            Some(v) if v.extract::<String>().is_ok_and(|s| s == "auto") => Some(None),
-            Some(v) => match v.extract::<u32>() {
-                Ok(n) if n >= 1 => Some(Some(n)),
-                _ => return Err(lead_err()),
-            },
-        };
+        let max_lead: Option<Option<u32>> = max_lead.map(|l| match l {
+            args::OrAuto::Auto => None,
+            args::OrAuto::Value(n) => Some(n),
+        });
         let mode = parse_mode(mode)?;
         // `auto`: timeline words, which a consumer can release when the producer dies (an IPC
         // event recorded by a dead process may never complete).
@@ -226,7 +289,7 @@ impl PyProducer {
         }
         if device < 0 {
             return Err(PyValueError::new_err(format!(
-                "device must be a CUDA device index >= 0, not {device}"
+                "device must be a CUDA device index, 0 or more, not {device}"
             )));
         }
         let mut config = ProducerConfig {
@@ -244,11 +307,11 @@ impl PyProducer {
             },
             drain_timeout: Duration::from_secs_f64(drain_timeout.min(3600.0)),
             max_lead: max_lead.flatten(),
+            keep_dumpable,
             ..ProducerConfig::default()
         };
-        config
-            .layout()
-            .validate()
+        // The one rule for a ring's shape (pipeline_core::limits), as the CLI checks it.
+        pipeline_core::limits::check_shape(config.slots, config.batch_bytes, config.max_consumers)
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
         let cuda = match backend {
             "host" => None,
@@ -280,9 +343,7 @@ impl PyProducer {
             };
             slots = n;
             config.slots = n;
-            config
-                .layout()
-                .validate()
+            pipeline_core::limits::check_slots(n)
                 .map_err(|e| PyValueError::new_err(e.to_string()))?;
             slots_auto = Some(format!("{n} slots: {why}"));
         }
@@ -315,7 +376,7 @@ impl PyProducer {
                 ),
                 DLDevice {
                     device_type: DEVICE_CUDA,
-                    device_id: device as i32,
+                    device_id: device,
                 },
             ),
         };
@@ -341,14 +402,42 @@ impl PyProducer {
         })
     }
 
-    /// Takes the next slot, waiting up to `timeout` seconds (None: as long as it takes) for
-    /// every consumer that had its previous batch to release it. Use it as a context manager:
-    /// leaving the block without `publish()` gives the slot back unpublished.
+    /// The defaults of the arguments that come from the library (see [`Defaults`]), by
+    /// name: what `gpipe.Producer`'s signature shows.
+    #[staticmethod]
+    fn _defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+        let d = Defaults::get();
+        let out = PyDict::new(py);
+        out.set_item("slots", d.slots)?;
+        out.set_item("batch_bytes", d.batch_bytes)?;
+        out.set_item("mode", d.mode)?;
+        out.set_item("backend", d.backend)?;
+        out.set_item("device", d.device)?;
+        out.set_item("max_consumers", d.max_consumers)?;
+        out.set_item("drain_timeout", d.drain_timeout)?;
+        out.set_item("sync", d.sync)?;
+        out.set_item("depth_budget", d.depth_budget)?;
+        out.set_item("timeline_memory", d.timeline_memory)?;
+        Ok(out)
+    }
+
+    /// Takes the next slot, once every consumer that had its previous batch released it. One
+    /// slot at a time: publish it or leave its ``with`` block before acquiring another.
+    ///
+    /// ``timeout``: seconds to wait for the slot (None: as long as it takes); raises Timeout
+    /// when it runs out (nothing is lost: call again), Closed after close().
+    /// ``stream`` (CUDA): the stream your writes to the slot run on, ordered after the slot's
+    /// previous consumers before this returns (a torch or CuPy stream or a handle; None:
+    /// torch's current stream if torch has started CUDA, else the legacy default stream).
+    /// Host rings ignore it.
+    ///
+    /// Use it as a context manager: leaving the block without ``publish()`` gives the slot
+    /// back unpublished.
     #[pyo3(signature = (timeout=None, stream=None))]
     fn acquire(
         &self,
         py: Python<'_>,
-        timeout: Option<f64>,
+        #[pyo3(from_py_with = args::timeout)] timeout: Option<f64>,
         stream: Option<Bound<'_, PyAny>>,
     ) -> PyResult<PySlot> {
         let still_open = |open: u64| {
@@ -422,9 +511,15 @@ impl PyProducer {
         })
     }
 
-    /// Waits until at least `n` consumers are attached.
+    /// Waits until at least ``n`` consumers are attached, up to ``timeout`` seconds (None: as
+    /// long as it takes; then Timeout). Ctrl-C interrupts it.
     #[pyo3(signature = (n=1, timeout=None))]
-    fn wait_for_consumers(&self, py: Python<'_>, n: u32, timeout: Option<f64>) -> PyResult<()> {
+    fn wait_for_consumers(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = args::consumers_n)] n: u32,
+        #[pyo3(from_py_with = args::timeout)] timeout: Option<f64>,
+    ) -> PyResult<()> {
         let deadline = deadline(timeout)?;
         let cell = &self.cell;
         blocking(py, deadline, |until| {
@@ -434,9 +529,14 @@ impl PyProducer {
         })
     }
 
-    /// Waits until every published batch was released by every consumer that got it.
+    /// Waits until every published batch was released by every consumer that got it, up to
+    /// ``timeout`` seconds (None: as long as it takes; then Timeout).
     #[pyo3(signature = (timeout=None))]
-    fn flush(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+    fn flush(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = args::timeout)] timeout: Option<f64>,
+    ) -> PyResult<()> {
         let deadline = deadline(timeout)?;
         let cell = &self.cell;
         blocking(py, deadline, |until| {
@@ -629,7 +729,9 @@ impl StreamUse for SlotStreams {
     }
 }
 
-/// A slot acquired by the producer: declare tensors, write them, publish.
+/// A slot the producer acquired: declare tensors with ``tensor()``, write them, then
+/// ``publish()``. Use it as a context manager: leaving the block without ``publish()`` gives
+/// the slot back unpublished (``abandon()``), and the next ``acquire()`` returns it again.
 #[pyclass(frozen, module = "gpipe", name = "Slot")]
 pub struct PySlot {
     streams: Arc<SlotStreams>,
@@ -701,64 +803,85 @@ impl Drop for PySlot {
 
 #[pymethods]
 impl PySlot {
-    /// Declares a tensor in this slot (or returns the one declared under `name`) and gives a
-    /// writable gpipe.Tensor over it. Tensors are placed in declaration order, each at the
-    /// previous one's end rounded up to 256 bytes. `strides` are in elements (default:
-    /// row-major); a channels_last layout stays channels_last.
+    /// Declares a tensor in this slot, or returns the one declared under ``name`` before, and
+    /// gives a writable view of it: a ``torch.Tensor`` when ``dtype`` is a torch dtype (made
+    /// as ``torch.from_dlpack`` would, for torch's current stream), else a ``gpipe.Tensor``,
+    /// which any DLPack library takes (``numpy.from_dlpack``, ``cupy.from_dlpack``).
+    ///
+    /// ``name``: the tensor's name, 1 to 32 bytes. ``dtype``: a name (``"float32"``), a NumPy
+    /// dtype or scalar type, or a torch dtype; None to get a tensor declared before.
+    /// ``shape``: its dimensions (None: a tensor declared before). ``strides``: in elements
+    /// (None: row-major); a channels_last layout stays channels_last.
+    ///
+    /// Tensors are placed in declaration order, each at the previous one's end rounded up to
+    /// 256 bytes, so the same declaration in the same slot always has the same address.
+    /// Raises ValueError if the tensor does not fit the slot.
     #[pyo3(signature = (name, dtype=None, shape=None, strides=None))]
-    fn tensor(
+    fn tensor<'py>(
         &self,
-        name: &str,
-        dtype: Option<Bound<'_, PyAny>>,
-        shape: Option<Vec<i64>>,
-        strides: Option<Vec<i64>>,
-    ) -> PyResult<PyTensor> {
-        let mut st = self.state.lock();
-        self.check_open(&st)?;
-        let to_u64 = |v: Vec<i64>, what: &str| -> PyResult<Vec<u64>> {
-            v.into_iter()
-                .map(|x| {
-                    u64::try_from(x).map_err(|_| {
-                        PyValueError::new_err(format!(
-                            "tensor {name:?}: negative {what} ({x}) are not supported"
-                        ))
+        py: Python<'py>,
+        #[pyo3(from_py_with = args::tensor_name)] name: String,
+        dtype: Option<Bound<'py, PyAny>>,
+        #[pyo3(from_py_with = args::shape)] shape: Option<Vec<i64>>,
+        #[pyo3(from_py_with = args::strides)] strides: Option<Vec<i64>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let name = name.as_str();
+        let t = {
+            let mut st = self.state.lock();
+            self.check_open(&st)?;
+            let to_u64 = |v: Vec<i64>, what: &str| -> PyResult<Vec<u64>> {
+                v.into_iter()
+                    .map(|x| {
+                        u64::try_from(x).map_err(|_| {
+                            PyValueError::new_err(format!(
+                                "tensor {name:?}: negative {what} ({x}) are not supported"
+                            ))
+                        })
                     })
-                })
-                .collect()
-        };
-        let shape = shape.map(|s| to_u64(s, "dimensions")).transpose()?;
-        let strides = strides.map(|s| to_u64(s, "strides")).transpose()?;
-        let dtype = dtype.as_ref().map(parse_dtype).transpose()?;
-        if let Some(t) = st.plan.get(name) {
-            let same = dtype.is_none_or(|d| d == t.dtype)
-                && shape.as_deref().is_none_or(|s| s == t.shape())
-                && strides.as_deref().is_none_or(|s| s == t.strides());
-            if !same {
-                return Err(PyValueError::new_err(format!(
-                    "tensor {name:?} is already declared in this slot as {} {:?}",
-                    t.dtype,
-                    t.shape()
-                )));
+                    .collect()
+            };
+            let shape = shape.map(|s| to_u64(s, "dimensions")).transpose()?;
+            let strides = strides.map(|s| to_u64(s, "strides")).transpose()?;
+            let parsed = dtype.as_ref().map(parse_dtype).transpose()?;
+            if let Some(t) = st.plan.get(name) {
+                let same = parsed.is_none_or(|d| d == t.dtype)
+                    && shape.as_deref().is_none_or(|s| s == t.shape())
+                    && strides.as_deref().is_none_or(|s| s == t.strides());
+                if !same {
+                    return Err(PyValueError::new_err(format!(
+                        "tensor {name:?} is already declared in this slot as {} {:?}",
+                        t.dtype,
+                        t.shape()
+                    )));
+                }
+                *t
+            } else {
+                let (Some(parsed), Some(shape)) = (parsed, shape) else {
+                    return Err(PyValueError::new_err(format!(
+                        "tensor {name:?} is not declared yet: give its dtype and shape"
+                    )));
+                };
+                *st.plan
+                    .push(name, parsed, &shape, strides.as_deref(), self.capacity)
+                    .map_err(PyValueError::new_err)?
             }
-            let t = *t;
-            return Ok(self.writable(&t));
-        }
-        let (Some(dtype), Some(shape)) = (dtype, shape) else {
-            return Err(PyValueError::new_err(format!(
-                "tensor {name:?} is not declared yet: give its dtype and shape"
-            )));
         };
-        let t = *st
-            .plan
-            .push(name, dtype, &shape, strides.as_deref(), self.capacity)
-            .map_err(PyValueError::new_err)?;
-        Ok(self.writable(&t))
+        // The slot's state is unlocked: making a torch tensor orders a stream (StreamUse),
+        // which takes the producer's lock.
+        let view = Bound::new(py, self.writable(&t))?.into_any();
+        match &dtype {
+            Some(d) if is_torch_dtype(d) => torch_tensor(&view),
+            _ => Ok(view),
+        }
     }
 
-    /// Writes the test pattern of `gpipe produce` (batch `seq`'s words) over the first
-    /// `nbytes` bytes and returns the header that `gpipe consume --verify` checks; publish
-    /// with `publish(meta=..., nbytes=...)`.
-    fn fill_pattern(&self, nbytes: u64) -> PyResult<[u64; USER_HEADER_WORDS]> {
+    /// Writes the test pattern of ``gpipe produce`` (batch ``seq``'s words) over the first
+    /// ``nbytes`` bytes of a host slot and returns the header that ``gpipe consume --verify``
+    /// checks; publish with ``publish(meta=header, nbytes=nbytes)``.
+    fn fill_pattern(
+        &self,
+        #[pyo3(from_py_with = args::pattern_nbytes)] nbytes: u64,
+    ) -> PyResult<[u64; USER_HEADER_WORDS]> {
         let st = self.state.lock();
         self.check_open(&st)?;
         if nbytes > self.capacity {
@@ -788,14 +911,22 @@ impl PySlot {
         Ok(h)
     }
 
-    /// Publishes the batch: its tensors (or `nbytes` raw bytes when none were declared) and an
-    /// optional user header of up to 8 non-negative ints. Returns the sequence number.
+    /// Publishes the batch and returns its sequence number. Do not write the slot's tensors
+    /// afterwards: consumers are reading them.
+    ///
+    /// ``meta``: the batch's user header, up to 8 ints from 0 to 2**64 - 1 (``batch.meta`` on
+    /// the consumer side; missing words are 0). ``nbytes``: the batch's length in bytes when
+    /// no tensors were declared (a raw batch, read as one uint8 tensor ``data``); None: the
+    /// declared tensors' extent. ``stream`` (CUDA): ``ready`` is signalled after the work
+    /// enqueued by now on this stream (a torch or CuPy stream or a handle; None: torch's
+    /// current stream if torch has started CUDA, else the legacy default stream) and on every
+    /// stream the slot's tensors were made for. Host rings ignore it.
     #[pyo3(signature = (meta=None, nbytes=None, stream=None))]
     fn publish(
         &self,
         py: Python<'_>,
-        meta: Option<Vec<u64>>,
-        nbytes: Option<u64>,
+        #[pyo3(from_py_with = args::meta)] meta: Option<Vec<u64>>,
+        #[pyo3(from_py_with = args::publish_nbytes)] nbytes: Option<u64>,
         stream: Option<Bound<'_, PyAny>>,
     ) -> PyResult<u64> {
         if self.device.device_type != DEVICE_CPU {

@@ -4,7 +4,7 @@ use std::alloc::Layout;
 use std::sync::Arc;
 
 use pipeline_core::TensorInfo;
-use pyo3::exceptions::PyBufferError;
+use pyo3::exceptions::{PyAttributeError, PyBufferError};
 use pyo3::prelude::*;
 
 use crate::dlpack::{self, DEVICE_CPU, DLDevice, Export};
@@ -40,9 +40,13 @@ pub(crate) fn cuda_stream(stream: Option<&Bound<'_, PyAny>>) -> PyResult<Option<
     }
 }
 
-/// A DLPack-capable view of one tensor. Making a framework tensor from it (`torch.from_dlpack`,
-/// `numpy.from_dlpack`, ...) gives an array over the memory itself; the memory stays valid,
-/// and a batch's slot stays held, until every such array is gone.
+/// One named tensor of a batch or a slot: a DLPack view, not an array. Making a framework
+/// tensor from it (``torch.from_dlpack(t)``, ``gpipe.torch.as_tensor(t)``,
+/// ``numpy.from_dlpack(t)``, ``cupy.from_dlpack(t)``) gives an array over the memory itself,
+/// with no copy; the memory stays valid, and a batch's slot stays held, until every such array
+/// is gone. A slot's tensor declared with a torch dtype is returned as a ``torch.Tensor``
+/// already. Arrays of a consumer's batch are read-only (NumPy enforces it; torch does not: an
+/// in-place write there kills the writing process, never another's data).
 #[pyclass(frozen, module = "gpipe", name = "Tensor")]
 pub struct PyTensor {
     pub(crate) keep: Keep,
@@ -226,6 +230,25 @@ impl PyTensor {
     #[getter]
     fn readonly(&self) -> bool {
         self.readonly
+    }
+
+    /// Reached only when the normal lookup fails (a torch method such as `fill_`): says how
+    /// to make an array, which has such methods, over the same memory.
+    fn __getattr__(&self, name: &str) -> PyResult<Py<PyAny>> {
+        let hint = if name.starts_with("__") {
+            String::new()
+        } else {
+            format!(
+                ": a gpipe.Tensor is a DLPack view of {}, not an array; make one over the same \
+                 memory with torch.from_dlpack(t) (or gpipe.torch.as_tensor(t)), \
+                 numpy.from_dlpack(t) or cupy.from_dlpack(t). A slot's tensor declared with a \
+                 torch dtype is a torch.Tensor already",
+                self.origin
+            )
+        };
+        Err(PyAttributeError::new_err(format!(
+            "'gpipe.Tensor' object has no attribute '{name}'{hint}"
+        )))
     }
 
     fn __repr__(&self) -> String {

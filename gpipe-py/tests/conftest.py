@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import textwrap
 import uuid
 from pathlib import Path
@@ -134,10 +135,27 @@ def child():
             pass
 
 
+def _wheel_cli() -> str | None:
+    """The CLI of an installed wheel: its `gpipe` console script (the command a pip user runs),
+    else (`pip install --target`, whose scripts are elsewhere) the bundled binary itself; None
+    for a build from source, which bundles none."""
+    try:
+        from gpipe._cli import bundled_binary
+    except ImportError:
+        return None
+    binary = bundled_binary()
+    if binary is None:
+        return None
+    return shutil.which("gpipe", path=sysconfig.get_path("scripts")) or str(binary)
+
+
 def _find_gpipe() -> str | None:
     env = os.environ.get("GPIPE_BIN")
     if env:
         return env
+    wheel_cli = _wheel_cli()
+    if wheel_cli:
+        return wheel_cli
     for profile in ("release", "debug"):
         p = ROOT / "target" / profile / "gpipe"
         if p.exists():
@@ -149,7 +167,10 @@ def _find_gpipe() -> str | None:
 def gpipe_bin() -> str:
     path = _find_gpipe()
     if path is None:
-        pytest.skip("the gpipe CLI is not built (cargo build -p pipeline-examples) and not on PATH")
+        pytest.skip(
+            "no gpipe CLI: the installed gpipe is not the wheel (scripts/wheel), the CLI is not built "
+            "(cargo build -p pipeline-examples) and gpipe is not on PATH"
+        )
     return path
 
 

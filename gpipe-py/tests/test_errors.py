@@ -30,11 +30,11 @@ def test_producer_arguments(sock):
         gpipe.Producer(sock, backend="host", mode="fanout")
     with pytest.raises(ValueError, match="unknown backend"):
         gpipe.Producer(sock, backend="tpu")
-    with pytest.raises(ValueError, match="slot count"):
+    with pytest.raises(ValueError, match="^slots: "):
         gpipe.Producer(sock, backend="host", slots=0)
-    with pytest.raises(ValueError, match="consumer capacity"):
+    with pytest.raises(ValueError, match="^max_consumers: "):
         gpipe.Producer(sock, backend="host", max_consumers=64)
-    with pytest.raises(OverflowError):
+    with pytest.raises(ValueError, match="^slots must be"):
         gpipe.Producer(sock, backend="host", slots=-1)
     with pytest.raises(ValueError):
         gpipe.Producer(sock, backend="host", device=-1)
@@ -79,7 +79,7 @@ def test_slot_tensor_arguments(ring):
             s.tensor("one_more", "uint8", (1,))
         with pytest.raises(ValueError, match="at most 8"):
             s.publish(meta=list(range(9)))
-        with pytest.raises(OverflowError):
+        with pytest.raises(ValueError, match=r"meta\[0\] must be"):
             s.publish(meta=[-1])
         with pytest.raises(ValueError, match="shorter"):
             s.publish(nbytes=1)
@@ -152,9 +152,11 @@ def test_spin_is_checked_and_a_spinning_consumer_receives(ring):
 
 
 def test_max_lead_holds_the_producer_back_before_the_ring_is_full(make_ring):
-    for bad in (0, -1, "fast", 1.5):
+    for bad in (0, -1, "fast"):
         with pytest.raises(ValueError, match="max_lead"):
             make_ring(max_lead=bad)
+    with pytest.raises(TypeError, match="max_lead"):
+        make_ring(max_lead=1.5)
     p, c = make_ring(slots=4, max_lead=1)
     assert p.max_lead == 1
     p.send(np.zeros(4, dtype=np.int32))

@@ -177,6 +177,31 @@ def test_as_tensor_keeps_the_stream_rules(sock, child):
     assert r["bad"] == 0 and r["seqs"] == list(range(200)), r
 
 
+def test_a_torch_dtype_gives_a_cuda_tensor_with_the_stream_rules(sock, child):
+    # slot.tensor(name, torch_dtype, shape) is a torch tensor on the ring's GPU, made for the
+    # current stream: a slow writer on a side stream is still published after its writes.
+    p = gpipe.Producer(sock, slots=2, batch_bytes=2 << 20, backend="cuda")
+    (k,) = start_consumers(child, sock, 1)
+    p.wait_for_consumers(1, timeout=30)
+    with p.acquire(timeout=30) as slot:
+        x = slot.tensor("x", torch.int32, (N // 64, 64))
+        assert isinstance(x, torch.Tensor) and x.device == torch.device(p.device)
+        assert x.data_ptr() == slot.tensor("x").data_ptr
+        del x
+        slot.abandon()
+
+    def unwrapped(t):
+        assert isinstance(t, torch.Tensor)
+        return t
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        produce(p, 200, conv=unwrapped)
+    p.close()
+    r = result(k)
+    assert r["bad"] == 0 and r["seqs"] == list(range(200)), r
+
+
 @pytest.mark.parametrize("how", ["side", "record"])
 def test_work_on_a_side_stream_and_moved_with_record_stream(sock, child, how):
     p = gpipe.Producer(sock, slots=2, batch_bytes=2 << 20, backend="cuda")

@@ -232,9 +232,10 @@ pub trait ConsumerBackend: Send + Sync + Sized + 'static {
     fn abandon(&self) {}
 }
 
-/// The host backend: slots in one sealed memfd, written with the CPU. Ready and finished need
-/// no signal beyond the ring's own release/acquire ordering, because host work is done by the
-/// time the hook runs.
+/// The host backend: slots in one memfd, written with the CPU through the producer's own
+/// mapping and sealed against every other write (`F_SEAL_FUTURE_WRITE`) before any consumer
+/// gets it. Ready and finished need no signal beyond the ring's own release/acquire ordering,
+/// because host work is done by the time the hook runs.
 pub struct HostProducer {
     fd: OwnedFd,
     map: MmapRaw,
@@ -277,12 +278,25 @@ impl ProducerBackend for HostProducer {
     const KIND: BackendKind = BackendKind::Host;
 
     fn create(layout: &RingLayout, _: HostOptions) -> Result<Self, BackendError> {
+        // Before allocating anything: a ring larger than the memory left would be made (a
+        // memfd is sparse) and fail page by page as it is written, or bring in the OOM killer.
+        crate::limits::check_fits(
+            layout.slot_count,
+            layout.slot_bytes,
+            sys::available_memory(),
+            crate::limits::Memory::Host,
+        )?;
         let total = layout
             .slot_bytes
             .checked_mul(layout.slot_count as u64)
             .ok_or("ring size overflows")?;
-        let fd = sys::sealed_memfd("gpipe-slots", total)?;
-        let map = MmapOptions::new().len(total as usize).map_raw(&fd)?;
+        // Our writable view first, then the seal: from here on nobody (a consumer holding a
+        // dup, or reopening it through /proc) can write the slots or map them writable.
+        let unshared = sys::UnsharedMemfd::create("gpipe-slots", total)?;
+        let map = MmapOptions::new()
+            .len(total as usize)
+            .map_raw(&unshared.fd())?;
+        let fd = unshared.seal_writes()?;
         Ok(Self {
             fd,
             map,
@@ -386,8 +400,10 @@ impl ConsumerBackend for HostConsumer {
             .slot_bytes
             .checked_mul(layout.slot_count as u64)
             .ok_or("ring size overflows")?;
-        sys::check_sealed_memfd(fd.as_fd(), total).map_err(|m| format!("slot memory: {m}"))?;
-        // Read-only: a consumer cannot corrupt what other consumers read.
+        sys::check_write_sealed_memfd(fd.as_fd(), total)
+            .map_err(|m| format!("slot memory: {m}"))?;
+        // Read-only, and sealed by the producer against writes: no consumer can write what the
+        // others read, through this mapping (mprotect) or any other.
         let map = MmapOptions::new()
             .len(total as usize)
             .map_raw_read_only(&fd)?;

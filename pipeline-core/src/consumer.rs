@@ -12,23 +12,33 @@ use std::time::{Duration, Instant};
 use crate::backend::{BackendKind, ConsumerBackend};
 use crate::error::{Error, ProtocolError};
 use crate::layout::{
-    ControlSegment, LAYOUT_HASH, Mode, PROTOCOL_VERSION, RingLayout, USER_HEADER_WORDS,
-    consumer_state, producer_state,
+    ConsumerRecord, ControlSegment, LAYOUT_HASH, Mode, PROTOCOL_VERSION, RingLayout,
+    USER_HEADER_WORDS, consumer_state, producer_state,
 };
 use crate::ring;
-use crate::sys;
+use crate::sys::{self, IoDeadline};
 use crate::tensor::{TensorInfo, Tensors};
 use crate::wait::{self, WaitPolicy};
 use crate::wire::{self, Message, Role};
 use parking_lot::Mutex;
 
 /// Consumer settings.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct ConsumerConfig {
-    /// Timeout of each handshake step.
+    /// How long the whole attach may take, from connect to joined (however the producer
+    /// slices its messages).
     pub handshake_timeout: Duration,
     /// Spin and liveness tick: a dead producer is noticed within about one tick.
     pub wait: WaitPolicy,
+    /// Uids besides our own whose producers we attach to. A producer is identified by the
+    /// uid that listens on the socket (`SO_PEERCRED`), not by the socket's path: anyone who
+    /// can create a file there could otherwise feed us.
+    pub allowed_producer_uids: Vec<u32>,
+    /// Asked while the attach waits (at least every [`sys::INTERRUPT_TICK`], and at once
+    /// when a signal arrives); `true` ends the attach with an error of kind
+    /// [`std::io::ErrorKind::Interrupted`]. A binding runs its language's signal handlers
+    /// here (Ctrl-C).
+    pub interrupted: Option<fn() -> bool>,
 }
 
 impl Default for ConsumerConfig {
@@ -36,6 +46,8 @@ impl Default for ConsumerConfig {
         Self {
             handshake_timeout: Duration::from_secs(5),
             wait: WaitPolicy::default(),
+            allowed_producer_uids: Vec::new(),
+            interrupted: None,
         }
     }
 }
@@ -51,18 +63,47 @@ pub struct PendingAttach {
     fds: Vec<OwnedFd>,
     blob: Vec<u8>,
     config: ConsumerConfig,
+    /// When the attach must be done.
+    deadline: IoDeadline,
 }
 
-fn connect(path: &Path, config: &ConsumerConfig) -> Result<UnixStream, Error> {
-    let conn = UnixStream::connect(path).map_err(|e| Error::Connect {
-        path: path.display().to_string(),
-        source: e,
+/// Connects within the attach's deadline and checks who listens: a producer of our own uid,
+/// or of one we allow.
+fn connect(path: &Path, config: &ConsumerConfig) -> Result<(UnixStream, IoDeadline), Error> {
+    let deadline = IoDeadline {
+        interrupted: config.interrupted,
+        ..IoDeadline::after(config.handshake_timeout)
+    };
+    let conn = sys::connect_unix(path, deadline).map_err(|e| match e.kind() {
+        std::io::ErrorKind::TimedOut => Error::Timeout(
+            "the producer to accept the connection (its backlog is full: it is busy or stuck)",
+        ),
+        std::io::ErrorKind::Interrupted => Error::Os {
+            what: "connect to the producer",
+            source: e,
+        },
+        _ => Error::Connect {
+            path: path.display().to_string(),
+            source: e,
+        },
     })?;
-    let t = Some(config.handshake_timeout);
-    conn.set_read_timeout(t)
-        .and_then(|_| conn.set_write_timeout(t))
-        .map_err(Error::os("set socket timeouts"))?;
-    Ok(conn)
+    let producer = sys::peer_cred(&conn).map_err(Error::os("read the producer's credentials"))?;
+    let ours = sys::effective_uid();
+    if producer.uid != ours && !config.allowed_producer_uids.contains(&producer.uid) {
+        return Err(ProtocolError::UntrustedProducer(format!(
+            "the producer listening on {} runs as uid {}, not as this process's uid {ours}; \
+             refusing to attach, since anyone who can create that path could feed us batches \
+             (if you trust uid {} there, allow it: `gpipe consume --allow-producer-uid {}`, \
+             Python: `Consumer(..., allow_producer_uids=[{}])`)",
+            path.display(),
+            producer.uid,
+            producer.uid,
+            producer.uid,
+            producer.uid
+        ))
+        .into());
+    }
+    Ok((conn, deadline))
 }
 
 /// What the producer's Welcome told us, validated.
@@ -74,8 +115,8 @@ struct Welcomed {
     blob: Vec<u8>,
 }
 
-fn welcome(conn: &UnixStream, role: Role) -> Result<Welcomed, Error> {
-    let sent = wire::send(
+fn welcome(conn: &UnixStream, role: Role, deadline: IoDeadline) -> Result<Welcomed, Error> {
+    let sent = wire::send_until(
         conn,
         &Message::Hello {
             version: PROTOCOL_VERSION,
@@ -83,10 +124,11 @@ fn welcome(conn: &UnixStream, role: Role) -> Result<Welcomed, Error> {
             backend: 0,
         },
         &[],
+        deadline,
     );
     // A producer that refuses us (uid check) may answer and close before our Hello is
     // written: its Reject is still readable and says more than the broken pipe.
-    let received = wire::recv(conn);
+    let received = wire::recv_until(conn, deadline);
     if let (Err(e), Err(_)) = (&sent, &received) {
         return Err(Error::Os {
             what: "send Hello",
@@ -167,8 +209,8 @@ fn welcome(conn: &UnixStream, role: Role) -> Result<Welcomed, Error> {
 impl PendingAttach {
     /// Connects to a producer and runs the first half of the handshake.
     pub fn connect(path: impl AsRef<Path>, config: ConsumerConfig) -> Result<Self, Error> {
-        let conn = connect(path.as_ref(), &config)?;
-        let mut w = welcome(&conn, Role::Consumer)?;
+        let (conn, deadline) = connect(path.as_ref(), &config)?;
+        let mut w = welcome(&conn, Role::Consumer, deadline)?;
         let seg_fd = w.fds.remove(0);
         Ok(Self {
             conn,
@@ -179,6 +221,7 @@ impl PendingAttach {
             fds: w.fds,
             blob: w.blob,
             config,
+            deadline,
         })
     }
 
@@ -203,6 +246,7 @@ impl PendingAttach {
             fds,
             blob,
             config,
+            deadline,
         } = self;
         if backend != B::KIND {
             wire::send_reject(
@@ -229,17 +273,18 @@ impl PendingAttach {
             }
         };
         let reply_fds: Vec<_> = reply.fds.iter().map(std::os::fd::AsFd::as_fd).collect();
-        let sent = wire::send(
+        let sent = wire::send_until(
             &conn,
             &Message::Ready {
                 fd_count: reply_fds.len() as u32,
                 blob: reply.blob.clone(),
             },
             &reply_fds,
+            deadline,
         );
         // As with Hello: a producer that refuses us while we import (it is closing, say)
         // may have stopped reading; its Reject is still readable and says why.
-        let received = wire::recv(&conn);
+        let received = wire::recv_until(&conn, deadline);
         let received = match (sent, received) {
             (Err(e), Err(_)) => return Err(e),
             (Err(e), Ok((msg, _))) if !matches!(msg, Message::Reject { .. }) => return Err(e),
@@ -276,16 +321,23 @@ impl PendingAttach {
             ))
             .into());
         }
+        // Which attach to this record is ours: a later consumer given our index (after the
+        // producer detached us) bumps it. Read after the Acquire of ACTIVE above, which the
+        // producer stores after the bump.
+        let generation = rec.generation.load(Ordering::Relaxed);
         rec.placement
             .store(be.placement().encode(), Ordering::Release);
         let _ = conn.set_nonblocking(true);
         let head = seg.header().head.value.load(Ordering::Acquire);
+        let record = RecordPtr(std::ptr::NonNull::from(rec));
         Ok(Consumer {
             link: Arc::new(Link {
+                record,
                 seg,
                 backend: ManuallyDrop::new(be),
                 conn,
                 index,
+                generation,
                 layout,
                 held: (0..layout.slot_count).map(|_| AtomicU64::new(0)).collect(),
                 mirrored: AtomicUsize::new(0),
@@ -310,10 +362,14 @@ impl PendingAttach {
 /// from any thread, after the consumer itself may be gone. When the last of them goes, the
 /// backend's imports are freed and the producer is told goodbye.
 struct Link<B: ConsumerBackend> {
+    /// Our record in `seg` (see [`Link::record`]).
+    record: RecordPtr,
     seg: ControlSegment,
     backend: ManuallyDrop<B>,
     conn: UnixStream,
     index: u32,
+    /// Our record's generation at attach (see [`Consumer::check_active`]).
+    generation: u64,
     layout: RingLayout,
     /// Per slot: the sequence number + 1 of the batch we hold in it, 0 when none.
     held: Box<[AtomicU64]>,
@@ -325,6 +381,18 @@ struct Link<B: ConsumerBackend> {
     /// releases on other threads); `u64::MAX` in shared mode, where the next is claimed.
     next_cursor: AtomicU64,
 }
+
+/// Our consumer record in the control segment, looked up once at attach: every batch reads
+/// and counts in it, and [`ControlSegment::consumer`] would check the index and work out the
+/// offset each time.
+struct RecordPtr(std::ptr::NonNull<ConsumerRecord>);
+
+// SAFETY: it points at a `ConsumerRecord`, whose fields are all atomics (so shared access from
+// any thread is sound), in the mapping of the `ControlSegment` of the same `Link`, which
+// lives (and stays mapped at the same address) as long as the pointer does.
+unsafe impl Send for RecordPtr {}
+// SAFETY: as for `Send` above: only shared references to atomics are made from it.
+unsafe impl Sync for RecordPtr {}
 
 /// The consuming side of a ring. One thread receives; the [`Batch`]es it returns are owned
 /// values that may be held several at a time, sent to other threads and released in any
@@ -499,13 +567,17 @@ impl<B: ConsumerBackend> Consumer<B> {
         }
         if let Err(v) = ring::check_len(seq, slot, len, self.layout.slot_bytes) {
             link.refuse(slot, seq);
-            return Err(violation(v));
+            return Err(self.violation(v));
         }
         let tensors = match link.seg.tensor_table(slot).read_tensors(len) {
             Ok(t) => t,
             Err(m) => {
                 link.refuse(slot, seq);
-                return Err(ProtocolError::Segment(format!("batch {seq}: {m}")).into());
+                // Rewritten under us after a detach, or corrupt: our record tells which.
+                return Err(match self.check_active() {
+                    Err(detached) => detached,
+                    Ok(()) => ProtocolError::Segment(format!("batch {seq}: {m}")).into(),
+                });
             }
         };
         crate::fault::point("consumer.before_wait");
@@ -521,7 +593,7 @@ impl<B: ConsumerBackend> Consumer<B> {
                 return Err(Error::Backend(e));
             }
         };
-        let rec = link.seg.consumer(self.index);
+        let rec = link.record();
         rec.received.fetch_add(1, Ordering::Relaxed);
         if mirrored {
             // The copy is ours and `finished` for the slot is signalled after it: release the
@@ -577,26 +649,26 @@ impl<B: ConsumerBackend> Consumer<B> {
 
     fn load_head(&mut self) -> Result<u64, Error> {
         let head = self.link.seg.header().head.value.load(Ordering::Acquire);
-        ring::check_head(self.last_head, head).map_err(violation)?;
+        ring::check_head(self.last_head, head).map_err(|v| self.violation(v))?;
         self.last_head = head;
         Ok(head)
     }
 
-    /// Our record must still say active: the producer marks it when it detaches us.
+    /// Our record must still say active, and still be ours (see [`Link::check_record`]).
     fn check_active(&self) -> Result<(), Error> {
-        match self
-            .link
-            .seg
-            .consumer(self.index)
-            .state
-            .load(Ordering::Acquire)
-        {
-            consumer_state::ACTIVE => Ok(()),
-            s => Err(Error::Detached(format!(
-                "our record says {}",
-                consumer_state::name(s)
-            ))),
-        }
+        self.link.check_record()
+    }
+
+    /// What a violation seen in the ring means. The producer marks our record before it
+    /// takes our batches back and goes on without us, and what it publishes after that
+    /// happens after the mark: a violation seen after it (the head past our cursor by more
+    /// than the ring, a slot refilled under us) is the ring going on without us, which makes
+    /// it a detach, not corruption. Only with our record still active and ours is the segment
+    /// corrupt. Out of line: the per-batch checks that may call it stay small.
+    #[cold]
+    #[inline(never)]
+    fn violation(&self, v: ring::Violation) -> Error {
+        explain_violation(v, self.check_active())
     }
 
     /// Shared mode: puts a batch we claimed back, unclaimed and counted, so that a scan finds
@@ -670,12 +742,12 @@ impl<B: ConsumerBackend> Consumer<B> {
             }
             head = self.load_head()?;
         }
-        ring::check_window(head, c, n).map_err(violation)?;
+        ring::check_window(head, c, n).map_err(|v| self.violation(v))?;
         let k = ring::slot_of(c, n);
         let desc = self.link.seg.slot(k);
         let seq = desc.seq.load(Ordering::Acquire);
         let pending = desc.pending.load(Ordering::Acquire);
-        ring::check_slot(k, seq, c, pending, self.index).map_err(violation)?;
+        ring::check_slot(k, seq, c, pending, self.index).map_err(|v| self.violation(v))?;
         self.cursor = c + 1;
         self.link
             .seg
@@ -723,7 +795,7 @@ impl<B: ConsumerBackend> Consumer<B> {
                 if let Err(v) = ring::check_claimed(k, seq, now, n) {
                     // Put it back untouched (and count it, so scans find it) and report.
                     self.unclaim(k);
-                    return Err(violation(v));
+                    return Err(self.violation(v));
                 }
                 // Tell the producer whose work to wait for before it refills the slot. If a
                 // late writer got there first, it will not wait for ours: we complete our
@@ -792,6 +864,27 @@ impl<B: ConsumerBackend> Consumer<B> {
 }
 
 impl<B: ConsumerBackend> Link<B> {
+    /// Our record (`seg.consumer(index)`), without the lookup.
+    #[inline]
+    fn record(&self) -> &ConsumerRecord {
+        // SAFETY: `record` was made from `seg.consumer(index)` at attach; `seg` is ours and
+        // keeps its mapping, at the same address, while we live.
+        unsafe { self.record.0.as_ref() }
+    }
+
+    /// Our record must still say active, and still be ours: the producer marks it when it
+    /// detaches us, and a consumer that attaches later may be given our index (and so our
+    /// record, active again, with its generation bumped).
+    fn check_record(&self) -> Result<(), Error> {
+        let rec = self.record();
+        let state = rec.state.load(Ordering::Acquire);
+        record_verdict(
+            state,
+            rec.generation.load(Ordering::Relaxed),
+            self.generation,
+        )
+    }
+
     /// Releases `slot` in the ring; false if it was taken from us.
     fn release_slot(&self, slot: u32) -> bool {
         let desc = self.seg.slot(slot);
@@ -860,12 +953,20 @@ impl<B: ConsumerBackend> Link<B> {
         }
         crate::fault::point("consumer.before_release");
         self.held[slot as usize].store(0, Ordering::Release);
-        let ok = self.release_slot(slot);
+        // Detached, and our index perhaps given to a later consumer: the slot's bit for our
+        // index, and the record's counters, are no longer ours to touch.
+        let rec = self.record();
+        let ours = record_verdict(
+            rec.state.load(Ordering::Acquire),
+            rec.generation.load(Ordering::Relaxed),
+            self.generation,
+        )
+        .is_ok();
+        let ok = ours && self.release_slot(slot);
         crate::fault::point("consumer.after_release");
-        self.seg
-            .consumer(self.index)
-            .released
-            .fetch_add(1, Ordering::Relaxed);
+        if ours {
+            rec.released.fetch_add(1, Ordering::Relaxed);
+        }
         finished.map_err(Error::Backend)?;
         if !ok {
             return Err(Error::Detached(format!(
@@ -1001,11 +1102,43 @@ impl<B: ConsumerBackend> Drop for Batch<B> {
     }
 }
 
-/// A violation becomes "detached" when it means the producer dropped us, else "corrupted".
-fn violation(v: ring::Violation) -> Error {
-    match v {
-        ring::Violation::NotAddressed { .. } => Error::Detached(v.to_string()),
-        _ => ProtocolError::Segment(v.to_string()).into(),
+/// Whether our record (its state and generation) still says that we are its active
+/// consumer; if not, the detach that says why. Asked for every batch (on receive and on
+/// release): the answer "ours" is two compares inline, and only a record that is no longer
+/// ours pays for the call that words the error.
+#[inline]
+fn record_verdict(state: u32, generation: u64, ours: u64) -> Result<(), Error> {
+    if state == consumer_state::ACTIVE && generation == ours {
+        Ok(())
+    } else {
+        Err(record_lost(state))
+    }
+}
+
+/// The detach that a record no longer ours (see [`record_verdict`]) means: active, it was
+/// given to another consumer (its generation is not ours); else it says why.
+#[cold]
+#[inline(never)]
+fn record_lost(state: u32) -> Error {
+    match state {
+        consumer_state::ACTIVE => Error::Detached(
+            "our consumer index was given to a consumer that attached after we were detached"
+                .into(),
+        ),
+        s => Error::Detached(format!("our record says {}", consumer_state::name(s))),
+    }
+}
+
+/// A violation with our record's verdict (see [`Consumer::violation`]): "detached" when the
+/// record says the producer dropped us, or the batch was not addressed to us; else
+/// "corrupted".
+fn explain_violation(v: ring::Violation, record: Result<(), Error>) -> Error {
+    match (v, record) {
+        (_, Err(Error::Detached(why))) => {
+            Error::Detached(format!("{why}; the ring went on without us"))
+        }
+        (v @ ring::Violation::NotAddressed { .. }, _) => Error::Detached(v.to_string()),
+        (v, _) => ProtocolError::Segment(v.to_string()).into(),
     }
 }
 
@@ -1015,8 +1148,55 @@ pub fn observe(
     path: impl AsRef<Path>,
     config: ConsumerConfig,
 ) -> Result<(ControlSegment, BackendKind), Error> {
-    let conn = connect(path.as_ref(), &config)?;
-    let mut w = welcome(&conn, Role::Observer)?;
+    let (conn, deadline) = connect(path.as_ref(), &config)?;
+    let mut w = welcome(&conn, Role::Observer, deadline)?;
     let seg = ControlSegment::open(w.fds.remove(0), w.layout, false)?;
     Ok((seg, w.backend))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{explain_violation, record_verdict};
+    use crate::error::Error;
+    use crate::layout::consumer_state::{ACTIVE, ATTACHING, DETACHED};
+    use crate::ring::Violation;
+
+    fn overrun() -> Violation {
+        Violation::Overrun {
+            head: 120,
+            cursor: 100,
+            n: 8,
+        }
+    }
+
+    #[test]
+    fn a_record_is_ours_while_active_with_our_generation() {
+        assert!(record_verdict(ACTIVE, 3, 3).is_ok());
+        for (state, generation) in [(DETACHED, 3), (ATTACHING, 3), (ACTIVE, 4)] {
+            assert!(
+                matches!(
+                    record_verdict(state, generation, 3),
+                    Err(Error::Detached(_))
+                ),
+                "state {state}, generation {generation}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_violation_after_the_producer_dropped_us_is_a_detach_not_corruption() {
+        // A consumer stopped (SIGSTOP) between its record check and its head check, then
+        // detached under --detach-after-ms: the head is far past its cursor.
+        for record in [record_verdict(DETACHED, 3, 3), record_verdict(ACTIVE, 4, 3)] {
+            let e = explain_violation(overrun(), record);
+            assert!(matches!(e, Error::Detached(_)), "{e}");
+            assert!(!e.to_string().contains("corrupt"), "{e}");
+        }
+        // The same with our record active and ours: the segment cannot be right.
+        let e = explain_violation(overrun(), record_verdict(ACTIVE, 3, 3));
+        assert!(matches!(e, Error::Protocol(_)), "{e}");
+        // Not addressed to us stays a detach, as before.
+        let e = explain_violation(Violation::NotAddressed { seq: 7 }, Ok(()));
+        assert!(matches!(e, Error::Detached(_)), "{e}");
+    }
 }

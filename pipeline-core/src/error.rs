@@ -27,6 +27,8 @@ pub enum ProtocolError {
     /// The peer closed the connection during the handshake (it exited, was killed, or gave
     /// up); nothing it sent was wrong.
     Hangup(String),
+    /// The producer listening on the socket runs as a uid this consumer does not trust.
+    UntrustedProducer(String),
 }
 
 impl fmt::Display for ProtocolError {
@@ -40,7 +42,7 @@ impl fmt::Display for ProtocolError {
             ProtocolError::Message(m) => write!(f, "malformed handshake message: {m}"),
             ProtocolError::Segment(m) => write!(f, "control segment corrupted: {m}"),
             ProtocolError::Refused(m) => write!(f, "the producer refused the attach: {m}"),
-            ProtocolError::Hangup(m) => write!(f, "{m}"),
+            ProtocolError::Hangup(m) | ProtocolError::UntrustedProducer(m) => write!(f, "{m}"),
         }
     }
 }
@@ -119,7 +121,7 @@ impl fmt::Display for Error {
             Error::Connect { path, source } => match source.kind() {
                 io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused => write!(
                     f,
-                    "no producer is listening on {path} ({source}); start one with `gpipe produce --socket {path}`"
+                    "no producer is listening on {path} ({source}): start the producer first (a `Producer` on this path, in Rust or Python, or `gpipe produce --socket {path}`), or check the path"
                 ),
                 io::ErrorKind::PermissionDenied => write!(
                     f,
@@ -167,5 +169,33 @@ impl std::error::Error for Error {
 impl From<ProtocolError> for Error {
     fn from(e: ProtocolError) -> Self {
         Error::Protocol(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A consumer that finds no producer may be a Rust program, a Python one or the CLI: the
+    /// hint names the path and says to start a producer there, not only with the CLI.
+    #[test]
+    fn no_producer_hint_fits_every_front_end() {
+        for kind in [io::ErrorKind::NotFound, io::ErrorKind::ConnectionRefused] {
+            let e = Error::Connect {
+                path: "/x/feed.sock".into(),
+                source: io::Error::from(kind),
+            };
+            let msg = e.to_string();
+            assert!(
+                msg.starts_with("no producer is listening on /x/feed.sock"),
+                "{msg}"
+            );
+            assert!(msg.contains("start the producer first"), "{msg}");
+            assert!(msg.contains("a `Producer` on this path"), "{msg}");
+            assert!(
+                msg.contains("`gpipe produce --socket /x/feed.sock`"),
+                "{msg}"
+            );
+        }
     }
 }

@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use memmap2::{MmapOptions, MmapRaw};
 
 use crate::error::{Error, ProtocolError};
+use crate::limits;
 use crate::sys;
 use crate::tensor::TensorTable;
 
@@ -26,16 +27,9 @@ use crate::tensor::TensorTable;
 pub const MAGIC: u64 = u64::from_le_bytes(*b"GPIPESEG");
 /// Version of the control-segment layout and the handshake.
 pub const PROTOCOL_VERSION: u32 = 3;
-/// Largest ring gpipe accepts.
-pub const MAX_SLOTS: u32 = 4096;
-/// Most consumers one ring can have (one bit each in a 64-bit word, bit 63 reserved).
-pub const MAX_CONSUMERS: u32 = 63;
 /// Words of user header carried by each batch descriptor (64 bytes).
 pub const USER_HEADER_WORDS: usize = 8;
-/// Slot capacities are rounded up to this (2 MiB), so an export never exposes unrelated memory.
-pub const SLOT_ALIGN: u64 = 2 << 20;
-/// Largest slot capacity accepted (64 GiB).
-pub const MAX_SLOT_BYTES: u64 = 64 << 30;
+pub use crate::limits::{MAX_CONSUMERS, MAX_SLOT_BYTES, MAX_SLOTS, SLOT_ALIGN, round_slot_bytes};
 pub use crate::ring::UNCLAIMED;
 /// Largest sequence number (sequences are 48-bit so they fit next to flags if ever needed).
 pub const MAX_SEQ: u64 = (1 << 48) - 1;
@@ -125,11 +119,6 @@ impl std::str::FromStr for Mode {
     }
 }
 
-/// Rounds a batch size up to the slot granularity (2 MiB); at least one granule.
-pub fn round_slot_bytes(bytes: u64) -> u64 {
-    bytes.max(1).div_ceil(SLOT_ALIGN).saturating_mul(SLOT_ALIGN)
-}
-
 /// The constants of a ring, as the producer chose them and as every peer checks them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct RingLayout {
@@ -144,30 +133,12 @@ pub struct RingLayout {
 }
 
 impl RingLayout {
-    /// Checks the constants are in range.
+    /// Checks the constants are within gpipe's limits ([`crate::limits`]).
     pub fn validate(&self) -> Result<(), ProtocolError> {
-        if self.slot_count == 0 || self.slot_count > MAX_SLOTS {
-            return Err(ProtocolError::Layout(format!(
-                "slot count {} is outside 1..={MAX_SLOTS}",
-                self.slot_count
-            )));
-        }
-        if self.slot_bytes == 0
-            || self.slot_bytes % SLOT_ALIGN != 0
-            || self.slot_bytes > MAX_SLOT_BYTES
-        {
-            return Err(ProtocolError::Layout(format!(
-                "slot capacity {} is not a multiple of 2 MiB within 2 MiB..=64 GiB",
-                self.slot_bytes
-            )));
-        }
-        if self.consumer_capacity == 0 || self.consumer_capacity > MAX_CONSUMERS {
-            return Err(ProtocolError::Layout(format!(
-                "consumer capacity {} is outside 1..={MAX_CONSUMERS}",
-                self.consumer_capacity
-            )));
-        }
-        Ok(())
+        limits::check_slots(self.slot_count)
+            .and_then(|()| limits::check_slot_bytes(self.slot_bytes))
+            .and_then(|()| limits::check_max_consumers(self.consumer_capacity))
+            .map_err(|e| ProtocolError::Layout(e.to_string()))
     }
 
     /// Bytes of the control segment for this layout (page-rounded).

@@ -49,9 +49,13 @@ pub mod inspect;
 #[cfg(not(loom))]
 pub mod layout;
 #[cfg(not(loom))]
+pub mod limits;
+#[cfg(not(loom))]
 pub mod pattern;
 #[cfg(not(loom))]
 pub mod producer;
+#[cfg(not(loom))]
+mod socket_file;
 #[cfg(not(loom))]
 pub mod sys;
 #[cfg(not(loom))]
@@ -74,7 +78,9 @@ pub use error::{BackendError, Error, ProtocolError};
 #[cfg(not(loom))]
 pub use layout::{Mode, RingLayout, USER_HEADER_WORDS, round_slot_bytes};
 #[cfg(not(loom))]
-pub use producer::{LagPolicy, Producer, ProducerConfig, ProducerStats, Slot, SlotLoan};
+pub use producer::{
+    HeldBack, Holder, LagPolicy, Producer, ProducerConfig, ProducerStats, Slot, SlotLoan,
+};
 #[cfg(not(loom))]
 pub use tensor::{DType, TensorInfo, TensorPlan};
 #[cfg(not(loom))]

@@ -18,7 +18,8 @@ use crate::layout::{
     consumer_state, producer_state,
 };
 use crate::ring;
-use crate::sys;
+use crate::socket_file::{self, SocketFile};
+use crate::sys::{self, IoDeadline};
 use crate::tensor::{self, TensorInfo};
 use crate::wait::{self, WaitPolicy};
 use crate::wire::{self, Message, Role};
@@ -66,6 +67,13 @@ pub struct ProducerConfig {
     /// data in flight small enough to stay in a GPU's L2 cache while the ring keeps its other
     /// slots for consumers that hold batches a while.
     pub max_lead: Option<u32>,
+    /// Leave the process dumpable. By default [`Producer::bind`] makes it not dumpable
+    /// (`prctl(PR_SET_DUMPABLE, 0)`), so that another process of the same uid cannot open
+    /// the producer's read-write fds through `/proc/<pid>/fd` (docs/security.md). That also
+    /// means no core dumps and no debugger, profiler or `/proc/<pid>/mem` access by the same
+    /// uid without `CAP_SYS_PTRACE`, for the whole process, until it ends or `exec`s. Set this
+    /// to keep those (while debugging, say).
+    pub keep_dumpable: bool,
 }
 
 impl Default for ProducerConfig {
@@ -82,6 +90,7 @@ impl Default for ProducerConfig {
             lag: LagPolicy::Block,
             drain_timeout: Duration::from_secs(5),
             max_lead: None,
+            keep_dumpable: false,
         }
     }
 }
@@ -117,6 +126,28 @@ pub struct ProducerStats {
     pub requeued: u64,
 }
 
+/// What holds the producer back ([`Producer::held_back`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldBack {
+    /// The batch the producer waits to write.
+    pub seq: u64,
+    /// The slot it waits for.
+    pub slot: u32,
+    /// When the producer began to wait for it.
+    pub since: Instant,
+    /// The consumers holding that slot.
+    pub holders: Vec<Holder>,
+}
+
+/// A consumer holding a slot the producer waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Holder {
+    /// Its index in the ring.
+    pub index: u32,
+    /// Its process id, where the producer can see it (`None`: another pid namespace).
+    pub pid: Option<u32>,
+}
+
 #[derive(Default)]
 struct Counters {
     attached: AtomicU64,
@@ -129,14 +160,20 @@ struct Counters {
 
 struct Member {
     conn: Arc<UnixStream>,
-    pid: u32,
+    /// For logs only (`None`: in a pid namespace we cannot see).
+    pid: Option<u32>,
 }
 
 struct Members {
     /// Attached consumers by index.
     conns: Vec<Option<Member>>,
-    /// Indices reserved by handshakes in progress.
+    /// Indices reserved by handshakes in progress (and by departures whose backend detach
+    /// is still running).
     reserved: u64,
+    /// Per index: the handshake in progress that reserved it, and since when. One that has
+    /// waited long for its Ready gives its index up to a newcomer when the ring is full
+    /// ([`Shared::reserve_index`]): a pending handshake does not hold a consumer slot.
+    handshaking: Vec<Option<(Arc<Attaching>, Instant)>>,
     /// Active consumers (bit per index); mirrored in `Shared::active`.
     active: u64,
     /// Sequence number the producer publishes next (only changed under this lock).
@@ -173,9 +210,20 @@ struct Shared<B> {
 /// A connection whose handshake runs on its own thread.
 struct Attaching {
     conn: UnixStream,
+    /// When it was accepted: the handshake's deadline counts from here.
+    accepted: Instant,
     /// Set (under the members lock) once the consumer is active.
     joined: AtomicBool,
+    /// Set once its Ready arrived (it is importing no more; it will not be taken over).
+    ready: AtomicBool,
+    /// Set (under the members lock) when a newcomer took its index over; it then never
+    /// activates.
+    taken_over: AtomicBool,
 }
+
+/// Handshakes in progress at once, at most: beyond, connections wait in the listen backlog
+/// (each handshake holds a thread and a socket until its deadline).
+const MAX_HANDSHAKES: usize = 64;
 
 /// How a consumer went away.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -282,26 +330,35 @@ impl<B: ProducerBackend> Shared<B> {
             || self.config.allowed_gids.contains(&cred.gid)
     }
 
-    /// Runs the attach handshake with one connection (on its own thread).
-    fn handshake(self: &Arc<Self>, conn: &UnixStream, joined: &AtomicBool) {
-        let t = Some(self.config.handshake_timeout);
-        if conn.set_read_timeout(t).is_err() || conn.set_write_timeout(t).is_err() {
-            return;
-        }
+    /// Runs the attach handshake with one connection (on its own thread). The whole
+    /// handshake, however the peer slices its messages, ends by the handshake timeout after
+    /// the accept.
+    fn handshake(self: &Arc<Self>, attaching: &Arc<Attaching>) {
+        let conn = &attaching.conn;
+        let deadline = IoDeadline {
+            at: attaching
+                .accepted
+                .checked_add(self.config.handshake_timeout),
+            interrupted: None,
+        };
+        // The peer's pid, where the kernel can tell it, is for the logs only: a peer in a
+        // pid namespace we cannot see (another container) has none, and attaches all the
+        // same. Its uid is what identifies it.
         let cred = match sys::peer_cred(conn) {
             Ok(c) => c,
             Err(e) => {
-                tracing::warn!("attach: cannot read peer credentials: {e}");
+                tracing::warn!("attach: cannot read the peer's credentials (SO_PEERCRED): {e}");
+                wire::send_reject(
+                    conn,
+                    &format!("the producer cannot read this connection's credentials: {e}"),
+                );
                 return;
             }
         };
+        let pid = cred.pid_display();
         if !self.uid_allowed(&cred) {
             self.counters.refused.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(
-                uid = cred.uid,
-                pid = cred.pid,
-                "attach refused: uid not allowed"
-            );
+            tracing::warn!(uid = cred.uid, pid, "attach refused: uid not allowed");
             wire::send_reject(
                 conn,
                 &format!(
@@ -312,13 +369,21 @@ impl<B: ProducerBackend> Shared<B> {
             );
             return;
         }
-        if let Err(e) = self.handshake_inner(conn, cred, joined) {
+        if let Err(e) = self.handshake_inner(attaching, cred, deadline) {
             // Closing cuts the reading side of handshakes in progress: say why.
             let e = match e {
                 Error::Protocol(ProtocolError::Hangup(_))
                     if self.closing.load(Ordering::Acquire) =>
                 {
                     Error::Closed
+                }
+                _ if attaching.taken_over.load(Ordering::Acquire) => {
+                    ProtocolError::Refused(format!(
+                        "the ring is full and this attach had not finished after {:?}: a newer \
+                         one took its place (raise --max-consumers, or make the import faster)",
+                        self.takeover_after()
+                    ))
+                    .into()
                 }
                 e => e,
             };
@@ -327,22 +392,110 @@ impl<B: ProducerBackend> Shared<B> {
                 // Routine: a consumer killed or stopped while attaching, or one arriving
                 // as the ring closes.
                 Error::Closed | Error::Protocol(ProtocolError::Hangup(_)) => {
-                    tracing::info!(pid = cred.pid, "attach abandoned: {e}")
+                    tracing::info!(pid, "attach abandoned: {e}")
                 }
-                _ => tracing::warn!(pid = cred.pid, "attach failed: {e}"),
+                _ => tracing::warn!(pid, "attach failed: {e}"),
             }
-            wire::send_reject(conn, &e.to_string());
+            // A refusal of ours reads "the producer refused the attach: …" on the other side.
+            let reason = match &e {
+                Error::Protocol(ProtocolError::Refused(why)) => why.clone(),
+                e => e.to_string(),
+            };
+            wire::send_reject(conn, &reason);
+        }
+    }
+
+    /// How long a handshake may wait for its Ready before a newcomer may take its index over
+    /// when the ring is full: a quarter of the handshake timeout.
+    fn takeover_after(&self) -> Duration {
+        self.config.handshake_timeout / 4
+    }
+
+    /// Reserves a consumer index for a handshake. The ring's capacity counts attached
+    /// consumers: while every index is taken but some only by handshakes in progress, waits
+    /// (until `deadline`) for one to finish, and takes over the index of one that has waited
+    /// for its Ready longer than [`Shared::takeover_after`] (a peer that trickles its Ready,
+    /// or never sends it, holds no slot for long).
+    fn reserve_index(
+        &self,
+        attaching: &Arc<Attaching>,
+        deadline: IoDeadline,
+    ) -> Result<u32, Error> {
+        loop {
+            let (attached, in_progress) = {
+                let mut m = self.members.lock();
+                if self.closing.load(Ordering::Acquire) {
+                    return Err(Error::Closed);
+                }
+                let attached = m
+                    .conns
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, c)| c.is_some())
+                    .fold(0u64, |a, (i, _)| a | ring::bit(i as u32));
+                let taken = m.reserved | attached;
+                if let Some(idx) =
+                    (0..self.layout.consumer_capacity).find(|&i| taken & ring::bit(i) == 0)
+                {
+                    m.reserved |= ring::bit(idx);
+                    m.handshaking[idx as usize] = Some((attaching.clone(), Instant::now()));
+                    return Ok(idx);
+                }
+                if attached.count_ones() >= self.layout.consumer_capacity {
+                    return Err(ProtocolError::Refused(format!(
+                        "the ring is full: {} consumers attached (raise --max-consumers)",
+                        self.layout.consumer_capacity
+                    ))
+                    .into());
+                }
+                // The oldest handshake still waiting for its Ready, if it waited long enough.
+                let limit = self.takeover_after();
+                let oldest = m
+                    .handshaking
+                    .iter()
+                    .flatten()
+                    .filter(|(a, _)| {
+                        !a.ready.load(Ordering::Acquire)
+                            && !a.joined.load(Ordering::Acquire)
+                            && !a.taken_over.load(Ordering::Acquire)
+                    })
+                    .min_by_key(|(_, since)| *since)
+                    .filter(|(_, since)| since.elapsed() >= limit)
+                    .map(|(a, _)| a.clone());
+                if let Some(victim) = oldest {
+                    // It never activates now (checked under this lock); cutting its socket
+                    // ends its handshake at once, which frees the index.
+                    victim.taken_over.store(true, Ordering::Release);
+                    let _ = victim.conn.shutdown(std::net::Shutdown::Both);
+                    tracing::info!(
+                        "the ring is full: an attach that waited over {limit:?} for its Ready gives its place to a newer one"
+                    );
+                }
+                (
+                    attached.count_ones(),
+                    m.handshaking.iter().flatten().count(),
+                )
+            };
+            if deadline.left().is_err() {
+                return Err(ProtocolError::Refused(format!(
+                    "the ring is full: {attached} consumers attached and {in_progress} attaches in progress, none of which finished within the handshake timeout (raise --max-consumers)"
+                ))
+                .into());
+            }
+            std::thread::sleep(Duration::from_millis(2));
         }
     }
 
     /// `joined` is set, under the members lock, when the consumer becomes active.
     fn handshake_inner(
         self: &Arc<Self>,
-        conn: &UnixStream,
+        attaching: &Arc<Attaching>,
         cred: sys::PeerCred,
-        joined: &AtomicBool,
+        deadline: IoDeadline,
     ) -> Result<(), Error> {
-        let (hello, fds) = wire::recv(conn)?;
+        let conn = &attaching.conn;
+        let joined = &attaching.joined;
+        let (hello, fds) = wire::recv_until(conn, deadline)?;
         let Message::Hello {
             version,
             role,
@@ -385,37 +538,17 @@ impl<B: ProducerBackend> Shared<B> {
             blob,
         };
         if role == Role::Observer {
-            return wire::send(
+            return wire::send_until(
                 conn,
                 &welcome(wire::OBSERVER, 1, Vec::new()),
                 &[self.seg.fd()],
+                deadline,
             );
         }
         // Reserve an index. `close` waits for reserved indices, and no index is reserved
         // once it has begun (checked under the same lock): every attach either finishes in
         // time to be drained or is refused.
-        let idx = {
-            let mut m = self.members.lock();
-            if self.closing.load(Ordering::Acquire) {
-                return Err(Error::Closed);
-            }
-            let taken = m.reserved
-                | m.conns
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, c)| c.is_some())
-                    .fold(0u64, |a, (i, _)| a | (1 << i));
-            let Some(idx) = (0..self.layout.consumer_capacity).find(|&i| taken & (1 << i) == 0)
-            else {
-                return Err(ProtocolError::Refused(format!(
-                    "the ring is full: {} consumers attached (raise --max-consumers)",
-                    self.layout.consumer_capacity
-                ))
-                .into());
-            };
-            m.reserved |= 1 << idx;
-            idx
-        };
+        let idx = self.reserve_index(attaching, deadline)?;
         // The index's previous consumer is gone; wait out any holders chosen while it was
         // still active, so that none of them is waited for on the signals we reuse for the
         // new one.
@@ -423,9 +556,10 @@ impl<B: ProducerBackend> Shared<B> {
         let rec = self.seg.consumer(idx);
         rec.state
             .store(consumer_state::ATTACHING, Ordering::Release);
-        rec.pid.store(cred.pid, Ordering::Relaxed);
+        // 0 where the peer's pid is not visible (another pid namespace): display only.
+        rec.pid.store(cred.pid.unwrap_or(0), Ordering::Relaxed);
         let result = self
-            .attach_reserved(conn, idx, &welcome)
+            .attach_reserved(attaching, idx, &welcome, deadline)
             .and_then(|conn_arc| {
                 let mut m = self.members.lock();
                 // Closing began while this attach ran: refuse it rather than join a closed
@@ -433,6 +567,10 @@ impl<B: ProducerBackend> Shared<B> {
                 // the supervisor takes to cut sockets, so one of the two sees the other.
                 if self.closing.load(Ordering::Acquire) {
                     return Err(Error::Closed);
+                }
+                // A newcomer took this index over (its socket is cut): never activate.
+                if attaching.taken_over.load(Ordering::Acquire) {
+                    return Err(ProtocolError::Hangup("taken over".into()).into());
                 }
                 joined.store(true, Ordering::Release);
                 // Activate under the lock so that no publish races the join point.
@@ -455,21 +593,33 @@ impl<B: ProducerBackend> Shared<B> {
                     conn: conn_arc.clone(),
                     pid: cred.pid,
                 });
+                m.handshaking[idx as usize] = None;
                 m.reserved &= !(1 << idx);
                 Ok((conn_arc, start, token))
             });
         match result {
             Ok((conn_arc, start, token)) => {
-                tracing::info!(consumer = idx, pid = cred.pid, start, "consumer attached");
-                // If this send fails the consumer is gone; the supervisor sees the hang-up.
-                let _ = wire::send(
+                tracing::info!(
+                    consumer = idx,
+                    pid = cred.pid_display(),
+                    start,
+                    "consumer attached"
+                );
+                // If this send fails the consumer is gone, or did not read in time (it is
+                // cut off: the supervisor sees the hang-up).
+                if wire::send_until(
                     &conn_arc,
                     &Message::Joined {
                         start_seq: start,
                         claim_token: token,
                     },
                     &[],
-                );
+                    deadline,
+                )
+                .is_err()
+                {
+                    let _ = conn_arc.shutdown(std::net::Shutdown::Both);
+                }
                 self.waker.wake();
                 Ok(())
             }
@@ -478,7 +628,9 @@ impl<B: ProducerBackend> Shared<B> {
                 // words of the next consumer to take it.
                 rec.state.store(consumer_state::DETACHED, Ordering::Release);
                 self.backend.detach(idx, true);
-                self.members.lock().reserved &= !(1 << idx);
+                let mut m = self.members.lock();
+                m.handshaking[idx as usize] = None;
+                m.reserved &= !(1 << idx);
                 Err(e)
             }
         }
@@ -486,15 +638,23 @@ impl<B: ProducerBackend> Shared<B> {
 
     fn attach_reserved(
         &self,
-        conn: &UnixStream,
+        attaching: &Attaching,
         idx: u32,
         welcome: &dyn Fn(u32, u32, Vec<u8>) -> Message,
+        deadline: IoDeadline,
     ) -> Result<Arc<UnixStream>, Error> {
+        let conn = &attaching.conn;
         let export = self.backend.export(idx).map_err(Error::Backend)?;
         let mut fds: Vec<BorrowedFd<'_>> = vec![self.seg.fd()];
         fds.extend(export.fds.iter().map(|f| f.as_fd()));
-        wire::send(conn, &welcome(idx, fds.len() as u32, export.blob), &fds)?;
-        let (ready, fds) = wire::recv(conn)?;
+        wire::send_until(
+            conn,
+            &welcome(idx, fds.len() as u32, export.blob),
+            &fds,
+            deadline,
+        )?;
+        let (ready, fds) = wire::recv_until(conn, deadline)?;
+        attaching.ready.store(true, Ordering::Release);
         match ready {
             Message::Ready { blob, .. } => {
                 self.backend
@@ -539,6 +699,7 @@ impl<B: ProducerBackend> Shared<B> {
         // Handshakes in progress, with their connections: on the way out they are cut short
         // and joined, so that none outlives `close` (holding fds, or the backend).
         let mut attaching: Vec<(JoinHandle<()>, Arc<Attaching>)> = Vec::new();
+        let mut accept = AcceptBackoff::default();
         while !self.stop_supervisor.load(Ordering::Acquire) {
             let snapshot: Vec<(u32, Arc<UnixStream>)> = {
                 let m = self.members.lock();
@@ -548,9 +709,17 @@ impl<B: ProducerBackend> Shared<B> {
                     .filter_map(|(i, c)| c.as_ref().map(|c| (i as u32, c.conn.clone())))
                     .collect()
             };
-            let mut fds: Vec<BorrowedFd<'_>> = vec![listener.as_fd(), self.waker.fd()];
+            // New connections wait in the listen backlog while accepting fails (backing off)
+            // or while the most handshakes at once are in progress (each one's end wakes us).
+            let paused = accept.paused_for();
+            let listening = paused.is_none() && attaching.len() < MAX_HANDSHAKES;
+            let base = if listening { 2 } else { 1 };
+            let mut fds: Vec<BorrowedFd<'_>> = vec![self.waker.fd()];
+            if listening {
+                fds.push(listener.as_fd());
+            }
             fds.extend(snapshot.iter().map(|(_, c)| c.as_fd()));
-            let ready = match sys::poll_readable(&fds, tick) {
+            let ready = match sys::poll_readable(&fds, paused.map_or(tick, |p| p.min(tick))) {
                 Ok(r) => r,
                 Err(e) => {
                     tracing::error!("supervisor poll failed: {e}");
@@ -558,37 +727,55 @@ impl<B: ProducerBackend> Shared<B> {
                     continue;
                 }
             };
-            if ready[1].readable {
+            if ready[0].readable {
                 self.waker.drain();
             }
-            if ready[0].readable {
-                loop {
+            if listening && ready[1].readable {
+                while attaching.len() < MAX_HANDSHAKES {
                     match listener.accept() {
                         Ok((conn, _)) => {
+                            accept.succeeded();
                             let me = self.clone();
                             let conn = Arc::new(Attaching {
                                 conn,
+                                accepted: Instant::now(),
                                 joined: AtomicBool::new(false),
+                                ready: AtomicBool::new(false),
+                                taken_over: AtomicBool::new(false),
                             });
                             let theirs = conn.clone();
                             let spawned = std::thread::Builder::new()
                                 .name("gpipe-attach".into())
-                                .spawn(move || me.handshake(&theirs.conn, &theirs.joined));
+                                .spawn(move || {
+                                    me.handshake(&theirs);
+                                    // The supervisor may be waiting for a handshake to end.
+                                    me.waker.wake();
+                                });
                             match spawned {
                                 Ok(h) => attaching.push((h, conn)),
-                                Err(e) => tracing::error!("cannot spawn handshake thread: {e}"),
+                                Err(e) => {
+                                    // The connection closes (dropped): its peer sees why
+                                    // below, the log says it once per spell.
+                                    wire::send_reject(
+                                        &conn.conn,
+                                        &format!("the producer cannot start a handshake: {e}"),
+                                    );
+                                    accept.failed(&e, "start a handshake thread", attaching.len());
+                                    break;
+                                }
                             }
                         }
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                         Err(e) => {
-                            tracing::warn!("accept failed: {e}");
+                            accept.failed(&e, "accept attach connections", attaching.len());
                             break;
                         }
                     }
                 }
             }
             for (i, (idx, conn)) in snapshot.iter().enumerate() {
-                let r = ready[i + 2];
+                let r = ready[i + base];
                 // Read before acting on a hang-up: a clean exit sends Goodbye, then closes.
                 if r.readable {
                     let buf = partial.entry(Arc::as_ptr(conn) as usize).or_default();
@@ -638,6 +825,66 @@ impl<B: ProducerBackend> Shared<B> {
     }
 }
 
+/// The supervisor's response to failing accepts (`EMFILE` when the process is out of file
+/// descriptors, say): it stops accepting for a while, doubling the pause up to a second, and
+/// logs the cause once per spell of failures rather than once per attempt.
+#[derive(Default)]
+struct AcceptBackoff {
+    /// When the current spell of failures began, and how many failures it has seen.
+    failing: Option<(Instant, u64)>,
+    /// No accepts before this.
+    paused_until: Option<Instant>,
+    pause: Duration,
+}
+
+impl AcceptBackoff {
+    const FIRST_PAUSE: Duration = Duration::from_millis(10);
+    const MOST_PAUSE: Duration = Duration::from_secs(1);
+
+    /// How long accepting stays paused, if it is.
+    fn paused_for(&self) -> Option<Duration> {
+        let left = self.paused_until?.saturating_duration_since(Instant::now());
+        (!left.is_zero()).then_some(left)
+    }
+
+    fn failed(&mut self, e: &std::io::Error, what: &str, handshakes: usize) {
+        match &mut self.failing {
+            Some((_, n)) => *n += 1,
+            None => {
+                let cause = if e.raw_os_error() == Some(rustix::io::Errno::MFILE.raw_os_error()) {
+                    format!(
+                        "this process has as many files open as its limit allows (ulimit -n: {}; {handshakes} handshakes in progress); raise the limit",
+                        sys::open_file_limit()
+                            .map_or_else(|| "unlimited".to_string(), |l| l.to_string())
+                    )
+                } else if e.raw_os_error() == Some(rustix::io::Errno::NFILE.raw_os_error()) {
+                    "the whole system is out of file descriptors (fs.file-max)".to_string()
+                } else {
+                    format!("{handshakes} handshakes in progress")
+                };
+                tracing::warn!(
+                    "cannot {what}: {e} ({cause}); new attaches wait in the socket's backlog, retried with a pause of up to {:?} (logged once until it recovers)",
+                    Self::MOST_PAUSE
+                );
+                self.failing = Some((Instant::now(), 1));
+                self.pause = Self::FIRST_PAUSE;
+            }
+        }
+        self.paused_until = Some(Instant::now() + self.pause);
+        self.pause = (self.pause * 2).min(Self::MOST_PAUSE);
+    }
+
+    fn succeeded(&mut self) {
+        if let Some((since, n)) = self.failing.take() {
+            tracing::info!(
+                "accepting attach connections again after {n} failed attempts over {:?}",
+                since.elapsed()
+            );
+        }
+        self.paused_until = None;
+    }
+}
+
 /// After attaching, a consumer may only say Goodbye: a 12-byte frame with an empty body.
 /// Reads what is there without blocking and keeps partial bytes in `buf`, so a peer that
 /// trickles bytes cannot hold up the supervisor. `None`: nothing complete yet.
@@ -674,6 +921,8 @@ pub struct Producer<B: ProducerBackend> {
     holders: Vec<u64>,
     supervisor: Option<JoinHandle<()>>,
     socket_path: PathBuf,
+    /// The socket file we created: removed at the end only if the path still names it.
+    socket_file: SocketFile,
     closed: bool,
     /// The batch the producer has been waiting to get a slot for, and since when: the lag
     /// policy's clock, kept across `acquire` calls that time out (a binding acquires in short
@@ -689,11 +938,17 @@ pub struct Producer<B: ProducerBackend> {
 impl<B: ProducerBackend> Producer<B> {
     /// Creates the ring and its backend and listens on `socket_path` (mode 0600). A stale
     /// socket file left by a dead producer is replaced; a live producer's is not.
+    ///
+    /// It also makes the whole process not dumpable (no core dumps; no `/proc/<pid>/fd`,
+    /// `/proc/<pid>/mem` or debugger access by other processes of its uid), unless
+    /// [`ProducerConfig::keep_dumpable`] is set: see docs/security.md.
     pub fn bind(
         socket_path: impl AsRef<Path>,
         config: ProducerConfig,
         options: B::Options,
     ) -> Result<Self, Error> {
+        crate::limits::check_shape(config.slots, config.batch_bytes, config.max_consumers)
+            .map_err(|e| Error::InvalidArgument(e.to_string()))?;
         let layout = config.layout();
         layout.validate()?;
         if config.max_lead == Some(0) {
@@ -702,9 +957,27 @@ impl<B: ProducerBackend> Producer<B> {
             ));
         }
         let socket_path = socket_path.as_ref().to_path_buf();
+        // Before any fd of the ring exists: a process of our uid must not be able to open our
+        // read-write fds through /proc/<pid>/fd (docs/security.md).
+        if !config.keep_dumpable {
+            sys::make_not_dumpable().map_err(Error::os("prctl(PR_SET_DUMPABLE, 0)"))?;
+        }
         let seg = ControlSegment::create(layout, B::KIND.to_u32())?;
-        let backend = B::create(&layout, options).map_err(Error::Backend)?;
-        let listener = listen(&socket_path)?;
+        // A ring too large for its memory is a wrong argument, not a failing backend.
+        let backend = B::create(&layout, options).map_err(|e| {
+            match e.downcast::<crate::limits::DoesNotFit>() {
+                Ok(too_large) => Error::InvalidArgument(too_large.to_string()),
+                Err(e) => Error::Backend(e),
+            }
+        })?;
+        // Other users may attach: the socket must let them connect (the uid check on every
+        // connection, not the file mode, then says who gets in).
+        let open_to_others = !config.allowed_uids.is_empty() || !config.allowed_gids.is_empty();
+        let (listener, socket_file) =
+            socket_file::listen(&socket_path, if open_to_others { 0o666 } else { 0o600 })?;
+        if open_to_others {
+            socket_file::warn_if_unreachable(&socket_path);
+        }
         let shared = Arc::new(Shared {
             seg,
             backend,
@@ -712,6 +985,7 @@ impl<B: ProducerBackend> Producer<B> {
             config,
             members: Mutex::new(Members {
                 conns: (0..layout.consumer_capacity).map(|_| None).collect(),
+                handshaking: (0..layout.consumer_capacity).map(|_| None).collect(),
                 reserved: 0,
                 active: 0,
                 head: 0,
@@ -748,6 +1022,7 @@ impl<B: ProducerBackend> Producer<B> {
             holders: vec![0; layout.slot_count as usize],
             supervisor: Some(supervisor),
             socket_path,
+            socket_file,
             closed: false,
             stalled_since: None,
             reserved: 0,
@@ -796,14 +1071,84 @@ impl<B: ProducerBackend> Producer<B> {
 
     /// Waits until at least `n` consumers are active, or `timeout` passes.
     pub fn wait_for_consumers(&self, n: u32, timeout: Duration) -> Result<(), Error> {
+        self.wait_for_consumers_or_stop(n, timeout, &|| false)
+            .map(|_| ())
+    }
+
+    /// As [`Producer::wait_for_consumers`], but also ends when `stop` returns true (a Ctrl-C
+    /// flag, a shutdown request), which it asks every 2 ms. Returns whether the consumers
+    /// came: `Ok(false)` when `stop` ended the wait. Refuses at once a wait that could never
+    /// end: more consumers than the ring takes (`max_consumers`).
+    pub fn wait_for_consumers_or_stop(
+        &self,
+        n: u32,
+        timeout: Duration,
+        stop: &dyn Fn() -> bool,
+    ) -> Result<bool, Error> {
+        let capacity = self.shared.layout.consumer_capacity;
+        if n > capacity {
+            return Err(Error::InvalidArgument(format!(
+                "waiting for {n} consumers would never end: this ring takes at most {capacity} \
+                 at once (max_consumers); raise max_consumers or wait for fewer"
+            )));
+        }
         let deadline = Instant::now() + timeout;
         while self.consumers() < n {
+            if stop() {
+                return Ok(false);
+            }
             if Instant::now() >= deadline {
                 return Err(Error::Timeout("consumers to attach"));
             }
             std::thread::sleep(Duration::from_millis(2));
         }
-        Ok(())
+        Ok(true)
+    }
+
+    /// While the producer waits for a slot (an [`Producer::acquire`] in progress, or the last
+    /// one gave up with [`Error::Timeout`] and the slot is still taken): the batch it waits to
+    /// write, since when, and the consumers that still hold the slot's previous batch. `None`
+    /// when it is not waiting. In shared mode a slot whose batch no consumer has claimed yet
+    /// is held by nobody in particular (`holders` is empty).
+    pub fn held_back(&self) -> Option<HeldBack> {
+        let (seq, since) = self.stalled_since?;
+        if seq < self.head {
+            return None;
+        }
+        let sh = &*self.shared;
+        let n = sh.layout.slot_count;
+        let waited_on = self
+            .lead_bound(seq)
+            .into_iter()
+            .chain(ring::previous_in_slot(seq, n).map(|_| seq));
+        for slot in waited_on.map(|s| ring::slot_of(s, n)) {
+            let active = sh.active.load(Ordering::Acquire);
+            let pending = &sh.seg.slot(slot).pending;
+            if ring::slot_free(pending, active, sh.shared_mode()) {
+                continue;
+            }
+            let p = pending.load(Ordering::Acquire);
+            let held = if p & ring::UNCLAIMED != 0 {
+                0
+            } else {
+                p & active
+            };
+            let members = sh.members.lock();
+            let holders = (0..sh.layout.consumer_capacity)
+                .filter(|&c| held & ring::bit(c) != 0)
+                .map(|index| Holder {
+                    index,
+                    pid: members.conns[index as usize].as_ref().and_then(|m| m.pid),
+                })
+                .collect();
+            return Some(HeldBack {
+                seq,
+                slot,
+                since,
+                holders,
+            });
+        }
+        None
     }
 
     /// Takes the next slot, waiting until every consumer that had its previous batch has
@@ -1215,7 +1560,7 @@ impl<B: ProducerBackend> Producer<B> {
         if let Some(t) = self.supervisor.take() {
             let _ = t.join();
         }
-        let _ = std::fs::remove_file(&self.socket_path);
+        socket_file::remove(&self.socket_path, self.socket_file);
     }
 
     /// Leaves the ring as a crashed producer would, for a producer whose own source failed
@@ -1238,7 +1583,7 @@ impl<B: ProducerBackend> Producer<B> {
         // Consumers asleep waiting for a batch look at the producer now.
         let h = sh.seg.header();
         wait::notify(&h.data_wake.value, &h.data_sleepers.value, true);
-        let _ = std::fs::remove_file(&self.socket_path);
+        socket_file::remove(&self.socket_path, self.socket_file);
         // The supervisor is told to stop but not joined: a handshake it waits for may be stuck
         // in the backend (a GPU stream that waits on work that never comes). It and the
         // backend stay alive to the end of the process (see above).
@@ -1428,53 +1773,4 @@ impl<'p, B: ProducerBackend> Slot<'p, B> {
         wait::notify(&h.data_wake.value, &h.data_sleepers.value, true);
         Ok(self.seq)
     }
-}
-
-/// Binds the listening socket at `path` with mode 0600, atomically: bind to a temporary
-/// name in the same directory, chmod, then rename over the final path.
-fn listen(path: &Path) -> Result<UnixListener, Error> {
-    if path.exists() {
-        match UnixStream::connect(path) {
-            Ok(_) => {
-                return Err(Error::InvalidArgument(format!(
-                    "another producer is already listening on {}",
-                    path.display()
-                )));
-            }
-            Err(_) => {
-                let meta = std::fs::symlink_metadata(path).map_err(Error::os("stat socket"))?;
-                use std::os::unix::fs::FileTypeExt;
-                if !meta.file_type().is_socket() {
-                    return Err(Error::InvalidArgument(format!(
-                        "{} exists and is not a socket; refusing to replace it",
-                        path.display()
-                    )));
-                }
-                tracing::info!("removing stale socket {}", path.display());
-            }
-        }
-    }
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .ok_or_else(|| Error::InvalidArgument(format!("{} is not a file path", path.display())))?;
-    let tmp = dir.join(format!(
-        ".{}.{}.tmp",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
-    let _ = std::fs::remove_file(&tmp);
-    let listener = UnixListener::bind(&tmp).map_err(|e| Error::Os {
-        what: "bind the attach socket",
-        source: e,
-    })?;
-    sys::chmod(&tmp, 0o600).map_err(Error::os("chmod the attach socket"))?;
-    std::fs::rename(&tmp, path).map_err(Error::os("rename the attach socket into place"))?;
-    listener
-        .set_nonblocking(true)
-        .map_err(Error::os("set the socket non-blocking"))?;
-    Ok(listener)
 }

@@ -6,12 +6,11 @@
 //! count that differs from what arrived is an error. [`decode`] is a pure function of bytes,
 //! so it can be fuzzed.
 
-use std::io::Write;
-use std::os::fd::{BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 
 use crate::error::{Error, ProtocolError};
-use crate::sys;
+use crate::sys::{self, IoDeadline};
 
 /// Frame magic, `"GPW1"`.
 pub const FRAME_MAGIC: u32 = u32::from_le_bytes(*b"GPW1");
@@ -404,15 +403,28 @@ pub fn decode_body(kind: u16, body: &[u8]) -> Result<Message, ProtocolError> {
     Ok(msg)
 }
 
-/// Sends a message with its fds.
+/// Sends a message with its fds, blocking as the socket's timeouts say.
 pub fn send(sock: &UnixStream, msg: &Message, fds: &[BorrowedFd<'_>]) -> Result<(), Error> {
+    send_until(sock, msg, fds, IoDeadline::NONE)
+}
+
+/// Sends a message with its fds within `deadline` (the whole message, not each write).
+pub fn send_until(
+    sock: &UnixStream,
+    msg: &Message,
+    fds: &[BorrowedFd<'_>],
+    deadline: IoDeadline,
+) -> Result<(), Error> {
     debug_assert_eq!(msg.fd_count(), fds.len());
-    sys::send_with_fds(sock, &encode(msg), fds).map_err(|e| match e.kind() {
+    sys::send_with_fds(sock, &encode(msg), fds, deadline).map_err(|e| match e.kind() {
         std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset => {
             Error::Protocol(ProtocolError::Hangup(format!(
                 "the peer closed the connection mid-handshake (it exited or refused us) while we sent {}",
                 msg.name()
             )))
+        }
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            Error::Timeout("the peer to read a handshake message (the handshake's deadline passed)")
         }
         _ => Error::Os {
             what: "send handshake message",
@@ -421,45 +433,93 @@ pub fn send(sock: &UnixStream, msg: &Message, fds: &[BorrowedFd<'_>]) -> Result<
     })
 }
 
-/// Sends a refusal, ignoring failures (the peer may already be gone).
+/// Sends a refusal, ignoring failures (the peer may already be gone). Never blocks: a peer
+/// that does not read gets nothing rather than holding us.
 pub fn send_reject(sock: &UnixStream, reason: &str) {
-    let mut s = sock;
-    let _ = s.write_all(&encode(&Message::Reject {
+    let frame = encode(&Message::Reject {
         reason: reason.to_string(),
-    }));
+    });
+    let _ = rustix::net::send(
+        sock,
+        &frame,
+        rustix::net::SendFlags::NOSIGNAL | rustix::net::SendFlags::DONTWAIT,
+    );
 }
 
-/// Receives one message and its fds. The fd count must match what the message announces.
+/// Receives one message and its fds, blocking as the socket's timeouts say.
 pub fn recv(sock: &UnixStream) -> Result<(Message, Vec<OwnedFd>), Error> {
-    let mut prefix = [0u8; 12];
-    let fds = sys::recv_with_fds(sock, &mut prefix).map_err(|e| match e.kind() {
-        std::io::ErrorKind::UnexpectedEof => Error::Protocol(ProtocolError::Hangup(
-            "the peer closed the connection mid-handshake".into(),
-        )),
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
-            Error::Timeout("a handshake message")
-        }
-        _ => Error::Os {
-            what: "receive handshake message",
-            source: e,
-        },
-    })?;
-    let (kind, len) = decode_prefix(&prefix)?;
-    let mut body = vec![0u8; len];
-    let mut s = sock;
-    std::io::Read::read_exact(&mut s, &mut body).map_err(|e| match e.kind() {
+    recv_until(sock, IoDeadline::NONE)
+}
+
+fn recv_error(e: std::io::Error, part: &'static str) -> Error {
+    match e.kind() {
+        std::io::ErrorKind::UnexpectedEof if part == "message" => Error::Protocol(
+            ProtocolError::Hangup("the peer closed the connection mid-handshake".into()),
+        ),
         std::io::ErrorKind::UnexpectedEof => Error::Protocol(ProtocolError::Message(
             "the peer closed the connection mid-message".into(),
         )),
         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
-            Error::Timeout("a handshake message body")
+            Error::Timeout(if part == "message" {
+                "a handshake message (the handshake's deadline passed)"
+            } else {
+                "the rest of a handshake message (the handshake's deadline passed)"
+            })
         }
         _ => Error::Os {
-            what: "receive handshake body",
+            what: if part == "message" {
+                "receive handshake message"
+            } else {
+                "receive handshake body"
+            },
             source: e,
         },
-    })?;
+    }
+}
+
+/// Receives one message and its fds within `deadline` (the whole message, however the peer
+/// slices it). The fd count must match what the message announces.
+pub fn recv_until(
+    sock: &UnixStream,
+    deadline: IoDeadline,
+) -> Result<(Message, Vec<OwnedFd>), Error> {
+    let mut prefix = [0u8; 12];
+    let received =
+        sys::recv_with_fds(sock, &mut prefix, deadline).map_err(|e| recv_error(e, "message"))?;
+    let (kind, len) = decode_prefix(&prefix)?;
+    let mut body = vec![0u8; len];
+    sys::recv_exact(sock, &mut body, deadline).map_err(|e| recv_error(e, "body"))?;
     let msg = decode_body(kind, &body)?;
+    let fds = received.fds;
+    if received.truncated {
+        // Asked while the fds that did arrive are still open: they may be what filled the
+        // table.
+        if sys::fd_table_full(sock.as_fd()) {
+            let limit =
+                sys::open_file_limit().map_or_else(|| "unlimited".to_string(), |l| l.to_string());
+            return Err(Error::Os {
+                what: "receive the file descriptors of a handshake message",
+                source: std::io::Error::other(format!(
+                    "too many open files: {} carries {} file descriptors and this process could \
+                     take only {} of them (its open-file limit, ulimit -n, is {limit}); raise the \
+                     limit (e.g. `ulimit -n 4096`) or close files",
+                    msg.name(),
+                    msg.fd_count(),
+                    fds.len()
+                )),
+            });
+        }
+        return Err(ProtocolError::Message(format!(
+            "{} arrived with file descriptors the kernel could not pass on ({} of {} announced \
+             arrived): the peer sent more than a message may carry ({}), or this process could \
+             not take them",
+            msg.name(),
+            fds.len(),
+            msg.fd_count(),
+            sys::MAX_FDS_PER_MESSAGE
+        ))
+        .into());
+    }
     if msg.fd_count() != fds.len() {
         return Err(ProtocolError::Message(format!(
             "{} announces {} fds but {} arrived",

@@ -412,6 +412,14 @@ impl ProducerBackend for CudaProducer {
         driver::init().map_err(be)?;
         let ctx = Context::new(options.device.unwrap_or(0)).map_err(be)?;
         check_capabilities(&ctx, memory, handle)?;
+        // Before allocating the slots: every path allocates them in full, now.
+        let (free, _total) = ctx.memory_info().map_err(be)?;
+        pipeline_core::limits::check_fits(
+            layout.slot_count,
+            layout.slot_bytes,
+            Some(free),
+            pipeline_core::limits::Memory::Gpu(ctx.device().ordinal()),
+        )?;
         let stream = Stream::new(&ctx).map_err(be)?;
         // Made right after ours, before any stream of the application's: consecutive streams
         // get different hardware queues, so a wait stalled on ours never holds up a release.
@@ -1630,6 +1638,38 @@ mod tests {
                 assert_eq!(p.timelines.load(2, 0), Some(RELEASED));
                 assert_eq!(p.timelines.load(1, 0), None);
             }
+        }
+
+        #[test]
+        #[ignore = "needs a CUDA GPU"]
+        fn a_ring_larger_than_the_gpus_free_memory_is_refused_before_allocating() {
+            let ctx = Context::new(0).unwrap();
+            let (free, _total) = ctx.memory_info().unwrap();
+            // The fewest of the largest slots that do not fit in what is free now.
+            let slot_bytes = pipeline_core::limits::MAX_SLOT_BYTES;
+            let slots = u32::try_from(free / slot_bytes + 1).unwrap();
+            let ring = RingLayout {
+                slot_count: slots,
+                slot_bytes,
+                ..layout(1)
+            };
+            for memory in [MemoryPath::Pool, MemoryPath::Vmm, MemoryPath::Legacy] {
+                let options = CudaOptions::default().with_memory(memory);
+                if !memory.supports(options.handle) {
+                    continue;
+                }
+                let e = CudaProducer::create(&ring, options).err().unwrap();
+                let too_large = e
+                    .downcast_ref::<pipeline_core::limits::DoesNotFit>()
+                    .unwrap_or_else(|| panic!("{memory}: not refused for its size: {e}"));
+                assert_eq!(too_large.memory, pipeline_core::limits::Memory::Gpu(0));
+                assert!(e.to_string().contains("free memory on GPU 0"), "{e}");
+            }
+            let (free_after, _) = ctx.memory_info().unwrap();
+            assert!(
+                free_after + slot_bytes > free,
+                "memory was allocated: {free} then {free_after}"
+            );
         }
 
         #[test]

@@ -10,16 +10,15 @@
 //! - `export` (crate-private): the export blob a producer sends each consumer.
 //! - [`backend`]: the producer's and the consumer's halves of the CUDA backend.
 //! - [`probe`]: what each device supports, and which transport path gpipe takes on it.
-//! - [`kernels`]: NVRTC-compiled fill and verify kernels used by the examples and benchmarks.
 //!
 //! Nothing here panics on a machine without a GPU: every entry point checks that `libcuda` (and,
-//! for kernels, `libnvrtc`) can be loaded and returns [`driver::CudaError::NoDriver`] (or
-//! [`driver::CudaError::NoNvrtc`]) when it cannot.
+//! for NVRTC's version, `libnvrtc`) can be loaded and returns [`driver::CudaError::NoDriver`] (or
+//! [`driver::CudaError::NoNvrtc`]) when it cannot. The benchmark's kernels live with the
+//! benchmark, in the `gpipe` CLI.
 
 pub mod backend;
 pub mod driver;
 mod export;
-pub mod kernels;
 pub mod memory;
 pub mod mirror;
 mod names;

@@ -3,9 +3,10 @@
 
 use clap::ValueEnum;
 use pipeline_core::Mode;
+use pipeline_core::limits::{self, Setting, ShapeError};
 use pipeline_cuda::backend::{CudaOptions, HandleKind, MemoryPath, SyncMode, TimelineMemory};
 
-use crate::{cuda_work, size};
+use crate::{gpu, size};
 
 /// `--backend`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -120,7 +121,7 @@ impl CudaArgs {
             w => w.parse()?,
         };
         let sync = match self.sync.as_str() {
-            "auto" => cuda_work::auto_sync(words),
+            "auto" => gpu::auto_sync(words),
             y => y.parse::<SyncMode>()?,
         };
         Ok(CudaOptions::default()
@@ -148,7 +149,11 @@ pub struct RingArgs {
     /// than a 2 GiB one (32 x 64 MiB).
     #[arg(long, value_parser = size::parse, default_value = "2GiB")]
     pub depth_budget: u64,
-    /// Bytes per batch (units: KiB, MiB, GiB, K, M, G); slots are rounded up to 2 MiB.
+    /// Bytes per batch, from 1 byte to 64 GiB, a multiple of 8 (the test pattern's words);
+    /// slots are rounded up to 2 MiB. Units: KiB, MiB, GiB, TiB (or K, M, G, T), KB, MB, GB,
+    /// TB; decimals are accepted and rounded to the nearest byte (1.5MiB = 1572864). The ring,
+    /// slots x slot size, must fit in the available host memory (host backend) or the GPU's
+    /// free memory (CUDA).
     #[arg(long, value_parser = size::parse, default_value = "4MiB")]
     pub batch_bytes: u64,
     /// Write a batch only once the batch this many back was consumed by everyone who got it
@@ -157,6 +162,77 @@ pub struct RingArgs {
     /// size and the batch size (on the host backend: the ring's own bound).
     #[arg(long, value_parser = parse_lead)]
     pub max_lead: Option<LeadArg>,
+}
+
+/// Checks a ring's shape against gpipe's limits ([`pipeline_core::limits`], the rule the
+/// library and the Python package apply too) before anything starts, naming the flag that is
+/// out of range: `--slots`, `--batch-bytes`, and `consumers_flag` for the ring's consumer
+/// capacity (`--max-consumers`, or `--consumers` where that sets it). `--slots auto` resolves
+/// within the limits.
+pub fn check_shape(
+    slots: SlotsArg,
+    batch_bytes: u64,
+    max_consumers: u32,
+    consumers_flag: &str,
+) -> Result<(), String> {
+    let slots = match slots {
+        SlotsArg::Count(n) => n,
+        SlotsArg::Auto => 8,
+    };
+    limits::check_shape(slots, batch_bytes, max_consumers)
+        .map_err(|e| shape_error(&e, consumers_flag))
+}
+
+/// A [`ShapeError`] in the command line's words: the flag, then the library's message.
+pub fn shape_error(e: &ShapeError, consumers_flag: &str) -> String {
+    let flag = match e.setting() {
+        Setting::Slots => "--slots",
+        Setting::BatchBytes => "--batch-bytes",
+        Setting::MaxConsumers => consumers_flag,
+    };
+    format!("{flag}: {}", e.problem())
+}
+
+/// Checks, before anything is allocated, that a ring of `slots` for batches of `batch_bytes`
+/// fits in the memory of `backend` (a concrete one: host memory available now, or GPU 0's free
+/// memory), in the command line's words. The library applies the same check when it makes the
+/// ring ([`limits::check_fits`]); this one only names the flags.
+pub fn check_memory(backend: BackendArg, slots: u32, batch_bytes: u64) -> Result<(), String> {
+    let (available, memory) = match backend {
+        BackendArg::Host => (pipeline_core::sys::available_memory(), limits::Memory::Host),
+        _ => {
+            let free = pipeline_cuda::driver::Context::new(0)
+                .and_then(|ctx| ctx.memory_info())
+                .ok()
+                .map(|(free, _total)| free);
+            (free, limits::Memory::Gpu(0))
+        }
+    };
+    let slot_bytes = limits::round_slot_bytes(batch_bytes);
+    limits::check_fits(slots, slot_bytes, available, memory).map_err(|e| {
+        format!(
+            "{}: use fewer --slots or a smaller --batch-bytes",
+            e.problem()
+        )
+    })
+}
+
+/// The test pattern's rule for a batch (`gpipe produce`, `bench`, `soak`): whole 8-byte words.
+pub fn check_pattern_bytes(batch_bytes: u64) -> Result<(), String> {
+    let word = 8;
+    if batch_bytes % word == 0 {
+        return Ok(());
+    }
+    let below = batch_bytes / word * word;
+    let nearest = if below == 0 {
+        format!("{}", below + word)
+    } else {
+        format!("{below} or {}", below + word)
+    };
+    Err(format!(
+        "--batch-bytes: {batch_bytes} bytes is not a whole number of 8-byte words, which the \
+         test pattern gpipe writes and verifies is made of: give {nearest}"
+    ))
 }
 
 /// `--slots`: a number, or `auto`.
@@ -172,12 +248,10 @@ fn parse_slots(s: &str) -> Result<SlotsArg, String> {
     if s == "auto" {
         return Ok(SlotsArg::Auto);
     }
-    match s.parse::<u32>() {
-        Ok(n) if n >= 1 => Ok(SlotsArg::Count(n)),
-        _ => Err(format!(
-            "{s:?} is not a slot count: give a number (1 or more) or auto"
-        )),
-    }
+    // The range is the ring's rule, checked with the rest of its shape (check_shape).
+    s.parse::<u32>().map(SlotsArg::Count).map_err(|_| {
+        format!("{s:?} is not a number of slots: give a whole number (8 is usual) or auto")
+    })
 }
 
 pub use pipeline_cuda::probe::depths_within;
@@ -318,14 +392,14 @@ impl RingArgs {
 /// Resolves `auto` to a concrete backend, saying why when it falls back to host.
 pub fn resolve_backend(b: BackendArg) -> Result<BackendArg, String> {
     match b {
-        BackendArg::Auto => match cuda_work::usable() {
+        BackendArg::Auto => match gpu::usable() {
             Ok(()) => Ok(BackendArg::Cuda),
             Err(why) => {
                 eprintln!("gpipe: no usable CUDA GPU ({why}); using the host backend");
                 Ok(BackendArg::Host)
             }
         },
-        BackendArg::Cuda => cuda_work::usable()
+        BackendArg::Cuda => gpu::usable()
             .map(|_| BackendArg::Cuda)
             .map_err(|why| format!("--backend cuda: {why}")),
         other => Ok(other),
@@ -340,8 +414,29 @@ mod tests {
     fn slots_parse_as_a_count_or_auto() {
         assert_eq!(parse_slots("auto"), Ok(SlotsArg::Auto));
         assert_eq!(parse_slots("16"), Ok(SlotsArg::Count(16)));
-        assert!(parse_slots("0").unwrap_err().contains("slot count"));
-        assert!(parse_slots("deep").is_err());
+        assert!(parse_slots("deep").unwrap_err().contains("number of slots"));
+        assert!(check_shape(parse_slots("0").unwrap(), 4 << 20, 16, "--max-consumers").is_err());
+    }
+
+    #[test]
+    fn shape_errors_name_the_flag() {
+        let e = check_shape(SlotsArg::Count(5000), 4 << 20, 16, "--max-consumers").unwrap_err();
+        assert!(e.starts_with("--slots: "), "{e}");
+        let e = check_shape(SlotsArg::Auto, 0, 16, "--max-consumers").unwrap_err();
+        assert!(e.starts_with("--batch-bytes: "), "{e}");
+        let e = check_shape(SlotsArg::Auto, 4 << 20, 64, "--consumers").unwrap_err();
+        assert!(e.starts_with("--consumers: "), "{e}");
+        assert_eq!(
+            check_shape(SlotsArg::Auto, 4 << 20, 16, "--max-consumers"),
+            Ok(())
+        );
+        assert_eq!(check_pattern_bytes(16), Ok(()));
+        assert!(
+            check_pattern_bytes(1_153_434)
+                .unwrap_err()
+                .contains("1153432 or 1153440")
+        );
+        assert!(check_pattern_bytes(3).unwrap_err().contains("give 8"));
     }
 
     #[test]

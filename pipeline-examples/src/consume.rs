@@ -12,8 +12,9 @@ use pipeline_core::{
 use pipeline_cuda::backend::{CudaConsumer, CudaOptions};
 
 use crate::args::SideSignalsArg;
+use crate::duration::plural;
 use crate::work::{self, Check, ConsumeOptions};
-use crate::{STOP, bench, cuda_work};
+use crate::{STOP, bench, gpu};
 
 /// Arguments of `gpipe consume`.
 #[derive(clap::Args)]
@@ -21,6 +22,11 @@ pub struct ConsumeCmd {
     /// The producer's socket.
     #[arg(long)]
     socket: PathBuf,
+    /// Also attach to a producer running as this uid (repeatable). By default only a
+    /// producer of our own uid is trusted: the uid listening on the socket is checked, not
+    /// the path.
+    #[arg(long, value_name = "UID")]
+    allow_producer_uid: Vec<u32>,
     /// Verify each batch's checksum.
     #[arg(long)]
     verify: bool,
@@ -104,8 +110,19 @@ pub fn command(cmd: ConsumeCmd) -> Result<ExitCode, String> {
         }
         e
     };
-    let pending = PendingAttach::connect(&cmd.socket, ConsumerConfig::default())
-        .map_err(|e| failed(e.to_string()))?;
+    let config = ConsumerConfig {
+        allowed_producer_uids: cmd.allow_producer_uid.clone(),
+        interrupted: Some(crate::signals::requested),
+        ..ConsumerConfig::default()
+    };
+    let pending = match PendingAttach::connect(&cmd.socket, config) {
+        Ok(pending) => pending,
+        // Ctrl-C cut the handshake short: not a failure to report.
+        Err(_) if crate::signals::requested() => {
+            return Ok(crate::signals::interrupted("attaching"));
+        }
+        Err(e) => return Err(failed(e.to_string())),
+    };
     let opts = Settings {
         verify: cmd.verify,
         max_batches: cmd.max_batches,
@@ -155,7 +172,7 @@ pub fn command(cmd: ConsumeCmd) -> Result<ExitCode, String> {
             }
             consume(
                 c,
-                &mut cuda_work::CudaCheck::with_passes(cmd.passes).with_timeline(from, count),
+                &mut gpu::CudaCheck::with_passes(cmd.passes).with_timeline(from, count),
                 &opts,
                 attach,
             )
@@ -240,24 +257,40 @@ fn consume<B: ConsumerBackend, C: Check<B>>(
             serde_json::to_string(&report).map_err(|e| e.to_string())?
         );
     } else {
-        println!(
-            "consumer #{}: {} batches, {:.3} GB, {} checksum mismatches{}",
-            report.index,
-            report.received,
-            report.bytes as f64 / 1e9,
-            report.mismatches,
-            report
-                .error
-                .as_ref()
-                .map(|e| format!("; ended with: {e}"))
-                .unwrap_or_default()
-        );
+        println!("{}", summary(&report));
     }
     Ok(if report.error.is_none() && report.mismatches == 0 {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// The final line of a consumer's text report: what it received, what its checks found,
+/// what the producer took back, and how it ended.
+fn summary(r: &work::ConsumerReport) -> String {
+    let checked = match (r.verified, r.mismatches) {
+        (false, _) => "not verified".to_string(),
+        (true, 0) => "no checksum mismatches".to_string(),
+        (true, n) => plural(n, "checksum mismatch", "checksum mismatches"),
+    };
+    let taken_back = match r.taken_back {
+        0 => String::new(),
+        n => format!(
+            ", {} taken back by the producer when it detached this consumer",
+            plural(n, "batch", "batches")
+        ),
+    };
+    format!(
+        "consumer #{}: {}, {}, {checked}{taken_back}{}",
+        r.index,
+        plural(r.received, "batch", "batches"),
+        work::gb(r.bytes),
+        r.error
+            .as_ref()
+            .map(|e| format!("; ended with: {e}"))
+            .unwrap_or_default()
+    )
 }
 
 /// Wraps a check with a per-batch sleep (simulated work).
@@ -285,5 +318,46 @@ impl<B: ConsumerBackend, C: Check<B>> Check<B> for Slow<'_, C> {
             Some(c) => c.timeline(),
             None => Ok(None),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::summary;
+    use crate::work::ConsumerReport;
+
+    #[test]
+    fn the_final_line_counts_in_words_and_tells_a_take_back_from_a_mismatch() {
+        let one = ConsumerReport {
+            received: 1,
+            bytes: 1_500_000,
+            verified: true,
+            mismatches: 1,
+            ..Default::default()
+        };
+        assert_eq!(
+            summary(&one),
+            "consumer #0: 1 batch, 0.002 GB, 1 checksum mismatch"
+        );
+        let detached = ConsumerReport {
+            index: 2,
+            received: 58,
+            bytes: 60_817_408,
+            verified: true,
+            taken_back: 1,
+            error: Some("this consumer was detached by the producer: …".into()),
+            ..Default::default()
+        };
+        assert_eq!(
+            summary(&detached),
+            "consumer #2: 58 batches, 0.061 GB, no checksum mismatches, 1 batch taken back by \
+             the producer when it detached this consumer; ended with: this consumer was \
+             detached by the producer: …"
+        );
+        let unverified = ConsumerReport {
+            received: 3,
+            ..Default::default()
+        };
+        assert!(summary(&unverified).ends_with("3 batches, 0.000 GB, not verified"));
     }
 }

@@ -30,6 +30,11 @@ pub fn command(cmd: InspectCmd) -> Result<ExitCode, String> {
         );
     } else {
         print!("{snap}");
+        if snap.consumers.iter().any(|c| !c.pid_alive) {
+            println!(
+                "  † after a pid: that process is no longer running (or it runs in a pid namespace that cannot be seen from here)"
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -6,37 +6,23 @@
 mod args;
 mod bench;
 mod consume;
-mod cuda_work;
 mod duration;
+mod gpu;
 mod inspect;
+mod logging;
 mod probe;
 mod produce;
 mod relay;
+mod signals;
 mod size;
 mod soak;
 mod work;
 
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use clap::{Parser, Subcommand};
 
-/// Set by SIGINT/SIGTERM.
-static STOP: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_signal(_: libc::c_int) {
-    STOP.store(true, Ordering::Relaxed);
-}
-
-fn install_signal_handlers() {
-    for sig in [libc::SIGINT, libc::SIGTERM] {
-        // SAFETY: the handler only stores to a static atomic, which is async-signal-safe;
-        // `signal` is called before any other thread could race on the disposition.
-        unsafe {
-            libc::signal(sig, on_signal as *const () as libc::sighandler_t);
-        }
-    }
-}
+use signals::STOP;
 
 #[derive(Parser)]
 #[command(
@@ -45,9 +31,11 @@ fn install_signal_handlers() {
     about = "Zero-copy GPU/host batch pipelines between processes"
 )]
 struct Cli {
-    /// Log filter (e.g. info, debug, pipeline_core=debug); also RUST_LOG.
-    #[arg(long, global = true, default_value = "warn")]
-    log: String,
+    /// Log filter (e.g. warn, info, debug, pipeline_core=debug); RUST_LOG does the same.
+    /// With either, log lines come in the detailed format (time, level, module path);
+    /// without, warnings and errors read like the CLI's own lines.
+    #[arg(long, global = true, value_name = "FILTER")]
+    log: Option<String>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -73,12 +61,6 @@ enum Cmd {
     Relay(relay::RelayCmd),
 }
 
-/// Colour in logs only on a terminal, and never when `NO_COLOR` is set to anything non-empty
-/// (no-color.org): `gpipe produce ... 2>log` writes plain text.
-fn use_color(stderr_is_terminal: bool, no_color: Option<std::ffi::OsString>) -> bool {
-    stderr_is_terminal && no_color.is_none_or(|v| v.is_empty())
-}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // Before anything else: these may set CUDA's environment, which must precede any thread.
@@ -90,18 +72,20 @@ fn main() -> ExitCode {
         Cmd::Produce(cmd) => unsafe { produce::set_process_env(cmd) },
         _ => {}
     }
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cli.log));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(use_color(
-            std::io::IsTerminal::is_terminal(&std::io::stderr()),
-            std::env::var_os("NO_COLOR"),
-        ))
-        .init();
-    install_signal_handlers();
-    let result = match cli.cmd {
+    logging::init(cli.log.as_deref());
+    signals::install();
+    // A print to a closed pipe panics (SIGPIPE is ignored); `signals` keeps that panic
+    // silent, and here it ends the command quietly, after unwinding has closed the ring.
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(cli.cmd))) {
+        Ok(code) => code,
+        Err(p) if signals::is_closed_pipe(&*p) => ExitCode::from(signals::EXIT_CLOSED_PIPE),
+        Err(p) => std::panic::resume_unwind(p),
+    }
+}
+
+/// Runs one subcommand; an error is printed, status 2.
+fn run(cmd: Cmd) -> ExitCode {
+    let result = match cmd {
         Cmd::Bench(cmd) => bench::command(cmd),
         Cmd::Soak(cmd) => soak::command(cmd),
         Cmd::Probe(cmd) => probe::command(cmd),
@@ -136,17 +120,4 @@ fn print_report<R: serde::Serialize + std::fmt::Display>(
     } else {
         ExitCode::FAILURE
     })
-}
-
-#[cfg(test)]
-mod color_tests {
-    use super::use_color;
-
-    #[test]
-    fn colour_only_on_a_terminal_without_no_color() {
-        assert!(use_color(true, None));
-        assert!(!use_color(false, None));
-        assert!(!use_color(true, Some("1".into())));
-        assert!(use_color(true, Some("".into())));
-    }
 }

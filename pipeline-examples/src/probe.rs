@@ -1,11 +1,13 @@
 //! `gpipe probe`: the CUDA devices, the driver, the capabilities gpipe uses and the path
 //! `--memory auto --sync auto` takes; exits non-zero where CUDA cannot be used.
 
+use std::fmt;
 use std::process::ExitCode;
 
 use pipeline_cuda::backend::HandleKind;
+use pipeline_cuda::probe::{PathSupport, PeerLink, ProbeReport};
 
-use crate::cuda_work;
+use crate::gpu;
 
 /// Arguments of `gpipe probe`.
 #[derive(clap::Args)]
@@ -40,24 +42,24 @@ pub fn command(cmd: ProbeCmd) -> Result<ExitCode, String> {
         .map(|m| {
             format!(
                 "memory {m}, sync {}, timeline words in {words} memory",
-                cuda_work::auto_sync(words)
+                gpu::auto_sync(words)
             )
         })
         .map_err(|e| e.to_string())
         .and_then(|p| {
-            pipeline_cuda::kernels::ensure_nvrtc()
+            pipeline_cuda::driver::ensure_nvrtc()
                 .map(|_| p)
                 .map_err(|e| format!("the benchmark kernels need NVRTC: {e}"))
         });
     let costs = if cmd.call_costs && path.is_ok() {
-        Some(cuda_work::call_costs().map_err(|e| format!("timing the driver calls: {e}"))?)
+        Some(gpu::call_costs::call_costs().map_err(|e| format!("timing the driver calls: {e}"))?)
     } else {
         None
     };
     // A device that cannot run one of the cases (say, without stream memory operations) still
     // gets the rest of its report, with the reason in place of the gaps.
     let gaps = (cmd.gpu_gaps && path.is_ok())
-        .then(|| cuda_work::gpu_gaps(200).map_err(|e| format!("timing the GPU's gaps: {e}")));
+        .then(|| gpu::gaps::gpu_gaps(200).map_err(|e| format!("timing the GPU's gaps: {e}")));
     if cmd.json {
         let mut v = serde_json::to_value(&report).map_err(|e| e.to_string())?;
         if let Some(c) = &costs {
@@ -78,7 +80,7 @@ pub fn command(cmd: ProbeCmd) -> Result<ExitCode, String> {
             serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?
         );
     } else {
-        print!("{report}");
+        print!("{}", ProbeText(&report));
         match &path {
             Ok(p) => println!("\ngpipe will use (auto): {p}"),
             Err(e) => println!("\ngpipe cannot use CUDA here: {e}"),
@@ -107,4 +109,305 @@ pub fn command(cmd: ProbeCmd) -> Result<ExitCode, String> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+fn yes_no(v: bool) -> &'static str {
+    if v { "yes" } else { "no" }
+}
+
+/// `gpipe probe`'s text: the driver, NVRTC, MPS, each device's capabilities and paths, and
+/// with several devices which can consume from which.
+struct ProbeText<'a>(&'a ProbeReport);
+
+impl fmt::Display for ProbeText<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let report = self.0;
+        let v = report.driver_version;
+        writeln!(
+            f,
+            "CUDA driver API   {}.{} ({v})",
+            v / 1000,
+            (v % 1000) / 10
+        )?;
+        match (&report.nvrtc_version, &report.nvrtc_error) {
+            (Some([major, minor]), _) => writeln!(f, "NVRTC             {major}.{minor}")?,
+            (None, Some(e)) => writeln!(f, "NVRTC             unavailable: {e}")?,
+            (None, None) => writeln!(f, "NVRTC             unavailable")?,
+        }
+        match &report.mps_control_pipe {
+            Some(pipe) => writeln!(f, "MPS control pipe  {pipe} (present; heuristic)")?,
+            None => writeln!(f, "MPS control pipe  none found (heuristic)")?,
+        }
+        if report.devices.is_empty() {
+            writeln!(f, "no CUDA devices visible")?;
+        }
+        for d in &report.devices {
+            let [major, minor] = d.compute_capability;
+            writeln!(
+                f,
+                "\ndevice {}: {} ({}), compute {major}.{minor}, {:.1} GiB, {} SMs",
+                d.ordinal,
+                d.name,
+                d.uuid,
+                d.total_memory_bytes as f64 / (1u64 << 30) as f64,
+                d.multiprocessors
+            )?;
+            let mut types = Vec::new();
+            if d.pool_posix_fd {
+                types.push("posix_fd");
+            }
+            if d.pool_fabric {
+                types.push("fabric");
+            }
+            let types = if types.is_empty() {
+                String::from("none")
+            } else {
+                types.join(", ")
+            };
+            let mps = match d.mps_enabled {
+                Some(v) => yes_no(v),
+                None => "unknown",
+            };
+            let available: Vec<String> = d
+                .memory_paths
+                .iter()
+                .filter(|p| p.available)
+                .map(PathSupport::label)
+                .collect();
+            let unavailable: Vec<String> = d
+                .memory_paths
+                .iter()
+                .filter(|p| !p.available)
+                .map(|p| format!("{} (missing: {})", p.label(), p.missing.join(", ")))
+                .collect();
+            let rows: [(&str, String); 13] = [
+                ("memory pools", yes_no(d.memory_pools).into()),
+                (
+                    "pool handle types",
+                    format!("{types} (0x{:x})", d.pool_handle_types),
+                ),
+                ("VMM", yes_no(d.virtual_memory_management).into()),
+                ("VMM POSIX fd handles", yes_no(d.posix_fd_handles).into()),
+                ("VMM fabric handles", yes_no(d.fabric_handles).into()),
+                ("IPC events", yes_no(d.ipc_events).into()),
+                (
+                    "64-bit stream mem ops",
+                    yes_no(d.stream_mem_ops_64bit).into(),
+                ),
+                ("legacy IPC (UVA)", yes_no(d.legacy_ipc).into()),
+                ("MPS (device)", mps.into()),
+                ("IMEX channel", yes_no(d.imex_channel).into()),
+                (
+                    "memory paths",
+                    if available.is_empty() {
+                        String::from("none")
+                    } else {
+                        available.join(", ")
+                    },
+                ),
+                (
+                    "unavailable paths",
+                    if unavailable.is_empty() {
+                        String::from("none")
+                    } else {
+                        unavailable.join("; ")
+                    },
+                ),
+                (
+                    "gpipe path",
+                    match d.chosen_path() {
+                        Ok(path) => path.to_string(),
+                        Err(_) => format!("none; missing: {}", d.missing().join(", ")),
+                    },
+                ),
+            ];
+            for (label, value) in rows {
+                writeln!(f, "  {label:<24}{value}")?;
+            }
+            for note in &d.notes {
+                writeln!(f, "  note: {note}")?;
+            }
+        }
+        if report.devices.len() > 1 {
+            writeln!(
+                f,
+                "\nconsumers on other GPUs (rows: the producer's device; columns: the consumer's;\n\
+                 a number is the driver's relative link rank; `-`: no peer access)"
+            )?;
+            write!(f, "  {:<20}", "producer \\ consumer")?;
+            for c in &report.devices {
+                write!(f, "{:>6}", c.ordinal)?;
+            }
+            writeln!(f)?;
+            for p in &report.devices {
+                write!(f, "  {:<20}", p.ordinal)?;
+                for c in &report.devices {
+                    let cell = if p.ordinal == c.ordinal {
+                        "self".to_string()
+                    } else {
+                        match report
+                            .peers
+                            .iter()
+                            .find(|l| l.producer == p.ordinal && l.consumer == c.ordinal)
+                        {
+                            Some(PeerLink {
+                                can_consume: true,
+                                performance_rank,
+                                ..
+                            }) => performance_rank.map_or("yes".into(), |r| r.to_string()),
+                            _ => "-".to_string(),
+                        }
+                    };
+                    write!(f, "{cell:>6}")?;
+                }
+                writeln!(f)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ProbeText;
+    use pipeline_cuda::probe::{
+        Capabilities, HANDLE_TYPE_FABRIC_BIT, HANDLE_TYPE_POSIX_FD_BIT, PeerLink, ProbeReport,
+    };
+
+    fn h100() -> Capabilities {
+        let mut d = Capabilities {
+            ordinal: 0,
+            name: "NVIDIA H100 80GB HBM3".into(),
+            uuid: "GPU-00000000-0000-0000-0000-000000000000".into(),
+            compute_capability: [9, 0],
+            total_memory_bytes: 80 << 30,
+            multiprocessors: 132,
+            memory_pools: true,
+            pool_handle_types: HANDLE_TYPE_POSIX_FD_BIT | HANDLE_TYPE_FABRIC_BIT,
+            pool_posix_fd: true,
+            pool_fabric: true,
+            virtual_memory_management: true,
+            posix_fd_handles: true,
+            fabric_handles: true,
+            ipc_events: true,
+            stream_mem_ops_64bit: true,
+            legacy_ipc: true,
+            mps_enabled: Some(false),
+            imex_channel: false,
+            memory_paths: vec![],
+            notes: vec![],
+        };
+        d.memory_paths = d.path_support();
+        d
+    }
+
+    fn report(devices: Vec<Capabilities>) -> ProbeReport {
+        ProbeReport {
+            driver_version: 13000,
+            nvrtc_version: Some([13, 0]),
+            nvrtc_error: None,
+            mps_control_pipe: None,
+            devices,
+            peers: vec![],
+        }
+    }
+
+    fn text(r: &ProbeReport) -> String {
+        ProbeText(r).to_string()
+    }
+
+    #[test]
+    fn full_support_names_the_driver_the_handle_types_and_the_path() {
+        let text = text(&report(vec![h100()]));
+        assert!(text.contains("CUDA driver API   13.0 (13000)"), "{text}");
+        assert!(text.contains("NVRTC             13.0\n"), "{text}");
+        assert!(text.contains("posix_fd, fabric (0x9)"), "{text}");
+        assert!(
+            text.contains("gpipe path              pool + IPC events"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn the_peer_matrix_shows_which_devices_consume_from_which() {
+        let mut second = h100();
+        second.ordinal = 1;
+        let mut r = report(vec![h100(), second]);
+        r.peers = vec![
+            PeerLink {
+                producer: 0,
+                consumer: 1,
+                can_consume: true,
+                performance_rank: Some(0),
+            },
+            PeerLink {
+                producer: 1,
+                consumer: 0,
+                can_consume: false,
+                performance_rank: None,
+            },
+        ];
+        let text = text(&r);
+        assert!(text.contains("consumers on other GPUs"), "{text}");
+        let row = |p: &str| {
+            text.lines()
+                .find(|l| l.trim_start().starts_with(p) && l.contains("self"))
+                .unwrap_or_else(|| panic!("no row for producer {p}: {text}"))
+                .split_whitespace()
+                .skip(1)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(row("0"), ["self", "0"], "{text}");
+        assert_eq!(row("1"), ["-", "self"], "{text}");
+        // One device: no matrix.
+        assert!(!super::tests::text(&report(vec![h100()])).contains("other GPUs"));
+    }
+
+    #[test]
+    fn memory_paths_are_listed_per_device_with_what_the_others_miss() {
+        let text = text(&report(vec![h100()]));
+        assert!(
+            text.contains("memory paths            pool, vmm, legacy"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "pool+fabric (missing: an IMEX channel (/dev/nvidia-caps-imex-channels))"
+            ),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn what_is_missing_is_said_in_place_of_what_is_not() {
+        let mut d = h100();
+        d.pool_posix_fd = false;
+        d.ipc_events = false;
+        d.mps_enabled = None;
+        d.notes = vec!["CU_DEVICE_ATTRIBUTE_MPS_ENABLED: not reported".into()];
+        let mut r = report(vec![d]);
+        r.nvrtc_version = None;
+        r.nvrtc_error = Some("NVRTC not found".into());
+        r.mps_control_pipe = Some("/tmp/nvidia-mps/control".into());
+        let text = text(&r);
+        assert!(
+            text.contains("NVRTC             unavailable: NVRTC not found\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("MPS control pipe  /tmp/nvidia-mps/control (present; heuristic)"),
+            "{text}"
+        );
+        assert!(text.contains("MPS (device)            unknown\n"), "{text}");
+        assert!(
+            text.contains("gpipe path              none; missing: memory pools with POSIX fd handles, IPC events"),
+            "{text}"
+        );
+        assert!(
+            text.contains("  note: CU_DEVICE_ATTRIBUTE_MPS_ENABLED: not reported\n"),
+            "{text}"
+        );
+        let none = super::tests::text(&report(vec![]));
+        assert!(none.contains("no CUDA devices visible"), "{none}");
+    }
 }

@@ -182,6 +182,10 @@ pub fn command(cmd: RelayCmd) -> Result<ExitCode, String> {
             detach_after_ms,
             common,
         } => {
+            if let Some(n) = slots {
+                pipeline_core::limits::check_slots(n)
+                    .map_err(|e| crate::args::shape_error(&e, "--max-consumers"))?;
+            }
             let secret = common.secret()?;
             let opts = RelayOptions {
                 rejoin,
@@ -218,6 +222,19 @@ pub fn command(cmd: RelayCmd) -> Result<ExitCode, String> {
             sync,
             json,
         } => {
+            // The new ring's slot size is the upstream ring's, checked when it is made.
+            let consumers_flag = if wait_for_consumers > max_consumers {
+                "--wait-for-consumers"
+            } else {
+                "--max-consumers"
+            };
+            pipeline_core::limits::check_slots(slots)
+                .and_then(|()| {
+                    pipeline_core::limits::check_max_consumers(
+                        max_consumers.max(wait_for_consumers),
+                    )
+                })
+                .map_err(|e| crate::args::shape_error(&e, consumers_flag))?;
             if !json {
                 eprintln!(
                     "gpipe relay: forwarding the ring at {} into a ring at {}",
@@ -299,10 +316,10 @@ fn finish(
                 println!("{v}");
             } else {
                 println!(
-                    "gpipe relay ({}): {} batches, {:.3} GB in {:.3} s, {:.2} GB/s{}",
+                    "gpipe relay ({}): {}, {} in {:.3} s, {:.2} GB/s{}",
                     report.backend,
-                    report.batches,
-                    report.bytes as f64 / 1e9,
+                    duration::plural(report.batches, "batch", "batches"),
+                    crate::work::gb(report.bytes),
                     report.elapsed_s,
                     report.gb_per_s(),
                     report

@@ -2,6 +2,8 @@
 //! random; check every batch a surviving consumer received (verified, contiguous, nothing
 //! lost or duplicated) and watch the producer's memory and open fds for growth.
 
+use std::collections::BTreeSet;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -12,8 +14,9 @@ use pipeline_core::{HostOptions, HostProducer, Mode, Producer, ProducerBackend, 
 use pipeline_cuda::backend::CudaProducer;
 
 use crate::args::{BackendArg, CudaArgs, RingArgs, resolve_backend};
+use crate::duration::plural;
 use crate::work::{self, ConsumerReport, Fill};
-use crate::{cuda_work, duration};
+use crate::{duration, gpu};
 
 /// Arguments of `gpipe soak`.
 #[derive(clap::Args)]
@@ -21,7 +24,9 @@ pub struct SoakCmd {
     /// Which backend.
     #[arg(long, value_enum, default_value = "auto")]
     backend: BackendArg,
-    /// How long (30s, 10m, 1h, or seconds).
+    /// How long (30s, 10m, 1h, or seconds). Ctrl-C ends the run early: what ran is still
+    /// checked, and the report says it stopped early (exit status 130 when nothing else was
+    /// wrong, 1 when something was).
     #[arg(long, value_parser = duration::parse, default_value = "60s")]
     duration: Duration,
     /// Most consumer processes at once.
@@ -44,6 +49,12 @@ pub struct SoakCmd {
 
 /// Runs `gpipe soak`.
 pub fn command(cmd: SoakCmd) -> Result<ExitCode, String> {
+    crate::args::check_shape(
+        cmd.ring.slots,
+        cmd.ring.batch_bytes,
+        cmd.max_consumers,
+        "--max-consumers",
+    )?;
     let mut args = SoakArgs {
         tick_ms: cmd.tick_ms,
         duration: cmd.duration,
@@ -57,6 +68,7 @@ pub fn command(cmd: SoakCmd) -> Result<ExitCode, String> {
     };
     let backend = resolve_backend(cmd.backend)?;
     args.slots = cmd.ring.depth(backend == BackendArg::Cuda).slots;
+    crate::args::check_memory(backend, args.slots, args.batch_bytes)?;
     args.max_lead = cmd
         .ring
         .lead(backend == BackendArg::Cuda, args.slots)?
@@ -67,14 +79,41 @@ pub fn command(cmd: SoakCmd) -> Result<ExitCode, String> {
         }
         _ => {
             args.backend = "cuda";
-            run::<CudaProducer, _>(
-                &args,
-                cmd.cuda.options()?,
-                &mut cuda_work::CudaFill::default(),
-            )?
+            run::<CudaProducer, _>(&args, cmd.cuda.options()?, &mut gpu::CudaFill::default())?
         }
     };
-    crate::print_report(&report, cmd.json, report.problems.is_empty())
+    let code = crate::print_report(&report, cmd.json, report.problems.is_empty())?;
+    // A problem in what ran fails the run (1); with none, a run cut short by Ctrl-C is not a
+    // pass either: it says so (130, as a shell reports a process Ctrl-C stopped).
+    Ok(if report.problems.is_empty() && report.interrupted {
+        ExitCode::from(crate::signals::EXIT_INTERRUPTED)
+    } else {
+        code
+    })
+}
+
+/// Pids of the consumers this process's soak SIGKILLed on purpose. The producer, not told,
+/// logs each death as a warning; the terminal log drops those (see [`killed_on_purpose`])
+/// and the report counts them.
+static KILLED: Mutex<BTreeSet<u32>> = Mutex::new(BTreeSet::new());
+
+/// Whether `pid` is a consumer the running soak killed on purpose: its death is expected,
+/// not something to warn a user about.
+pub fn killed_on_purpose(pid: u64) -> bool {
+    u32::try_from(pid).is_ok_and(|pid| {
+        KILLED
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&pid)
+    })
+}
+
+/// SIGKILLs a consumer, first recording it as killed on purpose.
+fn kill_on_purpose(child: &mut Child) -> bool {
+    let pid = child.id();
+    KILLED.lock().unwrap_or_else(|e| e.into_inner()).insert(pid);
+    tracing::debug!(pid, "soak: killing a consumer on purpose");
+    child.kill().is_ok()
 }
 
 /// Soak settings.
@@ -109,12 +148,19 @@ pub struct SoakReport {
     pub mode: String,
     /// Seconds run.
     pub duration_s: f64,
+    /// Seconds asked for (`--duration`).
+    pub requested_s: f64,
+    /// Ctrl-C (or SIGTERM) ended the run before `requested_s`: the checks cover what ran.
+    pub interrupted: bool,
     /// Batches published.
     pub published: u64,
     /// Consumers started.
     pub consumers_started: u64,
     /// Consumers SIGKILLed on purpose.
     pub consumers_killed: u64,
+    /// Consumer deaths the producer handled (those of the killed consumers that had joined
+    /// the ring: expected, not warned about).
+    pub consumers_died: u64,
     /// Consumers that left cleanly (after a random number of batches, or at the end).
     pub consumers_left: u64,
     /// Batches delivered to consumers that left cleanly (whose logs are checked).
@@ -290,9 +336,7 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
     options: B::Options,
     fill: &mut F,
 ) -> Result<SoakReport, String> {
-    if args.batch_bytes % 8 != 0 || args.batch_bytes == 0 {
-        return Err("--batch-bytes must be a positive multiple of 8".into());
-    }
+    crate::args::check_pattern_bytes(args.batch_bytes)?;
     let dir = std::env::temp_dir().join(format!("gpipe-soak-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let sock = dir.join("ring.sock");
@@ -353,6 +397,10 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
                     let (out, log) = outputs(&dir, n);
                     let quota = 100 + rng.below(40_000);
                     let spawned = Command::new(&exe)
+                        // A group of its own: a terminal's Ctrl-C reaches the soak only,
+                        // which then ends the run as it would at the end of its time (the
+                        // ring closes, the consumers drain, their batches are checked).
+                        .process_group(0)
                         .args(["consume", "--socket"])
                         .arg(&sock)
                         .args(["--verify", "--bench-child", "--max-batches"])
@@ -375,7 +423,7 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
                     }
                 } else if roll < 65 && !lv.is_empty() {
                     let i = rng.below(lv.len() as u64) as usize;
-                    if lv[i].child.kill().is_ok() {
+                    if kill_on_purpose(&mut lv[i].child) {
                         t.killed += 1;
                     }
                 }
@@ -418,12 +466,15 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
             if last_print.elapsed() >= Duration::from_secs(10) {
                 last_print = Instant::now();
                 eprintln!(
-                    "gpipe soak: {:>5.0} s, {n} batches, {consumers} consumers attached",
-                    start.elapsed().as_secs_f64()
+                    "gpipe soak: {:>5.0} s, {}, {} attached",
+                    start.elapsed().as_secs_f64(),
+                    plural(n, "batch", "batches"),
+                    plural(consumers, "consumer", "consumers")
                 );
             }
         },
     );
+    let interrupted = crate::STOP.load(Ordering::Relaxed) && start.elapsed() < args.duration;
     let (rss_end, fds_end) = (rss_kib(), open_fds());
     series.push((rss_end, started_now()));
     let backend_bytes_end = producer.backend().memory_in_use();
@@ -443,7 +494,7 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
         }
         if Instant::now() >= end {
             for l in lv.iter_mut() {
-                let _ = l.child.kill();
+                let _ = kill_on_purpose(&mut l.child);
             }
             t.problems
                 .push("consumers did not end after the ring closed".into());
@@ -464,9 +515,12 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
         backend: args.backend.to_string(),
         mode: args.mode.to_string(),
         duration_s: start.elapsed().as_secs_f64(),
+        requested_s: args.duration.as_secs_f64(),
+        interrupted,
         published,
         consumers_started: t.started,
         consumers_killed: t.killed,
+        consumers_died: stats.died,
         consumers_left: reports.len() as u64,
         rss_kib_after_warmup: warm.0,
         rss_kib_end: rss_end,
@@ -491,7 +545,7 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
         rep.delivered += r.received;
         rep.mismatches += r.mismatches;
         if r.verified {
-            rep.verified += r.received - r.mismatches;
+            rep.verified += r.received - r.mismatches - r.taken_back;
         }
         if log.len() as u64 != r.received {
             t.problems.push(format!(
@@ -541,15 +595,21 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
         }
     }
     if rep.lost > 0 {
-        t.problems.push(format!("{} batches lost", rep.lost));
+        t.problems
+            .push(format!("{} lost", plural(rep.lost, "batch", "batches")));
     }
     if rep.duplicated > 0 {
-        t.problems
-            .push(format!("{} batches duplicated", rep.duplicated));
+        t.problems.push(format!(
+            "{} duplicated",
+            plural(rep.duplicated, "batch", "batches")
+        ));
     }
     if rep.mismatches > 0 {
-        t.problems
-            .push(format!("{} checksum mismatches", rep.mismatches));
+        t.problems.push(plural(
+            rep.mismatches,
+            "checksum mismatch",
+            "checksum mismatches",
+        ));
     }
     rep.fds_idle_start = fds_idle_start;
     rep.fds_idle_end = fds_idle_end;
@@ -590,15 +650,25 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
 
 impl std::fmt::Display for SoakReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ran = if self.interrupted {
+            format!(
+                "{:.0} s of {:.0} s, stopped early by Ctrl-C",
+                self.duration_s, self.requested_s
+            )
+        } else {
+            format!("{:.0} s", self.duration_s)
+        };
         writeln!(
             f,
-            "gpipe soak: backend {} | mode {} | {:.0} s | {} batches published",
-            self.backend, self.mode, self.duration_s, self.published
+            "gpipe soak: backend {} | mode {} | {ran} | {} published",
+            self.backend,
+            self.mode,
+            plural(self.published, "batch", "batches")
         )?;
         writeln!(
             f,
-            "  consumers: {} started, {} killed, {} left cleanly",
-            self.consumers_started, self.consumers_killed, self.consumers_left
+            "  consumers: {} started, {} killed on purpose ({} of them after joining, cleaned up by the producer), {} left cleanly",
+            self.consumers_started, self.consumers_killed, self.consumers_died, self.consumers_left
         )?;
         writeln!(
             f,
@@ -607,8 +677,11 @@ impl std::fmt::Display for SoakReport {
         )?;
         writeln!(
             f,
-            "  producer RSS {} KiB after warm-up, {} KiB at the end (peak {}); open fds {} before the run, {} after it (peak {} with consumers attached)",
-            self.rss_kib_after_warmup,
+            "  producer RSS {} after warm-up, {} KiB at the end (peak {}); open fds {} before the run, {} after it (peak {} with consumers attached)",
+            match self.rss_kib_after_warmup {
+                0 => "not measured (the run ended before its warm-up did)".to_string(),
+                k => format!("{k} KiB"),
+            },
             self.rss_kib_end,
             self.rss_kib_peak,
             self.fds_idle_start,
@@ -631,20 +704,67 @@ impl std::fmt::Display for SoakReport {
         if let (Some(a), Some(b)) = (self.backend_bytes_start, self.backend_bytes_end) {
             writeln!(f, "  backend memory {a} bytes at the start, {b} at the end")?;
         }
-        if self.problems.is_empty() {
-            writeln!(f, "  OK: nothing lost, nothing duplicated, no growth")
-        } else {
-            for p in &self.problems {
-                writeln!(f, "  PROBLEM: {p}")?;
-            }
-            Ok(())
+        for p in &self.problems {
+            writeln!(f, "  PROBLEM: {p}")?;
+        }
+        match (self.interrupted, self.problems.is_empty()) {
+            (false, true) => writeln!(f, "  OK: nothing lost, nothing duplicated, no growth"),
+            (false, false) => Ok(()),
+            (true, clean) => writeln!(
+                f,
+                "  STOPPED EARLY: interrupted after {:.0} s of the {:.0} s asked for{}",
+                self.duration_s,
+                self.requested_s,
+                if clean {
+                    "; in what ran: nothing lost, nothing duplicated, no growth"
+                } else {
+                    ""
+                }
+            ),
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::late_growth;
+    use super::{SoakReport, late_growth};
+
+    #[test]
+    fn an_interrupted_run_says_how_far_it_got_and_not_ok() {
+        let r = SoakReport {
+            duration_s: 8.2,
+            requested_s: 20.0,
+            interrupted: true,
+            published: 1,
+            consumers_killed: 3,
+            consumers_died: 1,
+            ..Default::default()
+        };
+        let text = r.to_string();
+        assert!(
+            text.contains("| 8 s of 20 s, stopped early by Ctrl-C |"),
+            "{text}"
+        );
+        assert!(text.contains("1 batch published"), "{text}");
+        assert!(
+            text.contains("3 killed on purpose (1 of them after joining"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "STOPPED EARLY: interrupted after 8 s of the 20 s asked for; in what ran"
+            ),
+            "{text}"
+        );
+        assert!(!text.contains("OK:"), "{text}");
+        let done = SoakReport {
+            duration_s: 20.0,
+            requested_s: 20.0,
+            ..Default::default()
+        };
+        assert!(done.to_string().contains("| 20 s |"));
+        assert!(done.to_string().contains("  OK: nothing lost"));
+    }
 
     #[test]
     fn late_growth_is_per_1000_consumers_over_the_second_half() {

@@ -142,6 +142,11 @@ pub struct ConsumerReport {
     pub verified: bool,
     /// Batches whose checksum did not match.
     pub mismatches: u64,
+    /// Batches the producer took back before this consumer released them (when it detached
+    /// it): it may have rewritten them while they were read, so their checks do not count
+    /// as mismatches.
+    #[serde(default)]
+    pub taken_back: u64,
     /// The first few mismatching sequence numbers.
     pub bad_seqs: Vec<u64>,
     /// First sequence number received.
@@ -215,6 +220,8 @@ pub fn consume_loop<B: ConsumerBackend, C: Check<B>>(
         ..Default::default()
     };
     let mut seqs = Vec::new();
+    // Batches taken back before we released them (see `ConsumerReport::taken_back`).
+    let mut taken_back = Vec::new();
     let broadcast = consumer.layout().mode == Mode::Broadcast;
     let mut last_print = Instant::now();
     loop {
@@ -226,7 +233,7 @@ pub fn consume_loop<B: ConsumerBackend, C: Check<B>>(
             break;
         }
         let t_recv = Instant::now();
-        let got = consumer.recv_timeout(Duration::from_millis(250));
+        let got = consumer.recv_timeout(crate::signals::SLICE);
         rep.recv_wait_s += t_recv.elapsed().as_secs_f64();
         let batch = match got {
             Ok(Some(b)) => b,
@@ -269,22 +276,27 @@ pub fn consume_loop<B: ConsumerBackend, C: Check<B>>(
             rep.host_timed += 1;
         }
         if let Err(e) = released {
+            // The only release a detach refuses: the producer took the batch back.
+            if matches!(e, Error::Detached(_)) {
+                taken_back.push(seq);
+            }
             rep.error = Some(e.to_string());
             break;
         }
         if opts.progress && last_print.elapsed() >= Duration::from_secs(1) {
             last_print = Instant::now();
             eprintln!(
-                "consumer #{}: {} batches, {:.2} GB",
+                "consumer #{}: {}, {}",
                 rep.index,
-                rep.received,
-                rep.bytes as f64 / 1e9
+                crate::duration::plural(rep.received, "batch", "batches"),
+                gb(rep.bytes)
             );
         }
     }
     if let Some(c) = check {
         match c.finish(consumer) {
-            Ok(bad) => {
+            Ok(mut bad) => {
+                bad.retain(|s| !taken_back.contains(s));
                 rep.mismatches = bad.len() as u64;
                 rep.bad_seqs = bad.into_iter().take(10).collect();
             }
@@ -301,8 +313,15 @@ pub fn consume_loop<B: ConsumerBackend, C: Check<B>>(
             }
         }
     }
+    rep.taken_back = taken_back.len() as u64;
     rep.elapsed_s = start.elapsed().as_secs_f64();
     (rep, seqs)
+}
+
+/// Bytes as every consumer line of the CLI shows them, progress and final alike: decimal
+/// GB with three decimals.
+pub fn gb(bytes: u64) -> String {
+    format!("{:.3} GB", bytes as f64 / 1e9)
 }
 
 /// What the produce loop measures as it goes.
@@ -339,7 +358,7 @@ pub fn produce_loop<B: ProducerBackend, F: Fill<B>>(
     let mut last_publish: Option<Instant> = None;
     while batches.is_none_or(|b| n < b) && !stop.load(Ordering::Relaxed) {
         let t_acq = Instant::now();
-        let got = producer.acquire_timeout(Duration::from_millis(250));
+        let got = producer.acquire_timeout(crate::signals::SLICE);
         timing.acquire_wait += t_acq.elapsed();
         let mut slot = match got {
             Ok(s) => s,

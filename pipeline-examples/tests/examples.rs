@@ -10,7 +10,7 @@
 //!   --workspace`) build the examples before running tests; `cargo test --test examples`
 //!   alone does not, so run the package's tests as a whole (or `cargo build --examples`
 //!   first), or an old build of the examples is used;
-//! * staged for a GPU machine (`stage-gpu.sh`), the test runs from `.gpu/tests/` and the
+//! * staged for a GPU machine (`scripts/gpu/build`), the test runs from `.gpu/tests/` and the
 //!   examples are in `.gpu/bin/`. Where a staged copy has no examples, the test says so and
 //!   passes; under cargo a missing example fails the test.
 
@@ -54,7 +54,7 @@ fn examples() -> Option<(PathBuf, PathBuf)> {
         _ => {
             eprintln!(
                 "skipped: this staged copy has no producer/consumer examples in .gpu/bin \
-                 (stage with `stage-gpu.sh`, which builds them)"
+                 (stage with `scripts/gpu/build`, which builds them)"
             );
             None
         }

@@ -1,5 +1,5 @@
 //! The multi-process conformance tests on the CUDA backend. They need a CUDA GPU, so they are
-//! ignored in CI; run them with `cargo test -- --include-ignored` (or `.gpu/run.sh`) on a GPU
+//! ignored in CI; run them with `cargo test -- --include-ignored` (or `scripts/gpu/test`) on a GPU
 //! machine.
 
 mod common;

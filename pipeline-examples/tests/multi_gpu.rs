@@ -2,7 +2,7 @@
 //! in place and mirrored, broadcast and shared, mixed with same-GPU consumers, and a
 //! SIGKILLed other-GPU consumer. Every batch is checked by the GPU verify kernel on the
 //! consumer's device. On the GPU machine with one GPU, run the suite with `--skip two_gpu`
-//! (scripts/gpu/suite.sh does): these tests fail on fewer than 2 GPUs rather than pass.
+//! (scripts/gpu/test does): these tests fail on fewer than 2 GPUs rather than pass.
 
 mod common;
 

@@ -81,7 +81,7 @@ pub fn run_forwarder(
                 pending.finish(HostOptions::default()).map_err(err)?;
             let mut producer: Producer<HostProducer> =
                 Producer::bind(downstream, config, HostOptions::default()).map_err(err)?;
-            if let Err(e) = wait_downstream(&producer, opts) {
+            if let Err(e) = wait_downstream(&producer, opts, stop) {
                 return Err(abandon(producer, e));
             }
             while !stop.load(Ordering::Relaxed) {
@@ -133,7 +133,7 @@ pub fn run_forwarder(
                 },
             )
             .map_err(err)?;
-            if let Err(e) = wait_downstream(&producer, opts) {
+            if let Err(e) = wait_downstream(&producer, opts, stop) {
                 return Err(abandon(producer, e));
             }
             // Copies in flight at once: each batch is published once its copy is complete
@@ -378,18 +378,23 @@ fn wait_whole(
     }
 }
 
+/// Waits for `opts.wait_for_consumers` downstream, or until `stop` (the forwarding loop then
+/// sees it and ends).
 fn wait_downstream<B: pipeline_core::ProducerBackend>(
     producer: &Producer<B>,
     opts: &ForwardOptions,
+    stop: &AtomicBool,
 ) -> Result<(), RelayError> {
     if opts.wait_for_consumers == 0 {
         return Ok(());
     }
     producer
-        .wait_for_consumers(
+        .wait_for_consumers_or_stop(
             opts.wait_for_consumers,
             opts.wait_timeout.unwrap_or(Duration::from_secs(60)),
+            &|| stop.load(Ordering::Relaxed),
         )
+        .map(|_| ())
         .map_err(|e| {
             RelayError(format!(
                 "waiting for {} consumer(s) downstream: {e}",

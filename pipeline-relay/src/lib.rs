@@ -66,9 +66,7 @@ pub use forward::{ForwardOptions, run_forwarder};
 pub use relay::{
     BenchSide, RelayError, RelayOptions, RelayReport, nccl_bench, run_receiver, run_sender,
 };
-pub use rendezvous::{
-    Listener, PeerInfo, RendezvousError, Stage, connect, connect_session, listen,
-};
+pub use rendezvous::{Listener, RendezvousError, Stage, connect, connect_session, listen};
 pub use secret::{SecretError, SecretProblem, SharedSecret};
-pub use session::{Session, SessionError};
+pub use session::{PeerInfo, Session, SessionError};
 pub use wire::{Payload, PayloadError, Role};

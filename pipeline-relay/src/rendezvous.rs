@@ -7,6 +7,8 @@
 use crate::endpoint::Endpoint;
 use crate::secret::SharedSecret;
 use crate::session::Session;
+// What the rendezvous returns; defined with the session that holds it.
+pub use crate::session::PeerInfo;
 use crate::wire::{
     self, HELLO_HEAD_LEN, HELLO_LEN, HelloError, MAC_LEN, Nonce, PAYLOAD_LEN, Payload,
     PayloadError, Role, Tag,
@@ -19,15 +21,6 @@ use std::time::{Duration, Instant};
 /// How often [`connect`] retries a refused connection, and [`Listener::accept`] polls.
 const CONNECT_RETRY: Duration = Duration::from_millis(100);
 const ACCEPT_POLL: Duration = Duration::from_millis(10);
-
-/// The two ends of an authenticated rendezvous connection.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PeerInfo {
-    /// The peer's address.
-    pub peer: SocketAddr,
-    /// Our address on the connection (the interface the peer is reached through).
-    pub local: SocketAddr,
-}
 
 /// A bound rendezvous socket, waiting for one connector.
 ///

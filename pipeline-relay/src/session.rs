@@ -7,12 +7,11 @@
 //! encrypted (see docs/security.md).
 
 use std::io::{self, Read, Write};
-use std::net::TcpStream;
+use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
 use hmac::Mac;
 
-use crate::rendezvous::PeerInfo;
 use crate::wire::{self, MAC_LEN, Role};
 
 /// The largest message body: a whole slot of the host backend's relay plus its metadata.
@@ -53,6 +52,15 @@ pub fn peer_gone(stream: &TcpStream) -> bool {
             )
         }
     }
+}
+
+/// The two ends of an authenticated rendezvous connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerInfo {
+    /// The peer's address.
+    pub peer: SocketAddr,
+    /// Our address on the connection (the interface the peer is reached through).
+    pub local: SocketAddr,
 }
 
 /// An authenticated connection to the peer of a rendezvous.

@@ -1,53 +1,66 @@
 #!/usr/bin/env bash
-# The CUDA benchmark matrix for docs/benchmarks.md: 2/8/64 MiB, 1 and 4 consumers, MPS off
-# and on, gpipe throughput (with its single-process ceiling), single-slot round trips, and
-# torch.multiprocessing doing the same fill and reduce. Writes JSON lines under $OUT.
-# Usage (on the GPU host, from the repo root): bash scripts/gpu/bench-matrix.sh
+# The single-GPU benchmark of docs/benchmarks.md: every row of its "One GPU" tables, each one
+# `gpipe bench --backend cuda --json --repeat $REPS` (broadcast, every batch verified on the
+# GPU, the ratio taken against the run's own fair ceiling), with MPS and then without it;
+# with TORCH=1 also torch.multiprocessing doing the same fill and verify
+# (benches/torch_mp_bench.py, the peer column). From the repository root after
+# scripts/gpu/build. Results under $OUT (default /tmp/gpipe-matrix): bench.jsonl (tagged
+# reports), torch.jsonl, summary.txt (the table, also on stdout).
+#   scripts/gpu/bench-matrix.sh               # MPS on, then off
+#   REPS=3 MPS=on scripts/gpu/bench-matrix.sh  # MPS on only (MPS=off: off only)
 set -u
-G=.gpu/bin/gpipe
+. "$(dirname "$0")/lib.sh"
 O=${OUT:-/tmp/gpipe-matrix}; mkdir -p "$O"
-run() { # label, then gpipe args
-  local label=$1; shift
-  local line
-  line=$(timeout -k 5 120 setsid $G bench --backend cuda --json "$@" 2>>"$O/stderr.log" | tr -d '\n')
-  echo "{\"label\":\"$label\",\"report\":${line:-null}}" >>"$O/matrix.jsonl"
-  echo "$label: $(echo "$line" | python3 -c 'import json,sys; r=json.load(sys.stdin); print(round(r["batches_per_s"]), "b/s", round(r["gb_per_s"],1), "GB/s ratio", round(r["extra"]["ratio_to_ceiling"],3), "rtt", r.get("round_trip_p50_us"), r.get("round_trip_p99_us"), "problems", r["problems"])' 2>&1)"
+REPS=${REPS:-5}
+: >"$O/bench.jsonl"
+nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee "$O/gpu.txt"
+bench() { local tag=$1; shift; bench_into "$O/bench.jsonl" 150 "$tag" --repeat "$REPS" "$@"; }
+torch_mp() { # tag, then benches/torch_mp_bench.py arguments
+  local tag=$1 line; shift
+  line=$(limit 150 python3 benches/torch_mp_bench.py --json "$@" 2>>"$O/torch.err" | tail -1)
+  [ -n "$line" ] && echo "{\"tag\": \"$tag\", \"report\": $line}" >>"$O/torch.jsonl" || echo "FAILED: torch $tag"
 }
-torch() { # label, then script args
-  local label=$1; shift
-  local line
-  line=$(timeout -k 5 150 setsid python3 benches/torch_mp_bench.py --json "$@" 2>>"$O/torch-stderr.log" | tail -1)
-  echo "{\"label\":\"$label\",\"report\":${line:-null}}" >>"$O/torch.jsonl"
-  echo "$label: $line" | cut -c1-300
-}
-matrix() { # mps label
-  local mps=$1
-  for size in 2MiB 8MiB 64MiB; do
-    case $size in 2MiB) n=20000;; 8MiB) n=10000;; 64MiB) n=2000;; esac
-    for c in 1 4; do
-      run "gpipe mps=$mps size=$size consumers=$c" --batch-bytes $size --consumers $c --batches $n --slots 8
-    done
-    run "gpipe-rtt mps=$mps size=$size" --batch-bytes $size --consumers 1 --batches 2000 --slots 1 --round-trip
+with_mps() {
+  bench mps-1c-2MiB --consumers 1 --batch-bytes 2MiB --batches 20000 --slots 8
+  bench mps-4c-2MiB --consumers 4 --batch-bytes 2MiB --batches 20000 --slots 8
+  bench mps-1c-8MiB-lead-auto --consumers 1 --batch-bytes 8MiB --batches 10000 --slots 8 --max-lead auto
+  for size in 16:6000 32:3000 64:3000 128:1500; do
+    bench "mps-1c-${size%%:*}MiB" --consumers 1 --batch-bytes "${size%%:*}MiB" --batches "${size##*:}" --slots 8
   done
-  run "gpipe mps=$mps size=2MiB consumers=1 slots=32" --batch-bytes 2MiB --consumers 1 --batches 20000 --slots 32
-  run "gpipe mps=$mps size=2MiB consumers=4 mode=shared" --batch-bytes 2MiB --consumers 4 --batches 20000 --slots 8 --mode shared
+  bench mps-rtt-2MiB --consumers 1 --batch-bytes 2MiB --batches 5000 --slots 1 --round-trip
 }
-torch_matrix() {
-  local mps=$1
+without_mps() {
+  for slots in 8 64 auto; do
+    bench "nomps-1c-2MiB-slots-$slots" --consumers 1 --batch-bytes 2MiB --batches 8000 --slots $slots
+  done
+  bench nomps-4c-2MiB-slots-8 --consumers 4 --batch-bytes 2MiB --batches 5000 --slots 8
+  for slots in 8 32 auto; do
+    bench "nomps-1c-64MiB-slots-$slots" --consumers 1 --batch-bytes 64MiB --batches 2000 --slots $slots
+  done
+  bench nomps-rtt-2MiB --consumers 1 --batch-bytes 2MiB --batches 2000 --slots 1 --round-trip
+}
+torch_sizes() { # mps label
   for size in 2MiB 8MiB 64MiB; do
-    for c in 1 4; do
-      torch "torch mps=$mps size=$size consumers=$c" --batch-bytes $size --consumers $c --batches 300 --warmup 20
-    done
+    torch_mp "torch-$1-1c-$size" --batch-bytes "$size" --consumers 1 --batches 300 --warmup 20
   done
 }
-: >"$O/matrix.jsonl"; : >"$O/torch.jsonl"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$O/device.txt"
-matrix off
-torch_matrix off
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
-mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-nvidia-cuda-mps-control -d && sleep 1
-$G probe | grep -i mps
-matrix on
-torch_matrix on
-echo quit | nvidia-cuda-mps-control
+unset CUDA_DEVICE_MAX_CONNECTIONS
+if [ "${MPS:-both}" != off ]; then
+  echo "== MPS on"
+  mps_on
+  with_mps
+  [ "${TORCH:-0}" = 1 ] && torch_sizes mps
+  mps_off
+fi
+if [ "${MPS:-both}" != on ]; then
+  echo "== MPS off"
+  without_mps
+  [ "${TORCH:-0}" = 1 ] && torch_sizes nomps
+fi
+python3 scripts/gpu/bench_summary.py "$O/bench.jsonl" | tee "$O/summary.txt"
+[ -s "$O/torch.jsonl" ] && python3 - "$O/torch.jsonl" <<'PY' | tee -a "$O/summary.txt"
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(f"{r['tag']:30} {r['report'].get('batches_per_s', 0):9.0f} batches/s (torch.multiprocessing)")
+PY

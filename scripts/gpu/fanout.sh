@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# Fan-out shapes (issue #20) on every GPU of the machine, from the repo root after staging:
+# Fan-out shapes (docs/multi-gpu.md) on every GPU of the machine (2 or more), from the
+# repository root after scripts/gpu/build:
 # one producer on GPU 0, a consumer on every other GPU, direct in place, direct mirrored,
 # chain and tree, at 2, 64 and 256 MiB, against NCCL broadcast on the same GPUs in the same
 # run. Results under $OUT: fanout.jsonl (tagged `gpipe bench --json` reports), nccl.jsonl,
 # fanout-summary.txt.
-#   bash scripts/gpu/fanout.sh            REPS=3 bash scripts/gpu/fanout.sh
+#   scripts/gpu/fanout.sh            REPS=3 scripts/gpu/fanout.sh
 set -u
+. "$(dirname "$0")/lib.sh"
 O=${OUT:-/tmp/o}; mkdir -p "$O"
-. .gpu/env.sh
 export NCCL_NVLS_ENABLE=0
-. scripts/gpu/lib.sh
 REPS=${REPS:-3}
-G=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
+G=$(gpu_count)
+[ "$G" -ge 2 ] || { echo "scripts/gpu/fanout.sh: needs 2 or more GPUs; this machine has $G"; exit 2; }
 others=$(seq -s, 1 $((G - 1)))
 echo "== $G GPUs; consumers on GPUs $others"
 echo "== NCCL broadcast from GPU 0 to the others"

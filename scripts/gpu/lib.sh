@@ -1,8 +1,23 @@
-# Helpers the GPU scripts share; source it from the repo root: `. scripts/gpu/lib.sh`.
+# What the GPU scripts share. Each sources it first: `. "$(dirname "$0")/lib.sh"` in
+# scripts/gpu, `. scripts/gpu/lib.sh` from the repository root. It moves to the repository
+# root and sources .gpu/env.sh, which scripts/gpu/build makes (the README's "On a GPU machine").
+
+gpu_lib_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$gpu_lib_root" || exit 2
+if [ ! -f .gpu/env.sh ]; then
+  echo "$gpu_lib_root/.gpu/env.sh is missing: run scripts/gpu/build first (here with a Rust toolchain," \
+    "or on a build machine, then copy the repository with its .gpu/ folder here)" >&2
+  exit 2
+fi
+# shellcheck source=/dev/null
+. .gpu/env.sh || exit 2
 
 # limit SECONDS COMMAND...: runs COMMAND in its own process group under a hard limit that
 # kills the whole group.
 limit() { local s=$1; shift; timeout -k 5 "$s" setsid "$@"; }
+
+# gpu_count: the number of GPUs this machine shows (0 without nvidia-smi).
+gpu_count() { nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true; }
 
 # bench_into FILE SECONDS TAG ARGS...: one `gpipe bench --backend cuda --json ARGS` report,
 # appended to FILE (JSONL) as {"tag": TAG, "report": ...}; its stderr goes to FILE with .err

@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
-# Consumers on another GPU (issue #12), on the 2-GPU machine, from the repo root after staging.
+# Consumers on another GPU (docs/multi-gpu.md), on a machine with 2 GPUs, from the repository
+# root after scripts/gpu/build.
 # Results under $OUT: tests.log (the 2-GPU Rust tests), pytest.log (the Python ones),
 # bench.jsonl (one `gpipe bench --json` report per line, tagged), summary.txt.
 #
-#   bash scripts/gpu/multi-gpu.sh          # the 2-GPU tests, then the benchmark
-#   bash scripts/gpu/multi-gpu.sh tests    # the 2-GPU tests alone (Rust and Python)
-#   bash scripts/gpu/multi-gpu.sh suite    # the whole Rust suite + the 2-GPU Python tests
-#   bash scripts/gpu/multi-gpu.sh bench    # the benchmark alone (about 4 minutes)
-#   REPS=5 bash scripts/gpu/multi-gpu.sh bench
-#   bash scripts/gpu/multi-gpu.sh mirror-streams  # a mirror's copies on 1 stream against 2
-#   bash scripts/gpu/multi-gpu.sh cost     # what a consumer on GPU 1 costs one on GPU 0 that
-#                                          # reads each batch PASSES times (default 16)
+#   scripts/gpu/multi-gpu.sh          # the 2-GPU tests, then the benchmark
+#   scripts/gpu/multi-gpu.sh tests    # the 2-GPU tests alone (Rust and Python)
+#   scripts/gpu/multi-gpu.sh suite    # the whole Rust suite + the 2-GPU Python tests
+#   scripts/gpu/multi-gpu.sh bench    # the benchmark alone (about 4 minutes)
+#   REPS=5 scripts/gpu/multi-gpu.sh bench
+#   scripts/gpu/multi-gpu.sh mirror-streams  # a mirror's copies on 1 stream against 2
+#   scripts/gpu/multi-gpu.sh cost     # what a consumer on GPU 1 costs one on GPU 0 that
+#                                     # reads each batch PASSES times (default 16)
 #
 # Every child runs under a hard limit that kills its process group.
 set -u
+. "$(dirname "$0")/lib.sh"
 O=${OUT:-/tmp/o}; mkdir -p "$O"
-. .gpu/env.sh
 export NCCL_NVLS_ENABLE=0
-. scripts/gpu/lib.sh
 what=${1:-all}; REPS=${REPS:-3}
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | tee "$O/gpus.txt"
 nvidia-smi topo -m > "$O/topo.txt" 2>&1
@@ -25,11 +25,11 @@ gpipe probe > "$O/probe.txt" 2>&1; cat "$O/probe.txt" | tail -12
 if [ "$what" = all ] || [ "$what" = tests ] || [ "$what" = suite ]; then
   if [ "$what" = suite ]; then
     echo "== the whole Rust suite, GPU and 2-GPU tests included"
-    limit 420 bash scripts/gpu/suite.sh > "$O/tests.log" 2>&1
-    echo "suite rc=$?"; grep -E "FAILED|panicked|test executables" "$O/tests.log"; grep -E "^test two_gpu" "$O/tests.log"
+    OUT="$O/suite" limit 590 scripts/gpu/test rust > "$O/tests.log" 2>&1
+    echo "suite rc=$?"; tail -40 "$O/tests.log"; grep -hE "^test two_gpu" "$O"/suite/rust-*.log
   else
     echo "== 2-GPU Rust tests"
-    skip4=(); [ "$(nvidia-smi -L | grep -c "^GPU")" -lt 4 ] && skip4=(--skip four_gpu)
+    skip4=(); [ "$(gpu_count)" -lt 4 ] && skip4=(--skip four_gpu)
     limit 330 .gpu/tests/multi_gpu --include-ignored --test-threads=1 "${skip4[@]}" > "$O/tests.log" 2>&1
     echo "multi_gpu tests rc=$?"; grep -E "^test |test result" "$O/tests.log"
   fi

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Summarises scripts/gpu/multi-gpu.sh's bench.jsonl: per configuration the median (and
 min..max) of batches/s and GB/s, each run's ratio to its own same-run ceilings, and the
-issue #12 targets. Usage: multi_gpu_summary.py bench.jsonl"""
+targets of docs/multi-gpu.md. Usage: multi_gpu_summary.py bench.jsonl"""
 import json
 import statistics
 import sys
@@ -74,7 +74,7 @@ def main(path):
                 got = med([r["batches_per_s"] for r in runs[tag]]) / med([r["batches_per_s"] for r in alone])
                 targets.append((f"GPU 0 consumer beside a GPU 1 one >= 0.95x alone ({tag[10:]})", got, 0.95))
     out.append("")
-    out.append("targets (issue #12):")
+    out.append("targets (docs/multi-gpu.md):")
     for name, got, goal in targets:
         out.append(f"  {name}: {got:.2f}x -> {'met' if got >= goal else 'MISSED'}")
     print("\n".join(out))

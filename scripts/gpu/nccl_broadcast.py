@@ -1,5 +1,5 @@
-"""NCCL broadcast bandwidth from GPU 0 to every other visible GPU, the yardstick of issue #20's
-fan-out shapes: one process per GPU (torch.distributed, NCCL backend, NVLink multicast off),
+"""NCCL broadcast bandwidth from GPU 0 to every other visible GPU, the yardstick of the
+fan-out shapes (docs/multi-gpu.md): one process per GPU (torch.distributed, NCCL backend, NVLink multicast off),
 a warm-up, then timed broadcasts. Prints one JSON line per size: the per-GPU GB/s (bytes each
 GPU received / time), which is what a fan-out gives each consumer GPU.
 

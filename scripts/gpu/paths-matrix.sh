@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Issue 4's table: every memory path x sync mode, 2/8/64 MiB, 1 and 4 consumers, MPS off and
-# on, in one run; attach cost per path comes from the consumers' import timings.
-# Writes $OUT/paths.jsonl. Usage (GPU host, repo root): bash scripts/gpu/paths-matrix.sh
+# Every CUDA memory path x sync mode (docs/benchmarks.md, "Memory paths"): 2/8/64 MiB, 1 and
+# 4 consumers, MPS off and on, in one run; the attach cost per path comes from the consumers'
+# import timings. From the repository root after scripts/gpu/build; writes $OUT/paths.jsonl
+# (default /tmp/gpipe-paths).
+#   scripts/gpu/paths-matrix.sh
 set -u
-G=.gpu/bin/gpipe
+. "$(dirname "$0")/lib.sh"
+G=gpipe
 O=${OUT:-/tmp/gpipe-paths}; mkdir -p "$O"; : >"$O/paths.jsonl"
 one() { # mps memory sync size consumers batches
   local line
@@ -20,7 +23,6 @@ sweep() {
   done; done
 }
 sweep off
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
-mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY; nvidia-cuda-mps-control -d; sleep 1
+mps_on
 sweep on
-echo quit | nvidia-cuda-mps-control
+mps_off

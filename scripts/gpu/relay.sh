@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The NCCL relay (issue #15) on the 2-GPU machine, from the repo root after staging: two
+# The NCCL relay (docs/relay.md) on a machine with 2 GPUs, from the repository root after
+# scripts/gpu/build: two
 # "hosts" on one machine (ring A on GPU 0, the receiver's ring B on GPU 1), NCCL's default
 # transport and its socket transport (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1, as between
 # machines). Results under $OUT: tests.log, relay.jsonl (one line per run), summary.txt.
@@ -11,10 +12,9 @@
 #     receives and releases without reading, to measure what its verify kernel costs;
 #     PRIORITY=high: the relay's NCCL streams at high priority instead of normal)
 set -u
+. "$(dirname "$0")/lib.sh"
 O=${OUT:-/tmp/o}; mkdir -p "$O"
-. .gpu/env.sh
 export NCCL_NVLS_ENABLE=0
-. scripts/gpu/lib.sh
 what=${1:-all}
 if [ -z "${GPIPE_NCCL_LIB:-}" ]; then
   GPIPE_NCCL_LIB=$(python3 -c 'import nvidia.nccl as n, os; print(os.path.join(list(n.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null)

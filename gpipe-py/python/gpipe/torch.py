@@ -25,11 +25,14 @@ _CUDA = 2  # DLPack's device type for CUDA
 
 
 def as_tensor(obj: Any) -> torch.Tensor:
-    """``torch.from_dlpack(obj)`` for a gpipe Batch (of one tensor), Tensor or slot tensor,
-    with the same result and the same stream rule (the current stream waits for ``ready``),
-    at less cost per call: torch's own version builds a Python stream object each time,
-    which costs several microseconds per tensor on the GPU. Falls back on
+    """``torch.from_dlpack(obj)`` for ``obj``, a gpipe Batch (of one tensor), Tensor or slot
+    tensor, with the same result and the same stream rule (the current stream waits for
+    ``ready``), at less cost per call: torch's own version builds a Python stream object each
+    time, which costs several microseconds per tensor on the GPU. A torch tensor (what
+    ``slot.tensor(name, torch_dtype, shape)`` returns) is returned as it is. Falls back on
     ``torch.from_dlpack`` where torch lacks the internals it uses."""
+    if isinstance(obj, torch.Tensor):
+        return obj
     if _from_dlpack is None or _raw_stream is None:
         return torch.from_dlpack(obj)
     kind, index = obj.__dlpack_device__()

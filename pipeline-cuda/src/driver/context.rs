@@ -219,6 +219,18 @@ impl Context {
         check("cuCtxEnablePeerAccess", r)
     }
 
+    /// The device's free and total memory in bytes, as the driver sees them now
+    /// (`cuMemGetInfo`): free counts every process's allocations, not only this context's.
+    pub fn memory_info(&self) -> Result<(u64, u64), CudaError> {
+        self.make_current()?;
+        let (mut free, mut total): (usize, usize) = (0, 0);
+        // SAFETY: the context is current on this thread; both out-pointers are valid locals.
+        check("cuMemGetInfo_v2", unsafe {
+            sys::cuMemGetInfo_v2(&mut free, &mut total)
+        })?;
+        Ok((free as u64, total as u64))
+    }
+
     /// Binds this context to the calling thread (`cuCtxSetCurrent`).
     pub fn make_current(&self) -> Result<(), CudaError> {
         // SAFETY: `raw` is a retained primary context, valid until drop.

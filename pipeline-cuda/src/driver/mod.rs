@@ -24,6 +24,7 @@
 //! | `ipc.rs` | legacy IPC memory handles: [`IpcMemHandle`], [`IpcMapping`] |
 //! | `buffer.rs` | [`PinnedBuffer`], [`DeviceBuffer`], [`HostRegistration`] |
 //! | `memops.rs` | copies, memset, [`stream_write_value64`] / [`stream_wait_value64`], and batches of them ([`stream_mem_ops_raw`]) |
+//! | `nvrtc.rs` | NVRTC: [`ensure_nvrtc`], [`nvrtc_version`], [`nvrtc_check`] |
 
 use std::ffi::{CStr, c_char, c_int};
 use std::fmt;
@@ -39,6 +40,7 @@ mod context;
 mod event;
 mod ipc;
 mod memops;
+mod nvrtc;
 mod pool;
 mod vmm;
 
@@ -52,6 +54,7 @@ pub use memops::{
     stream_mem_ops_raw, stream_wait_value64, stream_wait_value64_raw, stream_write_value64,
     stream_write_value64_raw,
 };
+pub use nvrtc::{ensure_nvrtc, nvrtc_check, nvrtc_version};
 pub use pool::{FabricHandle, MemPool, PointerExport, PoolHandleType};
 pub use vmm::{PhysicalAllocation, VmmMapping, allocation_granularity};
 
