@@ -7,7 +7,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use pipeline_core::{
     BackendKind, Batch, Consumer, ConsumerBackend, ConsumerConfig, Delivery, Error, HostConsumer,
-    HostOptions, Mode, PendingAttach, TensorInfo, USER_HEADER_WORDS, WaitPolicy, pattern,
+    HostOptions, PendingAttach, TensorInfo, USER_HEADER_WORDS, WaitPolicy, pattern,
 };
 use pyo3::exceptions::{PyBufferError, PyKeyError, PyValueError};
 use pyo3::prelude::*;
@@ -15,9 +15,13 @@ use pyo3::types::PyDict;
 
 use pipeline_cuda::backend::{CudaConsumer, CudaOptions};
 
+use crate::args;
+use crate::blocking::{TICK, blocking, deadline};
 use crate::dlpack::{DEVICE_CPU, DEVICE_CUDA, DLDevice};
+use crate::errors::{AttachError, BackendError, Closed, GpipeError, attach_error, to_py};
+use crate::interop::stream_handle;
+use crate::ring::RingInfo;
 use crate::tensor::{Keep, PyTensor, StreamUse};
-use crate::{Closed, GpipeError, args, attach_error, blocking, deadline, to_py};
 
 /// A consumer on one of the backends.
 enum AnyConsumer {
@@ -103,10 +107,6 @@ fn forked_child(attached_in: u32) -> PyResult<()> {
     )))
 }
 
-/// The wait tick of Python consumers: a blocking call's slices end within about this much of
-/// their deadline, so Ctrl-C and `timeout=` are honoured promptly.
-pub(crate) const TICK: Duration = Duration::from_millis(20);
-
 /// The consuming side of a ring: attaches to the producer listening on ``socket`` and
 /// receives its batches in place, with ``recv()`` or by iterating (until the producer closes
 /// the ring). Several batches may be held at once and released in any order. Use it as a
@@ -143,13 +143,9 @@ pub struct PyConsumer {
     inner: Mutex<Option<AnyConsumer>>,
     /// The process that attached (see [`forked_child`]).
     attached_in: u32,
-    socket: String,
-    backend: BackendKind,
-    mode: Mode,
+    /// The ring's socket, backend, mode, slots, slot size, and the device batches are on.
+    ring: RingInfo,
     index: u32,
-    slots: u32,
-    slot_bytes: u64,
-    device: DLDevice,
     /// Batches arrive as copies in the consumer's own memory (mirror delivery).
     mirrored: bool,
     /// CUDA: `ready` waited for and `finished` written on side streams of ours.
@@ -243,7 +239,7 @@ impl PyConsumer {
                     )));
                 }
                 if !pipeline_cuda::driver::driver_present() {
-                    return Err(crate::AttachError::new_err(format!(
+                    return Err(AttachError::new_err(format!(
                         "the producer's ring at {} is in CUDA memory, but no CUDA driver (libcuda.so.1) can be loaded here",
                         socket.display()
                     )));
@@ -293,7 +289,7 @@ impl PyConsumer {
             // Under MPS, side streams without hardware queues of their own gain little
             // (docs/benchmarks.md); the queues are fixed when CUDA starts in this process, so
             // all we can do now is say what to set before it does.
-            if let Err(why) = pipeline_cuda::probe::side_signals_connections() {
+            if let Err(why) = pipeline_cuda::policy::signals::side_signals_connections() {
                 let msg = format!(
                     "gpipe: side signals are on (slots of {} bytes) and MPS is running, but {why} \
                      (before CUDA starts in this process, e.g. at the top of the script)",
@@ -307,13 +303,15 @@ impl PyConsumer {
         Ok(Self {
             inner: Mutex::new(Some(inner)),
             attached_in: std::process::id(),
-            socket: socket.display().to_string(),
-            backend: pending_kind(dl),
-            mode: layout.mode,
+            ring: RingInfo {
+                socket: socket.display().to_string(),
+                backend: pending_kind(dl),
+                mode: layout.mode,
+                slots: layout.slot_count,
+                slot_bytes: layout.slot_bytes,
+                device: dl,
+            },
             index,
-            slots: layout.slot_count,
-            slot_bytes: layout.slot_bytes,
-            device: dl,
             mirrored,
             side_signals,
         })
@@ -333,7 +331,7 @@ impl PyConsumer {
             Some(b) => Ok(b),
             None => Err(Closed::new_err(format!(
                 "the producer at {} closed the ring and every batch it published was received",
-                self.socket
+                self.ring.socket
             ))),
         }
     }
@@ -387,7 +385,7 @@ impl PyConsumer {
     /// The device the batches are on: "cpu" or "cuda:N".
     #[getter]
     fn device(&self) -> String {
-        self.device.name()
+        self.ring.device()
     }
 
     /// This consumer's index in the ring (0..max_consumers).
@@ -413,31 +411,31 @@ impl PyConsumer {
     /// "broadcast" or "shared".
     #[getter]
     fn mode(&self) -> String {
-        self.mode.to_string()
+        self.ring.mode()
     }
 
     /// "host" or "cuda".
     #[getter]
     fn backend(&self) -> String {
-        self.backend.to_string()
+        self.ring.backend()
     }
 
     /// The socket path.
     #[getter]
     fn socket(&self) -> &str {
-        &self.socket
+        self.ring.socket()
     }
 
     /// Slots in the ring.
     #[getter]
     fn slots(&self) -> u32 {
-        self.slots
+        self.ring.slots
     }
 
     /// Capacity of each slot in bytes.
     #[getter]
     fn slot_bytes(&self) -> u64 {
-        self.slot_bytes
+        self.ring.slot_bytes
     }
 
     fn __enter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
@@ -454,11 +452,11 @@ impl PyConsumer {
         let state = if self.closed() { "closed" } else { "attached" };
         format!(
             "gpipe.Consumer(socket={:?}, index={}, mode={}, backend={}, slots={}, {state}, held={})",
-            self.socket,
+            self.ring.socket,
             self.index,
-            self.mode,
-            self.backend,
-            self.slots,
+            self.ring.mode,
+            self.ring.backend,
+            self.ring.slots,
             self.held()
         )
     }
@@ -501,7 +499,7 @@ impl PyConsumer {
             Err(e) if e.is_instance_of::<Closed>(py) && self.closed() => {
                 return Err(Closed::new_err(format!(
                     "this Consumer of {} is closed",
-                    self.socket
+                    self.ring.socket
                 )));
             }
             other => other?,
@@ -540,7 +538,7 @@ impl PyConsumer {
             header,
             tensors,
             base,
-            device: self.device,
+            device: self.ring.device,
             consumer: self.index,
         }
     }
@@ -824,7 +822,7 @@ impl PyBatch {
         match &keep.batch {
             Some(AnyBatch::Host(b)) => Ok(b.header()[pattern::HEADER_SEQ] == b.seq()
                 && pattern::checksum(b.data()) == b.header()[pattern::HEADER_CHECKSUM]),
-            Some(AnyBatch::Cuda(_)) => Err(crate::BackendError::new_err(
+            Some(AnyBatch::Cuda(_)) => Err(BackendError::new_err(
                 "verify_pattern checks host batches; verify CUDA batches with `gpipe consume --verify`",
             )),
             None => Err(GpipeError::new_err("batch already released")),
@@ -859,7 +857,7 @@ impl PyBatch {
         let handle = stream_handle(&stream)?;
         let cell = self.keep()?;
         py.detach(|| cell.use_on(handle))
-            .map_err(crate::BackendError::new_err)
+            .map_err(BackendError::new_err)
     }
 
     fn __enter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
@@ -882,26 +880,5 @@ impl PyBatch {
             self.consumer,
             if self.released() { "released" } else { "held" }
         )
-    }
-}
-
-/// A CUDA stream given as a handle (int) or an object with `cuda_stream` (torch) or `ptr`
-/// (CuPy). Handle 0 (the legacy default stream as torch names it) becomes 1, its DLPack name.
-pub(crate) fn stream_handle(stream: &Bound<'_, PyAny>) -> PyResult<u64> {
-    let v: i64 = if let Ok(v) = stream.extract::<i64>() {
-        v
-    } else if let Ok(v) = stream.getattr("cuda_stream") {
-        v.extract()?
-    } else if let Ok(v) = stream.getattr("ptr") {
-        v.extract()?
-    } else {
-        return Err(pyo3::exceptions::PyTypeError::new_err(
-            "stream must be an int handle or a torch/CuPy stream",
-        ));
-    };
-    match v {
-        0 => Ok(1),
-        v if v > 0 => Ok(v as u64),
-        v => Err(PyValueError::new_err(format!("invalid stream handle {v}"))),
     }
 }

@@ -11,7 +11,9 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::{GpipeError, SLICE, args};
+use crate::args;
+use crate::blocking::SLICE;
+use crate::errors::GpipeError;
 
 /// forward(upstream, socket, *, device=None, slots=8, max_consumers=16,
 ///         wait_for_consumers=0) -> dict

@@ -64,11 +64,9 @@ use crate::driver::{self, CUdeviceptr, Context, CudaError, Event, Stream, WaitCo
 use crate::export::{ExportHeader, SlotExport};
 use crate::memory::{ConsumerSlots, ProducerSlots, micros};
 pub use crate::memory::{HandleKind, ImportTimings, MAX_VMM_FD_SLOTS, MemoryPath};
-use crate::mirror::{self, Mirror};
+use crate::mirror::Mirror;
 use crate::probe::Capabilities;
-use crate::sync::{
-    FinishedWords, RELEASED, ReadySignal, SideSignals, Timelines, join_into, side_signals_auto,
-};
+use crate::sync::{FinishedWords, RELEASED, ReadySignal, SideSignals, Timelines, join_into};
 pub use crate::sync::{SyncMode, TimelineMemory};
 
 const REPLY_MAGIC: u32 = u32::from_le_bytes(*b"GCF1");
@@ -122,8 +120,8 @@ pub struct CudaOptions {
     /// to the stream that uses the batch by in-process events, instead of on that stream
     /// (see `SideSignals` in the sync module). Saves that stream a few µs of GPU time per
     /// batch between its kernels and costs the host a few more driver calls. `None` (the
-    /// default): on for slots of [`crate::sync::SIDE_SIGNALS_AUTO_BYTES`] and more, where
-    /// that was measured faster. Mirror delivery ignores it.
+    /// default): on for slots of [`crate::policy::signals::SIDE_SIGNALS_AUTO_BYTES`] and more,
+    /// where that was measured faster. Mirror delivery ignores it.
     pub side_signals: Option<bool>,
 }
 
@@ -428,8 +426,10 @@ impl ProducerBackend for CudaProducer {
             TimelineMemory::Device => Some(Arc::new(Stream::new(&ctx).map_err(be)?)),
         };
         if release.is_some() {
-            let (auto, why) =
-                crate::probe::rule_timeline_memory(true, crate::probe::max_connections());
+            let (auto, why) = crate::policy::sync::rule_timeline_memory(
+                true,
+                crate::policy::signals::max_connections(),
+            );
             if auto == TimelineMemory::Host {
                 tracing::warn!("timeline words in device memory, but {why}");
             }
@@ -1173,7 +1173,7 @@ impl ConsumerBackend for CudaConsumer {
             timeline_fd,
         )?;
         timings.timelines_us = micros(t);
-        let mirror = if mirror::resolve(options.delivery, on_producer_gpu) {
+        let mirror = if crate::policy::delivery::mirrors(options.delivery, on_producer_gpu) {
             let count = options.mirror_buffers.unwrap_or(layout.slot_count);
             Some(Mirror::new(&ctx, count, slot_bytes)?)
         } else {
@@ -1182,7 +1182,7 @@ impl ConsumerBackend for CudaConsumer {
         let side = if mirror.is_none()
             && options
                 .side_signals
-                .unwrap_or(side_signals_auto(slot_bytes))
+                .unwrap_or(crate::policy::signals::side_signals_auto(slot_bytes))
         {
             Some(Mutex::new(SideSignals::new(&ctx)?))
         } else {

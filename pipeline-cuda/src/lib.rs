@@ -10,6 +10,9 @@
 //! - `export` (crate-private): the export blob a producer sends each consumer.
 //! - [`backend`]: the producer's and the consumer's halves of the CUDA backend.
 //! - [`probe`]: what each device supports, and which transport path gpipe takes on it.
+//! - [`policy`]: every `auto` rule (slots, lead, backend and memory path, sync, timeline
+//!   memory, side signals, delivery, fan-out shape) and the one resolver the command line and
+//!   the Python package share.
 //!
 //! Nothing here panics on a machine without a GPU: every entry point checks that `libcuda` (and,
 //! for NVRTC's version, `libnvrtc`) can be loaded and returns [`driver::CudaError::NoDriver`] (or
@@ -23,5 +26,6 @@ pub mod memory;
 pub mod mirror;
 mod names;
 pub mod nccl;
+pub mod policy;
 pub mod probe;
 pub mod sync;

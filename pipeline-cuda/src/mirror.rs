@@ -14,7 +14,8 @@
 //! copy into buffer j comes after that work. The copies of the next batches overlap the
 //! user's kernels on this one: copy engine and SMs run side by side.
 //!
-//! The rule of [`Delivery::Auto`], measured on 2×H200 (NVLink, driver 580.159.04,
+//! The figures behind the rule of [`pipeline_core::Delivery::Auto`] ([`crate::policy::delivery::mirrors`]),
+//! measured on 2×H200 (NVLink, driver 580.159.04,
 //! 2026-11-23, docs/multi-gpu.md): on the producer's GPU, in place (a copy only costs
 //! bandwidth); on another GPU, mirrored. One consumer on GPU 1 verifying each batch once
 //! moved, in GB/s, in place vs mirrored (two copy streams, median of 3 in one run): 138 vs 174
@@ -29,19 +30,9 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use pipeline_core::{BackendError, Delivery, MirrorTable};
+use pipeline_core::{BackendError, MirrorTable};
 
 use crate::driver::{self, CUdeviceptr, Context, CudaError, DeviceBuffer, Event, Stream};
-
-/// Resolves a consumer's delivery choice: true to mirror. `auto` mirrors on another GPU than
-/// the producer's, whatever the slot size (see the module's figures).
-pub fn resolve(delivery: Delivery, on_producer_gpu: bool) -> bool {
-    match delivery {
-        Delivery::InPlace => false,
-        Delivery::Mirror => true,
-        Delivery::Auto => !on_producer_gpu,
-    }
-}
 
 /// Copy streams of a mirroring consumer unless `GPIPE_MIRROR_STREAMS` says otherwise (1-8).
 /// Slot k's batches are copied on stream k mod n, so one slot's `finished` words are written
@@ -249,18 +240,5 @@ impl Mirror {
             return Err(crate::backend::be(e));
         }
         Ok(j)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn auto_mirrors_on_another_gpu_only() {
-        assert!(!resolve(Delivery::Auto, true));
-        assert!(resolve(Delivery::Auto, false));
-        assert!(resolve(Delivery::Mirror, true));
-        assert!(!resolve(Delivery::InPlace, false));
     }
 }

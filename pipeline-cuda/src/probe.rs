@@ -5,13 +5,13 @@
 
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cudarc::driver::sys::CUdevice_attribute as Attr;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::driver::{self, CudaError, Device};
 use crate::memory::{FABRIC_HINT, HandleKind, MemoryPath, imex_channel_present};
-use crate::sync::TimelineMemory;
 
 /// Bit of `CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES` for POSIX file descriptors.
 pub const HANDLE_TYPE_POSIX_FD_BIT: u32 = 0x1;
@@ -19,7 +19,7 @@ pub const HANDLE_TYPE_POSIX_FD_BIT: u32 = 0x1;
 pub const HANDLE_TYPE_FABRIC_BIT: u32 = 0x8;
 
 /// What one device supports.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Capabilities {
     /// Device ordinal.
     pub ordinal: usize,
@@ -33,6 +33,10 @@ pub struct Capabilities {
     pub total_memory_bytes: u64,
     /// Number of streaming multiprocessors.
     pub multiprocessors: u32,
+    /// L2 cache size in bytes (`CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE`; what `max_lead = auto`
+    /// sizes the batches in flight by). `None` when the driver does not report it.
+    #[serde(default)]
+    pub l2_cache_bytes: Option<u64>,
     /// Stream-ordered memory pools (`CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED`).
     pub memory_pools: bool,
     /// Raw `CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES` bitmask.
@@ -61,7 +65,10 @@ pub struct Capabilities {
     /// An IMEX channel device node exists (`/dev/nvidia-caps-imex-channels/channel*`): fabric
     /// handles need one. A host fact, repeated per device.
     pub imex_channel: bool,
-    /// Which memory paths (with which handle kinds) gpipe can use on this device.
+    /// Which memory paths (with which handle kinds) gpipe can use on this device (derived
+    /// from the fields above: not read back from a saved report, see
+    /// [`crate::policy::Facts::of`]).
+    #[serde(skip_deserializing)]
     pub memory_paths: Vec<PathSupport>,
     /// Attributes the driver would not report, and why.
     pub notes: Vec<String>,
@@ -162,6 +169,8 @@ impl Capabilities {
         ));
         let mps_enabled =
             attr(Attr::CU_DEVICE_ATTRIBUTE_MPS_ENABLED, "MPS enabled").map(|v| v != 0);
+        let l2_cache_bytes = attr(Attr::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, "L2 cache size")
+            .and_then(|v| u64::try_from(v).ok());
         let (major, minor) = device.compute_capability()?;
         let mut caps = Capabilities {
             ordinal: device.ordinal(),
@@ -170,6 +179,7 @@ impl Capabilities {
             compute_capability: [major, minor],
             total_memory_bytes: device.total_memory()? as u64,
             multiprocessors: device.multiprocessor_count()?,
+            l2_cache_bytes,
             memory_pools,
             pool_handle_types,
             pool_posix_fd: memory_pools && pool_handle_types & HANDLE_TYPE_POSIX_FD_BIT != 0,
@@ -367,7 +377,7 @@ impl Capabilities {
 }
 
 /// Everything [`probe`] found.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ProbeReport {
     /// `cuDriverGetVersion`: `1000 * major + 10 * minor` (13000 is CUDA 13.0).
     pub driver_version: i32,
@@ -386,7 +396,7 @@ pub struct ProbeReport {
 }
 
 /// Whether a consumer on one device can use a producer's slots on another.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PeerLink {
     /// The producer's device ordinal.
     pub producer: usize,
@@ -436,161 +446,20 @@ fn control_pipe_in(dir: &Path) -> Option<PathBuf> {
     pipe.exists().then_some(pipe)
 }
 
-/// The share of the L2 cache the batches in flight may fill under `max_lead = auto`.
-pub const AUTO_LEAD_L2_SHARE: f64 = 0.4;
+/// How many times this process has called [`probe`] (a tool that means to probe once can
+/// check it did).
+static PROBES: AtomicUsize = AtomicUsize::new(0);
 
-/// The producer-lead bound `auto` derives from a device's L2 size: as many batches in flight
-/// (a lead of L keeps L batches written and not yet consumed, the one a consumer is reading
-/// among them) as fit in [`AUTO_LEAD_L2_SHARE`] of the L2, and at least 2 while two batches fit
-/// in the whole L2, so that a consumer reads a batch while it is still in the L2 the producer
-/// wrote it to. A lead of 1 would stop the producer from writing a batch while a consumer
-/// reads the last, and the overlap matters more than the cache. `None` (the ring's own bound,
-/// `slots`) when that lead is the whole ring anyway, or when two batches do not fit in the L2.
-/// Measured on an H100 (50 MB L2, MPS, one consumer, 8 slots, medians of 5, 2026-11-23):
-/// 8 MiB batches ran 80.5k batches/s with a lead of 2, 76.9k with 3, 67.9k with 4 and 66.4k
-/// with 8 (the whole ring); 64 MiB ran the same at 2, 4 and 8 (2026-11-22).
-pub fn l2_max_lead(l2_bytes: u64, slot_bytes: u64, slots: u32) -> Option<u32> {
-    if slot_bytes == 0 || slot_bytes.saturating_mul(2) > l2_bytes {
-        return None;
-    }
-    let fit = ((l2_bytes as f64 * AUTO_LEAD_L2_SHARE) / slot_bytes as f64).floor() as u64;
-    let lead = fit.max(2);
-    (lead < u64::from(slots)).then_some(lead as u32)
-}
-
-/// [`l2_max_lead`] for device `ordinal` and slots of `slot_bytes` (rounded as the ring rounds
-/// them), with the L2 size it used.
-pub fn auto_max_lead(
-    ordinal: usize,
-    slot_bytes: u64,
-    slots: u32,
-) -> Result<(Option<u32>, u64), CudaError> {
-    driver::init()?;
-    let l2 = Device::get(ordinal)?.l2_cache_bytes()?;
-    let slot = pipeline_core::round_slot_bytes(slot_bytes);
-    Ok((l2_max_lead(l2, slot, slots), l2))
-}
-
-/// Fewest hardware work queues (`CUDA_DEVICE_MAX_CONNECTIONS`, 8 when unset) with which
-/// `--timeline-memory auto` takes device memory.
-pub const DEVICE_WORDS_MIN_CONNECTIONS: u32 = 8;
-
-/// Where `auto` puts the timeline words, and why: device memory (measured faster on an H100,
-/// docs/benchmarks.md) when the device can export `cuMemCreate` memory as POSIX fds and the
-/// process keeps CUDA's default of 8 hardware queues (`connections`: the value of
-/// `CUDA_DEVICE_MAX_CONNECTIONS`, `None` when unset); host memory otherwise. A dead peer's
-/// device words are released by a write on a stream of their own, which must not share a
-/// queue with a stream stalled on those words; with fewer queues, streams share them.
-pub fn rule_timeline_memory(
-    vmm_posix_fd: bool,
-    connections: Option<u32>,
-) -> (TimelineMemory, String) {
-    if !vmm_posix_fd {
-        return (
-            TimelineMemory::Host,
-            "the device cannot share cuMemCreate memory as POSIX fds".into(),
-        );
-    }
-    match connections {
-        Some(n) if n < DEVICE_WORDS_MIN_CONNECTIONS => (
-            TimelineMemory::Host,
-            format!(
-                "CUDA_DEVICE_MAX_CONNECTIONS={n}: with fewer than \
-                 {DEVICE_WORDS_MIN_CONNECTIONS} hardware queues, a release written to device \
-                 words could queue behind the stalled wait it is meant to release"
-            ),
-        ),
-        _ => (
-            TimelineMemory::Device,
-            "device memory: measured faster on an H100".into(),
-        ),
-    }
-}
-
-/// [`rule_timeline_memory`] for device `ordinal` of `report`, reading
-/// `CUDA_DEVICE_MAX_CONNECTIONS` from the environment.
-pub fn auto_timeline_memory(report: &ProbeReport, ordinal: usize) -> (TimelineMemory, String) {
-    let vmm = report
-        .devices
-        .iter()
-        .find(|d| d.ordinal == ordinal)
-        .is_some_and(|d| d.check_path(MemoryPath::Vmm, HandleKind::PosixFd).is_ok());
-    rule_timeline_memory(vmm, max_connections())
-}
-
-/// Hardware queues a consumer with side signals should have: its stream and the two side
-/// streams each on a queue of their own.
-pub const SIDE_SIGNALS_CONNECTIONS: u32 = 8;
-
-/// Whether this process's `CUDA_DEVICE_MAX_CONNECTIONS` gives side signals their queues, and
-/// if not, what to set. Unset counts as not: CUDA's default is 8 queues without MPS, but
-/// under MPS a client's streams were measured sharing queues when it was unset
-/// (docs/benchmarks.md: 64 MiB with side signals at 0.934x of the ceiling unset, 0.979x with
-/// 8).
-pub fn side_signals_connections() -> Result<(), String> {
-    side_signals_connections_for(max_connections())
-}
-
-/// [`side_signals_connections`] for a given `CUDA_DEVICE_MAX_CONNECTIONS` (None: unset).
-pub fn side_signals_connections_for(connections: Option<u32>) -> Result<(), String> {
-    match connections {
-        Some(n) if n >= SIDE_SIGNALS_CONNECTIONS => Ok(()),
-        Some(n) => Err(format!(
-            "CUDA_DEVICE_MAX_CONNECTIONS={n}: the side streams may share hardware queues with \
-             the batch's stream; {SIDE_SIGNALS_CONNECTIONS} or more lets each have its own"
-        )),
-        None => Err(format!(
-            "CUDA_DEVICE_MAX_CONNECTIONS is unset: under MPS a client's streams then share \
-             hardware queues and side signals gain little; set it to \
-             {SIDE_SIGNALS_CONNECTIONS} in the consumer's environment"
-        )),
-    }
-}
-
-/// `CUDA_DEVICE_MAX_CONNECTIONS`, when set to a number.
-pub fn max_connections() -> Option<u32> {
-    std::env::var("CUDA_DEVICE_MAX_CONNECTIONS")
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-}
-
-/// The ring depths `slots = "auto"` considers without MPS (with MPS it is 8).
-pub const AUTO_DEPTHS: [u32; 4] = [8, 16, 32, 64];
-
-/// The most slot memory `slots = "auto"` takes by default (2 GiB): on an H100 without MPS a
-/// 4 GiB ring (64 x 64 MiB) moved less than a 2 GiB one (32 x 64 MiB).
-pub const DEFAULT_DEPTH_BUDGET: u64 = 2 << 30;
-
-/// The depths of [`AUTO_DEPTHS`] whose slots (of `batch_bytes`, rounded as the ring rounds
-/// them) fit `budget` bytes; 8 alone when none does.
-pub fn depths_within(batch_bytes: u64, budget: u64) -> Vec<u32> {
-    let slot = pipeline_core::round_slot_bytes(batch_bytes);
-    let fit: Vec<u32> = AUTO_DEPTHS
-        .iter()
-        .copied()
-        .filter(|&d| u64::from(d) * slot <= budget)
-        .collect();
-    if fit.is_empty() { vec![8] } else { fit }
-}
-
-/// The depth `slots = "auto"` takes without a measurement: 8 with MPS running (handovers
-/// are cheap); without it, where the GPU time-slices between the processes and a deeper ring
-/// lets each do more per slice, the deepest of [`depths_within`] the budget. Measured on an
-/// H100 (docs/benchmarks.md): without MPS a 2 MiB ring moved 2.4x more at 64 slots than at 8,
-/// and a 64 MiB one 1.4x more at 32, but less at 64 (4 GiB), hence a budget.
-pub fn rule_depth(mps: bool, batch_bytes: u64, budget: u64) -> u32 {
-    if mps {
-        return 8;
-    }
-    depths_within(batch_bytes, budget)
-        .last()
-        .copied()
-        .unwrap_or(8)
+/// How many times this process has called [`probe`].
+pub fn probes_run() -> usize {
+    PROBES.load(Ordering::Relaxed)
 }
 
 /// Probes the driver and every visible device. Returns [`CudaError::NoDriver`] (never panics)
-/// when `libcuda` cannot be loaded.
+/// when `libcuda` cannot be loaded. It reads many attributes of every device: call it once and
+/// pass the report on (as [`crate::policy::Facts::probe`] does).
 pub fn probe() -> Result<ProbeReport, CudaError> {
+    PROBES.fetch_add(1, Ordering::Relaxed);
     driver::init()?;
     let driver_version = driver::driver_version()?;
     let (nvrtc_version, nvrtc_error) = match driver::nvrtc_version() {
@@ -650,71 +519,12 @@ impl ProbeReport {
     }
 }
 
+/// A device and a report for tests that need no GPU: an H100 without MPS.
 #[cfg(test)]
-mod tests {
-    #[test]
-    fn auto_timeline_memory_is_device_unless_vmm_fds_or_queues_are_missing() {
-        use crate::sync::TimelineMemory::{Device, Host};
-        assert_eq!(rule_timeline_memory(true, None).0, Device);
-        assert_eq!(rule_timeline_memory(true, Some(8)).0, Device);
-        assert_eq!(rule_timeline_memory(true, Some(32)).0, Device);
-        let (m, why) = rule_timeline_memory(true, Some(1));
-        assert_eq!(m, Host);
-        assert!(why.contains("CUDA_DEVICE_MAX_CONNECTIONS=1"), "{why}");
-        let (m, why) = rule_timeline_memory(false, None);
-        assert_eq!(m, Host);
-        assert!(why.contains("POSIX fds"), "{why}");
-    }
-
-    #[test]
-    fn side_signals_want_eight_queues_and_say_what_to_set() {
-        assert_eq!(side_signals_connections_for(Some(8)), Ok(()));
-        assert_eq!(side_signals_connections_for(Some(32)), Ok(()));
-        let low = side_signals_connections_for(Some(4)).unwrap_err();
-        assert!(low.contains("CUDA_DEVICE_MAX_CONNECTIONS=4"), "{low}");
-        let unset = side_signals_connections_for(None).unwrap_err();
-        assert!(
-            unset.contains("unset") && unset.contains("set it to 8"),
-            "{unset}"
-        );
-    }
-
-    #[test]
-    fn auto_lead_keeps_the_batches_in_flight_within_the_l2() {
-        let l2 = 50 << 20; // an H100's
-        let mib = 1u64 << 20;
-        // 8 MiB: 2 batches in flight fit in 40% of 50 MiB (the measured best).
-        assert_eq!(l2_max_lead(l2, 8 * mib, 8), Some(2));
-        // 12 and 25 MiB: not even 2 fit in 40%, but 2 fit in the whole L2: 2.
-        assert_eq!(l2_max_lead(l2, 12 * mib, 8), Some(2));
-        assert_eq!(l2_max_lead(l2, 25 * mib, 8), Some(2));
-        // 2 MiB: 10 fit, more than the ring holds: the ring's own bound.
-        assert_eq!(l2_max_lead(l2, 2 * mib, 8), None);
-        assert_eq!(l2_max_lead(l2, 2 * mib, 32), Some(10));
-        // 26 and 64 MiB: two do not fit in the L2 at all.
-        assert_eq!(l2_max_lead(l2, 26 * mib, 8), None);
-        assert_eq!(l2_max_lead(l2, 64 * mib, 8), None);
-        // A 2-slot ring is its own bound.
-        assert_eq!(l2_max_lead(l2, 8 * mib, 2), None);
-        assert_eq!(l2_max_lead(l2, 0, 8), None);
-    }
-
-    #[test]
-    fn auto_depth_is_eight_with_mps_else_the_deepest_within_the_budget() {
-        let mib = 1u64 << 20;
-        assert_eq!(rule_depth(true, 2 * mib, 2 << 30), 8);
-        assert_eq!(rule_depth(false, 2 * mib, 2 << 30), 64);
-        assert_eq!(rule_depth(false, 64 * mib, 2 << 30), 32);
-        assert_eq!(rule_depth(false, 256 * mib, 2 << 30), 8);
-        // Nothing fits the budget: the ring's usual 8.
-        assert_eq!(rule_depth(false, 1 << 30, 1 << 30), 8);
-        // Slots are rounded up to 2 MiB: 3 MiB batches take 4 MiB each.
-        assert_eq!(depths_within(3 * mib, 64 * mib), vec![8, 16]);
-    }
-
+pub(crate) mod fixtures {
     use super::*;
 
-    fn h100() -> Capabilities {
+    pub(crate) fn h100() -> Capabilities {
         Capabilities {
             ordinal: 0,
             name: "NVIDIA H100 80GB HBM3".into(),
@@ -722,6 +532,7 @@ mod tests {
             compute_capability: [9, 0],
             total_memory_bytes: 80 << 30,
             multiprocessors: 132,
+            l2_cache_bytes: Some(50 << 20),
             memory_pools: true,
             pool_handle_types: HANDLE_TYPE_POSIX_FD_BIT | HANDLE_TYPE_FABRIC_BIT,
             pool_posix_fd: true,
@@ -741,13 +552,13 @@ mod tests {
     }
 
     impl Capabilities {
-        fn with_paths(mut self) -> Self {
+        pub(crate) fn with_paths(mut self) -> Self {
             self.memory_paths = self.path_support();
             self
         }
     }
 
-    fn report(devices: Vec<Capabilities>) -> ProbeReport {
+    pub(crate) fn report(devices: Vec<Capabilities>) -> ProbeReport {
         ProbeReport {
             driver_version: 13000,
             nvrtc_version: Some([13, 0]),
@@ -757,6 +568,13 @@ mod tests {
             peers: vec![],
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use super::fixtures::{h100, report};
 
     #[test]
     fn full_support_takes_the_pool_path() {

@@ -577,26 +577,6 @@ impl ReadySignal {
     }
 }
 
-/// Slots of this many bytes and more take [`SideSignals`] unless told otherwise
-/// ([`crate::backend::CudaOptions::side_signals`]). Measured on an H100 with MPS
-/// (docs/benchmarks.md, 2026-11-23), 1 consumer:
-///
-/// * Every stream write or wait on a timeline word between two kernels of one stream idles
-///   the GPU about 3 µs longer than the kernels alone. An in-process event record, or a wait
-///   on a completed one, adds nothing.
-/// * From 16 MiB, side signals ran 2-4% faster, and 16-38% faster with
-///   `CUDA_DEVICE_MAX_CONNECTIONS=8` in the consumer's environment (64 MiB: 0.98x of the
-///   one-process ceiling). Under MPS that variable is needed: unset, a client's streams shared
-///   hardware queues.
-/// * At 2 and 8 MiB they were slower: the host's driver calls bound those rates, and side
-///   signals add four a batch.
-pub const SIDE_SIGNALS_AUTO_BYTES: u64 = 16 << 20;
-
-/// Whether `auto` takes side signals for slots of `slot_bytes`.
-pub fn side_signals_auto(slot_bytes: u64) -> bool {
-    slot_bytes >= SIDE_SIGNALS_AUTO_BYTES
-}
-
 /// A consumer's cross-process signals moved off the stream that uses the batch: a stream of
 /// ours waits for `ready` and records an ordering-only event that the batch's stream waits
 /// for; the batch's stream records an ordering-only event after its work, which a second

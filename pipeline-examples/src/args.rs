@@ -2,9 +2,11 @@
 //! resolution of `--backend auto`.
 
 use clap::ValueEnum;
+use pipeline_core::BackendKind;
 use pipeline_core::Mode;
 use pipeline_core::limits::{self, Setting, ShapeError};
-use pipeline_cuda::backend::{CudaOptions, HandleKind, MemoryPath, SyncMode, TimelineMemory};
+use pipeline_cuda::backend::{CudaOptions, MemoryPath, SyncMode, TimelineMemory};
+use pipeline_cuda::policy::{self, FrontEnd, Inputs, LeadRequest, PolicyError, Resolution};
 
 use crate::{gpu, size};
 
@@ -64,7 +66,7 @@ impl SideSignalsArg {
     pub fn resolve(self, batch_bytes: u64) -> bool {
         let slot = pipeline_core::round_slot_bytes(batch_bytes);
         self.option()
-            .unwrap_or_else(|| pipeline_cuda::sync::side_signals_auto(slot))
+            .unwrap_or_else(|| policy::signals::side_signals_auto(slot))
     }
 
     /// The name on the command line.
@@ -101,35 +103,56 @@ pub struct CudaArgs {
 }
 
 impl CudaArgs {
-    /// Resolves `auto`s against the device and builds the backend options.
-    pub fn options(&self) -> Result<CudaOptions, String> {
-        let handle: HandleKind = self.handle.parse()?;
-        let report = pipeline_cuda::probe::probe().map_err(|e| e.to_string())?;
-        let memory = match self.memory.as_str() {
-            "auto" => report
-                .auto_memory_path_for(0, handle)
-                .map_err(|e| e.to_string())?,
-            m => {
-                let m: MemoryPath = m.parse()?;
-                let caps = report.devices.first().ok_or("no CUDA device is visible")?;
-                caps.check_path(m, handle).map_err(|e| e.to_string())?;
-                m
+    /// Sets `inputs`' CUDA settings from these arguments (`auto` as `None`).
+    fn set(&self, inputs: &mut Inputs) -> Result<(), String> {
+        fn or_auto<T: std::str::FromStr<Err = String>>(s: &str) -> Result<Option<T>, String> {
+            if s == "auto" {
+                Ok(None)
+            } else {
+                s.parse().map(Some)
             }
-        };
-        let words: TimelineMemory = match self.timeline_memory.as_str() {
-            "auto" => pipeline_cuda::probe::auto_timeline_memory(&report, 0).0,
-            w => w.parse()?,
-        };
-        let sync = match self.sync.as_str() {
-            "auto" => gpu::auto_sync(words),
-            y => y.parse::<SyncMode>()?,
-        };
-        Ok(CudaOptions::default()
-            .with_memory(memory)
-            .with_handle(handle)
-            .with_sync(sync)
-            .with_timeline_memory(words))
+        }
+        inputs.handle = self.handle.parse()?;
+        inputs.memory = or_auto::<MemoryPath>(&self.memory)?;
+        inputs.timeline_memory = or_auto::<TimelineMemory>(&self.timeline_memory)?;
+        inputs.sync = or_auto::<SyncMode>(&self.sync)?;
+        Ok(())
     }
+
+    /// Resolves `auto`s against the ring's device (the policy's rules) and builds the backend
+    /// options.
+    pub fn options(&self) -> Result<CudaOptions, String> {
+        let mut inputs = Inputs {
+            backend: Some(BackendKind::Cuda),
+            ..Inputs::new(FrontEnd::CLI)
+        };
+        self.set(&mut inputs)?;
+        let r = resolve(&inputs).map_err(|e| e.problem)?;
+        r.cuda_options()
+            .ok_or_else(|| "the CUDA backend resolved to host memory".into())
+    }
+}
+
+/// Resolves every `auto` of `inputs` against this command's one probe ([`gpu::facts`]).
+pub fn resolve(inputs: &Inputs) -> Result<Resolution, PolicyError> {
+    let facts: &Result<_, String> = if inputs.backend == Some(BackendKind::Host) {
+        // Never read for the host backend: no probe.
+        &Err(String::new())
+    } else {
+        gpu::facts()
+    };
+    policy::resolve(inputs, facts)
+}
+
+/// The inputs of `gpipe` for `backend`, a ring's shape and its CUDA settings.
+pub fn inputs(backend: BackendArg, ring: &RingArgs, cuda: &CudaArgs) -> Result<Inputs, String> {
+    let mut inputs = Inputs {
+        backend: backend.kind(),
+        ..Inputs::new(FrontEnd::CLI)
+    };
+    ring.set(&mut inputs);
+    cuda.set(&mut inputs)?;
+    Ok(inputs)
 }
 
 /// The shape of a ring: delivery mode, slots, batch size.
@@ -254,7 +277,7 @@ fn parse_slots(s: &str) -> Result<SlotsArg, String> {
     })
 }
 
-pub use pipeline_cuda::probe::depths_within;
+pub use pipeline_cuda::policy::depth::depths_within;
 
 /// How `--slots` was resolved.
 #[derive(Clone, Debug, Default, serde::Serialize)]
@@ -303,47 +326,46 @@ pub struct LeadChoice {
 }
 
 impl RingArgs {
-    /// The slot count, `auto` resolved by rule (no measurement): 8 on the host backend or
-    /// with MPS running; without MPS the deepest of [`pipeline_cuda::probe::AUTO_DEPTHS`] within --depth-budget,
-    /// because time-slicing between processes hands the GPU over in slices of a few
-    /// milliseconds and a deeper ring lets each process do more per slice (docs/benchmarks.md).
-    pub fn depth(&self, cuda: bool) -> DepthChoice {
-        match self.slots {
-            SlotsArg::Count(n) => DepthChoice {
-                slots: n,
-                ..DepthChoice::default()
-            },
-            SlotsArg::Auto => {
-                let mps = cuda
-                    && pipeline_cuda::probe::probe()
-                        .map(|r| r.mps_active())
-                        .unwrap_or(false);
-                let (slots, why) = if !cuda {
-                    (8, "the host backend".to_string())
-                } else if mps {
-                    (8, "MPS is running".to_string())
-                } else {
-                    let d = pipeline_cuda::probe::rule_depth(
-                        false,
-                        self.batch_bytes,
-                        self.depth_budget,
-                    );
-                    (
-                        d,
-                        format!(
-                            "MPS is not running: the deepest ring within the {} budget",
-                            size::format(self.depth_budget)
-                        ),
-                    )
-                };
-                DepthChoice {
-                    slots,
-                    auto: true,
-                    why: Some(why),
-                    trials: Vec::new(),
-                }
-            }
-        }
+    /// Sets `inputs`' ring settings from these arguments (`auto` as `None`).
+    fn set(&self, inputs: &mut Inputs) {
+        inputs.mode = self.mode.into();
+        inputs.batch_bytes = self.batch_bytes;
+        inputs.depth_budget = self.depth_budget;
+        inputs.slots = match self.slots {
+            SlotsArg::Auto => None,
+            SlotsArg::Count(n) => Some(n),
+        };
+        inputs.max_lead = match self.max_lead {
+            None => LeadRequest::Ring,
+            Some(LeadArg::Auto) => LeadRequest::Auto,
+            Some(LeadArg::Batches(n)) => LeadRequest::Batches(n),
+        };
+    }
+
+    /// The inputs for these ring arguments on `cuda` (the backend already resolved).
+    fn inputs(&self, cuda: bool) -> Inputs {
+        let mut inputs = Inputs {
+            backend: Some(if cuda {
+                BackendKind::Cuda
+            } else {
+                BackendKind::Host
+            }),
+            ..Inputs::new(FrontEnd::CLI)
+        };
+        self.set(&mut inputs);
+        inputs
+    }
+
+    /// The slot count, `auto` resolved by the policy's rule (no measurement:
+    /// [`policy::depth::rule_depth`]) for the backend the ring runs on.
+    pub fn depth(&self, cuda: bool) -> Result<DepthChoice, String> {
+        let r = resolve(&self.inputs(cuda)).map_err(|e| e.problem)?;
+        Ok(DepthChoice {
+            slots: r.slots.value,
+            auto: r.slots.auto,
+            why: r.slots.auto.then_some(r.slots.reason),
+            trials: Vec::new(),
+        })
     }
 
     /// The slot count when it is a number (before `auto` is resolved: 8).
@@ -357,58 +379,86 @@ impl RingArgs {
     /// Resolves `--max-lead` for the backend the ring runs on (CUDA: the producer's device 0),
     /// with `slots` the resolved slot count.
     pub fn lead(&self, cuda: bool, slots: u32) -> Result<LeadChoice, String> {
-        match self.max_lead {
-            None => Ok(LeadChoice::default()),
-            Some(LeadArg::Batches(n)) => Ok(LeadChoice {
-                max_lead: Some(n),
-                ..LeadChoice::default()
-            }),
-            Some(LeadArg::Auto) if !cuda => Ok(LeadChoice {
-                auto: true,
-                ..LeadChoice::default()
-            }),
-            Some(LeadArg::Auto) => {
-                let (lead, l2) = pipeline_cuda::probe::auto_max_lead(0, self.batch_bytes, slots)
-                    .map_err(|e| format!("--max-lead auto: reading the L2 size: {e}"))?;
-                eprintln!(
-                    "gpipe: --max-lead auto: {} ({} MiB L2, {} per batch, {} slots)",
-                    lead.map_or("the ring's own bound".to_string(), |n| format!(
+        let mut inputs = self.inputs(cuda);
+        inputs.slots = Some(slots);
+        let r = resolve(&inputs).map_err(|e| format!("--max-lead auto: {e}"))?;
+        let l2_bytes = r.cuda.as_ref().and_then(|c| c.l2_cache_bytes);
+        let lead = r.max_lead;
+        if lead.auto && cuda {
+            eprintln!(
+                "gpipe: --max-lead auto: {} ({})",
+                lead.value
+                    .map_or("the ring's own bound".to_string(), |n| format!(
                         "{n} batches"
                     )),
-                    l2 >> 20,
-                    crate::size::format(self.batch_bytes),
-                    slots
-                );
-                Ok(LeadChoice {
-                    max_lead: lead,
-                    auto: true,
-                    l2_bytes: Some(l2),
-                })
-            }
+                lead.reason
+            );
+        }
+        Ok(LeadChoice {
+            max_lead: lead.value,
+            auto: lead.auto,
+            l2_bytes: if lead.auto { l2_bytes } else { None },
+        })
+    }
+}
+
+impl BackendArg {
+    /// As the policy's input (`None`: auto).
+    pub fn kind(self) -> Option<BackendKind> {
+        match self {
+            BackendArg::Auto => None,
+            BackendArg::Host => Some(BackendKind::Host),
+            BackendArg::Cuda => Some(BackendKind::Cuda),
         }
     }
 }
 
-/// Resolves `auto` to a concrete backend, saying why when it falls back to host.
+/// Resolves `auto` to a concrete backend (the policy's rule), saying why when it falls back
+/// to host.
 pub fn resolve_backend(b: BackendArg) -> Result<BackendArg, String> {
-    match b {
-        BackendArg::Auto => match gpu::usable() {
-            Ok(()) => Ok(BackendArg::Cuda),
-            Err(why) => {
-                eprintln!("gpipe: no usable CUDA GPU ({why}); using the host backend");
-                Ok(BackendArg::Host)
+    let inputs = Inputs {
+        backend: b.kind(),
+        ..Inputs::new(FrontEnd::CLI)
+    };
+    let r = resolve(&inputs).map_err(|e| format!("--backend cuda: {e}"))?;
+    Ok(match r.backend.value {
+        BackendKind::Cuda => BackendArg::Cuda,
+        BackendKind::Host => {
+            if b == BackendArg::Auto {
+                eprintln!("gpipe: {}; using the host backend", r.backend.reason);
             }
-        },
-        BackendArg::Cuda => gpu::usable()
-            .map(|_| BackendArg::Cuda)
-            .map_err(|why| format!("--backend cuda: {why}")),
-        other => Ok(other),
-    }
+            BackendArg::Host
+        }
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[derive(clap::Parser)]
+    struct Both {
+        #[command(flatten)]
+        ring: RingArgs,
+        #[command(flatten)]
+        cuda: CudaArgs,
+    }
+
+    #[test]
+    fn one_command_probes_the_driver_once() {
+        use clap::Parser;
+        let a = Both::parse_from(["t", "--slots", "auto", "--max-lead", "auto"]);
+        let before = pipeline_cuda::probe::probes_run();
+        // What `gpipe bench` resolves, in its order, on whatever this machine has.
+        let backend = resolve_backend(BackendArg::Auto).unwrap();
+        let cuda = backend == BackendArg::Cuda;
+        let depth = a.ring.depth(cuda).unwrap();
+        let _ = a.ring.lead(cuda, depth.slots);
+        let _ = a.cuda.options();
+        let _ = resolve_backend(BackendArg::Cuda);
+        let probes = pipeline_cuda::probe::probes_run() - before;
+        assert!(probes <= 1, "{probes} probes for one command");
+    }
 
     #[test]
     fn slots_parse_as_a_count_or_auto() {
@@ -437,17 +487,5 @@ mod tests {
                 .contains("1153432 or 1153440")
         );
         assert!(check_pattern_bytes(3).unwrap_err().contains("give 8"));
-    }
-
-    #[test]
-    fn auto_depths_stay_within_the_budget() {
-        // 2 MiB slots: 64 x 2 MiB = 128 MiB fits 2 GiB.
-        assert_eq!(depths_within(2 << 20, 2 << 30), vec![8, 16, 32, 64]);
-        // 64 MiB slots within 2 GiB: 32 x 64 MiB = 2 GiB fits, 64 x does not.
-        assert_eq!(depths_within(64 << 20, 2 << 30), vec![8, 16, 32]);
-        // A batch of 3 MiB takes a 4 MiB slot.
-        assert_eq!(depths_within(3 << 20, 64 << 20), vec![8, 16]);
-        // Nothing fits: still 8 (the ring's usual depth).
-        assert_eq!(depths_within(1 << 30, 1 << 30), vec![8]);
     }
 }

@@ -13,8 +13,9 @@ use pipeline_cuda::backend::{CudaConsumer, CudaOptions};
 
 use crate::args::SideSignalsArg;
 use crate::duration::plural;
+use crate::signals::STOP;
 use crate::work::{self, Check, ConsumeOptions};
-use crate::{STOP, bench, gpu};
+use crate::{bench, gpu};
 
 /// Arguments of `gpipe consume`.
 #[derive(clap::Args)]
@@ -162,7 +163,7 @@ pub fn command(cmd: ConsumeCmd) -> Result<ExitCode, String> {
                 })
                 .map_err(|e| failed(e.to_string()))?;
             if c.backend().side_signals() && !cmd.bench_child {
-                if let Err(why) = pipeline_cuda::probe::side_signals_connections() {
+                if let Err(why) = pipeline_cuda::policy::signals::side_signals_connections() {
                     eprintln!("gpipe: side signals on; {why}");
                 }
             }

@@ -10,6 +10,7 @@ mod duration;
 mod gpu;
 mod inspect;
 mod logging;
+mod output;
 mod probe;
 mod produce;
 mod relay;
@@ -21,8 +22,6 @@ mod work;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-
-use signals::STOP;
 
 #[derive(Parser)]
 #[command(
@@ -101,23 +100,4 @@ fn run(cmd: Cmd) -> ExitCode {
             ExitCode::from(2)
         }
     }
-}
-
-/// Prints a run's report (JSON or text); the exit code says whether it found problems.
-fn print_report<R: serde::Serialize + std::fmt::Display>(
-    report: &R,
-    json: bool,
-    ok: bool,
-) -> Result<ExitCode, String> {
-    if json {
-        let text = serde_json::to_string_pretty(report).map_err(|e| e.to_string())?;
-        println!("{text}");
-    } else {
-        print!("{report}");
-    }
-    Ok(if ok {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    })
 }

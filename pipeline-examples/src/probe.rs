@@ -1,12 +1,15 @@
-//! `gpipe probe`: the CUDA devices, the driver, the capabilities gpipe uses and the path
-//! `--memory auto --sync auto` takes; exits non-zero where CUDA cannot be used.
+//! `gpipe probe`: the CUDA devices, the driver, the capabilities gpipe uses, and how every
+//! `auto` of the given ring and CUDA arguments resolves (the policy the Python package shares,
+//! `pipeline_cuda::policy`); exits non-zero where CUDA cannot be used.
 
 use std::fmt;
+use std::path::PathBuf;
 use std::process::ExitCode;
 
-use pipeline_cuda::backend::HandleKind;
+use pipeline_cuda::policy::{self, Choice, Facts, FrontEnd, Resolution, signals};
 use pipeline_cuda::probe::{PathSupport, PeerLink, ProbeReport};
 
+use crate::args::{BackendArg, CudaArgs, RingArgs, SideSignalsArg};
 use crate::gpu;
 
 /// Arguments of `gpipe probe`.
@@ -23,34 +26,72 @@ pub struct ProbeCmd {
     /// operation of the hot path between them (µs, from the kernels' own GPU timer stamps).
     #[arg(long)]
     gpu_gaps: bool,
+    /// Resolve against a saved `gpipe probe --json` report instead of this machine's driver
+    /// (CUDA_DEVICE_MAX_CONNECTIONS still comes from the environment).
+    #[arg(long, value_name = "FILE")]
+    report: Option<PathBuf>,
+    /// Resolve as a Python producer (`gpipe.Producer`, `gpipe.resolve`) does: `--sync auto`
+    /// takes timeline words, which consumers release when the producer dies, and a broadcast
+    /// ring takes the VMM path where the device has it. Python's own default for
+    /// `timeline_memory` is host: give `--timeline-memory host` to match it.
+    #[arg(long)]
+    python: bool,
+    /// Where a CUDA consumer of the ring waits for `ready` and writes `finished`.
+    #[arg(long, value_enum, default_value = "auto")]
+    side_signals: SideSignalsArg,
+    #[command(flatten)]
+    ring: RingArgs,
+    #[command(flatten)]
+    cuda: CudaArgs,
 }
 
 /// Runs `gpipe probe`.
 pub fn command(cmd: ProbeCmd) -> Result<ExitCode, String> {
-    let report = match pipeline_cuda::probe::probe() {
-        Ok(report) => report,
+    let saved;
+    let facts = match &cmd.report {
+        Some(path) => {
+            if cmd.call_costs || cmd.gpu_gaps {
+                return Err(
+                    "--call-costs and --gpu-gaps time this machine's GPU: leave out --report"
+                        .into(),
+                );
+            }
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| format!("--report {}: {e}", path.display()))?;
+            let report: ProbeReport = serde_json::from_str(&text).map_err(|e| {
+                format!(
+                    "--report {}: not a `gpipe probe --json` report: {e}",
+                    path.display()
+                )
+            })?;
+            saved = Ok(Facts::of(report, signals::max_connections()));
+            &saved
+        }
+        None => gpu::facts(),
+    };
+    let facts = match facts {
+        Ok(facts) => facts,
         Err(e) => {
             eprintln!("gpipe probe: no usable CUDA GPU: {e}");
             return Ok(ExitCode::FAILURE);
         }
     };
-    // What `--memory auto --sync auto --timeline-memory auto` resolves to (the paths as
-    // measured in docs/benchmarks.md), or why CUDA cannot be used.
-    let (words, _) = pipeline_cuda::probe::auto_timeline_memory(&report, 0);
-    let path = report
-        .auto_memory_path_for(0, HandleKind::PosixFd)
-        .map(|m| {
-            format!(
-                "memory {m}, sync {}, timeline words in {words} memory",
-                gpu::auto_sync(words)
-            )
-        })
-        .map_err(|e| e.to_string())
-        .and_then(|p| {
-            pipeline_cuda::driver::ensure_nvrtc()
-                .map(|_| p)
-                .map_err(|e| format!("the benchmark kernels need NVRTC: {e}"))
-        });
+    let report = &facts.report;
+    // Every `auto` of the arguments (all `auto` by default), resolved by the policy the
+    // Python package uses too, or why CUDA cannot be used.
+    let mut inputs = crate::args::inputs(BackendArg::Cuda, &cmd.ring, &cmd.cuda)?;
+    inputs.side_signals = cmd.side_signals.option();
+    if cmd.python {
+        inputs.front_end = FrontEnd::PYTHON;
+    }
+    let resolution = policy::resolve(&inputs, &Ok(facts.clone())).map_err(|e| e.problem);
+    let path = resolution.as_ref().map_err(Clone::clone).and_then(|r| {
+        let c = r.cuda.as_ref().ok_or("the ring resolved to host memory")?;
+        Ok(format!(
+            "memory {}, sync {}, timeline words in {} memory",
+            c.memory.value, c.sync.value, c.timeline_memory.value
+        ))
+    });
     let costs = if cmd.call_costs && path.is_ok() {
         Some(gpu::call_costs::call_costs().map_err(|e| format!("timing the driver calls: {e}"))?)
     } else {
@@ -61,7 +102,7 @@ pub fn command(cmd: ProbeCmd) -> Result<ExitCode, String> {
     let gaps = (cmd.gpu_gaps && path.is_ok())
         .then(|| gpu::gaps::gpu_gaps(200).map_err(|e| format!("timing the GPU's gaps: {e}")));
     if cmd.json {
-        let mut v = serde_json::to_value(&report).map_err(|e| e.to_string())?;
+        let mut v = serde_json::to_value(report).map_err(|e| e.to_string())?;
         if let Some(c) = &costs {
             v["call_costs"] = serde_json::to_value(c).map_err(|e| e.to_string())?;
         }
@@ -75,15 +116,22 @@ pub fn command(cmd: ProbeCmd) -> Result<ExitCode, String> {
             Err(e) => serde_json::Value::String(format!("none: {e}")),
         };
         v["mps_active"] = serde_json::Value::Bool(report.mps_active());
+        match &resolution {
+            Ok(r) => v["resolution"] = serde_json::to_value(r).map_err(|e| e.to_string())?,
+            Err(e) => v["resolution_error"] = serde_json::Value::String(e.clone()),
+        }
         println!(
             "{}",
             serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?
         );
     } else {
-        print!("{}", ProbeText(&report));
+        print!("{}", ProbeText(report));
         match &path {
             Ok(p) => println!("\ngpipe will use (auto): {p}"),
             Err(e) => println!("\ngpipe cannot use CUDA here: {e}"),
+        }
+        if let Ok(r) = &resolution {
+            print!("{}", ResolutionText(r, cmd.python));
         }
         if let Some(c) = &costs {
             println!("\nhost cost of a driver call, µs (p50 / p90 over chunks of 128 calls):");
@@ -109,6 +157,51 @@ pub fn command(cmd: ProbeCmd) -> Result<ExitCode, String> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// A resolution as text: one line per setting, its value and why (`python`: resolved as the
+/// Python package does).
+struct ResolutionText<'a>(&'a Resolution, bool);
+
+impl fmt::Display for ResolutionText<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fn row<T: fmt::Display>(
+            f: &mut fmt::Formatter<'_>,
+            label: &str,
+            c: &Choice<T>,
+        ) -> fmt::Result {
+            let how = if c.auto { "auto: " } else { "" };
+            writeln!(f, "  {label:<24}{} ({how}{})", c.value, c.reason)
+        }
+        let r = self.0;
+        let who = if self.1 { "a Python producer" } else { "gpipe" };
+        writeln!(f, "\nhow {who} resolves these arguments:")?;
+        row(f, "backend", &r.backend)?;
+        row(f, "slots", &r.slots)?;
+        let lead = Choice {
+            value: r
+                .max_lead
+                .value
+                .map_or("the ring's own bound".to_string(), |n| {
+                    format!("{n} batches")
+                }),
+            auto: r.max_lead.auto,
+            reason: r.max_lead.reason.clone(),
+        };
+        row(f, "max lead", &lead)?;
+        if let Some(c) = &r.cuda {
+            writeln!(f, "  {:<24}{}", "device", c.device)?;
+            row(f, "memory", &c.memory)?;
+            writeln!(f, "  {:<24}{}", "handle", c.handle)?;
+            row(f, "sync", &c.sync)?;
+            row(f, "timeline memory", &c.timeline_memory)?;
+        }
+        row(f, "side signals (consumer)", &r.side_signals)?;
+        if let Some(why) = &r.side_signals_queues {
+            writeln!(f, "  note: {why}")?;
+        }
+        Ok(())
+    }
 }
 
 fn yes_no(v: bool) -> &'static str {
@@ -282,6 +375,7 @@ mod tests {
             compute_capability: [9, 0],
             total_memory_bytes: 80 << 30,
             multiprocessors: 132,
+            l2_cache_bytes: Some(50 << 20),
             memory_pools: true,
             pool_handle_types: HANDLE_TYPE_POSIX_FD_BIT | HANDLE_TYPE_FABRIC_BIT,
             pool_posix_fd: true,

@@ -113,7 +113,7 @@ pub fn command(cmd: ProduceCmd) -> Result<ExitCode, String> {
             eprintln!("gpipe: running with {k}={v} (batches large enough for side signals)");
         }
     }
-    let depth = cmd.ring.depth(backend == BackendArg::Cuda);
+    let depth = cmd.ring.depth(backend == BackendArg::Cuda)?;
     if let Some(why) = &depth.why {
         eprintln!("gpipe: --slots auto: {} slots ({why})", depth.slots);
     }

@@ -14,7 +14,8 @@ use std::time::Duration;
 use pipeline_core::{LagPolicy, ProducerConfig};
 use pipeline_relay::{BenchSide, Endpoint, RelayOptions, SharedSecret};
 
-use crate::{STOP, duration, size};
+use crate::signals::STOP;
+use crate::{duration, size};
 
 /// Arguments of `gpipe relay`.
 #[derive(clap::Args)]

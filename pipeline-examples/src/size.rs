@@ -61,12 +61,7 @@ pub fn parse(s: &str) -> Result<u64, String> {
 
 /// Formats a size with a binary unit when exact.
 pub fn format(b: u64) -> String {
-    for (shift, unit) in [(30, "GiB"), (20, "MiB"), (10, "KiB")] {
-        if b >= 1 << shift && b % (1 << shift) == 0 {
-            return format!("{} {unit}", b >> shift);
-        }
-    }
-    format!("{b} B")
+    pipeline_cuda::policy::bytes_text(b)
 }
 
 #[cfg(test)]

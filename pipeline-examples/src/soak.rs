@@ -67,7 +67,7 @@ pub fn command(cmd: SoakCmd) -> Result<ExitCode, String> {
         backend: "host",
     };
     let backend = resolve_backend(cmd.backend)?;
-    args.slots = cmd.ring.depth(backend == BackendArg::Cuda).slots;
+    args.slots = cmd.ring.depth(backend == BackendArg::Cuda)?.slots;
     crate::args::check_memory(backend, args.slots, args.batch_bytes)?;
     args.max_lead = cmd
         .ring
@@ -82,7 +82,7 @@ pub fn command(cmd: SoakCmd) -> Result<ExitCode, String> {
             run::<CudaProducer, _>(&args, cmd.cuda.options()?, &mut gpu::CudaFill::default())?
         }
     };
-    let code = crate::print_report(&report, cmd.json, report.problems.is_empty())?;
+    let code = crate::output::print_report(&report, cmd.json, report.problems.is_empty())?;
     // A problem in what ran fails the run (1); with none, a run cut short by Ctrl-C is not a
     // pass either: it says so (130, as a shell reports a process Ctrl-C stopped).
     Ok(if report.problems.is_empty() && report.interrupted {
@@ -264,6 +264,11 @@ fn outputs(dir: &Path, n: u64) -> (PathBuf, PathBuf) {
     (dir.join(format!("c{n}.out")), dir.join(format!("c{n}.seq")))
 }
 
+/// Where consumer `n` writes its error output (read only when it ends without a report).
+fn errors(dir: &Path, n: u64) -> PathBuf {
+    dir.join(format!("c{n}.err"))
+}
+
 #[derive(Default)]
 struct Tally {
     started: u64,
@@ -296,6 +301,7 @@ fn reap(dir: &Path, live: &mut Vec<Live>, tally: &mut Tally, at_end: bool) {
         if killed {
             let (out, seq) = outputs(dir, l.n);
             let _ = (std::fs::remove_file(out), std::fs::remove_file(seq));
+            let _ = std::fs::remove_file(errors(dir, l.n));
             continue;
         }
         tally.ended.push((l.n, at_end));
@@ -316,7 +322,18 @@ fn read_ended(
         .rev()
         .find_map(|x| serde_json::from_str::<ConsumerReport>(x).ok())
     else {
-        problems.push(format!("consumer {n} exited without a report"));
+        let said = std::fs::read_to_string(errors(dir, n)).unwrap_or_default();
+        let said = said.trim();
+        problems.push(if said.is_empty() {
+            format!("consumer {n} exited without a report")
+        } else {
+            let tail: Vec<&str> = said.lines().rev().take(3).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            format!(
+                "consumer {n} exited without a report; it said: {}",
+                tail.join(" / ")
+            )
+        });
         return None;
     };
     if let Some(e) = &r.error {
@@ -381,7 +398,7 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
             let mut n = 0u64;
             let began = Instant::now();
             while !stop.load(Ordering::Relaxed) {
-                if began.elapsed() >= duration || crate::STOP.load(Ordering::Relaxed) {
+                if began.elapsed() >= duration || crate::signals::STOP.load(Ordering::Relaxed) {
                     // Tell the producer to finish; keep reaping until it stops us.
                     done.store(true, Ordering::Relaxed);
                 }
@@ -390,6 +407,11 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
                 let mut t = tally.lock().unwrap_or_else(|e| e.into_inner());
                 reap(&dir, &mut lv, &mut t, false);
                 // Once the run is over, neither start (it would race the close) nor kill.
+                // (Ctrl-C during this tick's sleep counts too: a consumer started now would
+                // race the close.)
+                if crate::signals::STOP.load(Ordering::Relaxed) {
+                    done.store(true, Ordering::Relaxed);
+                }
                 let ending = done.load(Ordering::Relaxed);
                 let roll = if ending { 100 } else { rng.below(100) };
                 if !ending && (lv.len() as u32) < max && (roll < 45 || lv.is_empty()) {
@@ -412,7 +434,10 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
                             Ok(f) => Stdio::from(f),
                             Err(_) => Stdio::null(),
                         })
-                        .stderr(Stdio::null())
+                        .stderr(match std::fs::File::create(errors(&dir, n)) {
+                            Ok(f) => Stdio::from(f),
+                            Err(_) => Stdio::null(),
+                        })
                         .spawn();
                     match spawned {
                         Ok(child) => {
@@ -474,7 +499,8 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
             }
         },
     );
-    let interrupted = crate::STOP.load(Ordering::Relaxed) && start.elapsed() < args.duration;
+    let interrupted =
+        crate::signals::STOP.load(Ordering::Relaxed) && start.elapsed() < args.duration;
     let (rss_end, fds_end) = (rss_kib(), open_fds());
     series.push((rss_end, started_now()));
     let backend_bytes_end = producer.backend().memory_in_use();

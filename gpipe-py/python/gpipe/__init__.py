@@ -28,6 +28,7 @@ from ._gpipe import (
     __version__,
     fanout_plan,
     forward,
+    resolve,
 )
 from ._producer import Producer
 
@@ -54,4 +55,5 @@ __all__ = [
     "__version__",
     "fanout_plan",
     "forward",
+    "resolve",
 ]

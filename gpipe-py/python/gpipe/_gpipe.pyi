@@ -438,3 +438,24 @@ def fanout_plan(
     `batch_bytes` bytes (what "auto" weighs): {"shape", "rings": [{"device", "parent"}],
     "consumer_ring", "depth"}. Ring 0 is the producer's; run one forward() per other ring,
     from its parent's socket, on its device."""
+
+
+def resolve(
+    *,
+    slots: int | str | None = None,
+    batch_bytes: int = 8 << 20,
+    mode: str = "broadcast",
+    backend: str = "auto",
+    device: int = 0,
+    sync: str = "auto",
+    max_lead: int | str | None = None,
+    depth_budget: int = 2 << 30,
+    timeline_memory: str = "host",
+    side_signals: bool | None = None,
+    report: str | PathLike[str] | None = None,
+) -> dict[str, Any]:
+    """What `Producer(...)` would make of these arguments, without making a ring: every
+    "auto" resolved by the rules the `gpipe` command line uses too (`gpipe probe --python`
+    prints the same), each setting as {"value", "auto", "reason"}. `report`: a saved
+    `gpipe probe --json` report to resolve against instead of this machine's driver."""
+    ...

@@ -4,7 +4,7 @@
 use pipeline_core::{Delivery, Mode};
 use pipeline_relay::Fanout;
 
-use super::{BenchArgs, BenchCmd};
+use super::args::{BenchArgs, BenchCmd};
 use crate::args::{BackendArg, SideSignalsArg, SlotsArg};
 use crate::duration;
 

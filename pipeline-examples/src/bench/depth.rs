@@ -2,8 +2,9 @@
 
 use pipeline_cuda::backend::CudaProducer;
 
-use super::report::compact_rate;
-use super::{Backend, BenchArgs, BenchCmd, spawn};
+use super::args::{Backend, BenchArgs, BenchCmd};
+use super::format::compact_rate;
+use super::spawn;
 use crate::args::DepthChoice;
 use crate::gpu;
 

@@ -3,7 +3,7 @@
 //! reads it when a context is made, so `main` sets it before any thread, and the consumer
 //! processes inherit it.
 
-use super::BenchCmd;
+use super::args::BenchCmd;
 use crate::args::{BackendArg, SideSignalsArg};
 
 /// What [`set_process_env`] set.
@@ -19,8 +19,8 @@ pub(super) fn process_env() -> Vec<(String, String)> {
 /// own, so `CUDA_DEVICE_MAX_CONNECTIONS=8` where it is unset (measured under MPS, with it
 /// set for the producer and the consumers: docs/benchmarks.md). A value the user set is kept.
 fn cuda_env(side: SideSignalsArg, batch_bytes: u64) -> Vec<(String, String)> {
-    if side.resolve(batch_bytes) && pipeline_cuda::probe::max_connections().is_none() {
-        let n = pipeline_cuda::probe::SIDE_SIGNALS_CONNECTIONS;
+    if side.resolve(batch_bytes) && pipeline_cuda::policy::signals::max_connections().is_none() {
+        let n = pipeline_cuda::policy::signals::SIDE_SIGNALS_CONNECTIONS;
         vec![("CUDA_DEVICE_MAX_CONNECTIONS".into(), n.to_string())]
     } else {
         Vec::new()
@@ -68,7 +68,7 @@ mod tests {
 
     #[test]
     fn eight_queues_go_with_side_signals_only_and_never_override_the_user() {
-        let want = if pipeline_cuda::probe::max_connections().is_some() {
+        let want = if pipeline_cuda::policy::signals::max_connections().is_some() {
             Vec::new() // the user's value is kept
         } else {
             vec![("CUDA_DEVICE_MAX_CONNECTIONS".to_string(), "8".to_string())]

@@ -1,7 +1,7 @@
 //! The hint a CUDA run gives when MPS is not running: what this run's own figures say, and
 //! what MPS did for the same bench on an H100.
 
-use super::report::compact_rate;
+use super::format::compact_rate;
 
 /// What MPS did for the same bench elsewhere, with where it comes from: never this run's.
 const MPS_ON_AN_H100: &str = "docs/benchmarks.md, on an H100 with 2 MiB batches and 1 \

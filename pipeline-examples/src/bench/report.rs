@@ -3,9 +3,10 @@
 use pipeline_core::Mode;
 use pipeline_relay::{Fanout, RelayReport};
 
-use super::Backend;
-use super::cuda::CudaFigures;
-use super::stats::Repetitions;
+use super::args::Backend;
+use super::cuda_figures::CudaFigures;
+use super::format::sorted_keys;
+use super::repetitions::Repetitions;
 use crate::duration;
 use crate::work::ConsumerReport;
 
@@ -72,19 +73,6 @@ pub struct BenchReport {
     /// the repetition with the median rate.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub repetitions: Option<Repetitions>,
-}
-
-/// Serializes `value` through serde_json's map, as these figures came out when they were a
-/// map: keys in alphabetical order, at every level (scripts and diffs of saved reports see
-/// the same text).
-pub(super) fn sorted_keys<T: serde::Serialize, S: serde::Serializer>(
-    value: &T,
-    s: S,
-) -> Result<S::Ok, S::Error> {
-    use serde::Serialize;
-    serde_json::to_value(value)
-        .map_err(serde::ser::Error::custom)?
-        .serialize(s)
 }
 
 /// The rings of a chain or tree fan-out, in the bench report.
@@ -322,24 +310,11 @@ impl std::fmt::Display for BenchReport {
     }
 }
 
-/// Batches per second in three significant figures: 20.1k, 143k, 950.
-pub(super) fn compact_rate(x: f64) -> String {
-    if x >= 1e5 {
-        format!("{:.0}k", x / 1e3)
-    } else if x >= 1e4 {
-        format!("{:.1}k", x / 1e3)
-    } else if x >= 1e3 {
-        format!("{:.2}k", x / 1e3)
-    } else {
-        format!("{x:.0}")
-    }
-}
-
 #[cfg(test)]
 pub(super) mod tests {
-    use super::{BenchReport, compact_rate, write_labelled};
-    use crate::bench::Backend;
-    use crate::bench::cuda::CudaFigures;
+    use super::{BenchReport, write_labelled};
+    use crate::bench::args::Backend;
+    use crate::bench::cuda_figures::CudaFigures;
 
     struct Show(serde_json::Value);
     impl std::fmt::Display for Show {
@@ -368,7 +343,7 @@ pub(super) mod tests {
     }
 
     /// A CUDA report of 2000 batches with `cuda` as its figures, no consumers and no problems.
-    pub(in crate::bench) fn report(cuda: Option<CudaFigures>) -> BenchReport {
+    pub(crate) fn report(cuda: Option<CudaFigures>) -> BenchReport {
         BenchReport {
             backend: Backend::Cuda,
             mode: pipeline_core::Mode::Broadcast,
@@ -483,7 +458,7 @@ pub(super) mod tests {
 
     #[test]
     fn the_cuda_figures_keep_their_json_keys_in_alphabetical_order() {
-        use crate::bench::cuda::PeerCeilings;
+        use crate::bench::cuda_figures::PeerCeilings;
         let figures = CudaFigures {
             attach_us: Some(serde_json::json!({"total_us": 812})),
             gpu_timeline: Some(crate::bench::timeline::summary(&[[1, 2]], &[vec![[3, 4]]])),
@@ -582,13 +557,5 @@ pub(super) mod tests {
                 .ends_with("per batch | reads per batch 16,1"),
             "{text}"
         );
-    }
-
-    #[test]
-    fn rates_in_three_figures() {
-        assert_eq!(compact_rate(950.4), "950");
-        assert_eq!(compact_rate(3_412.0), "3.41k");
-        assert_eq!(compact_rate(20_138.0), "20.1k");
-        assert_eq!(compact_rate(143_196.0), "143k");
     }
 }

@@ -11,8 +11,9 @@ use std::time::{Duration, Instant, SystemTime};
 use pipeline_core::{Producer, ProducerBackend, ProducerConfig};
 use pipeline_relay::{Fanout, FanoutPlan, RelayReport};
 
+use super::args::{Backend, BenchArgs, warmup_of};
 use super::report::{BenchReport, FanoutReport, RingReport};
-use super::{Backend, BenchArgs, seq_log, warmup_of};
+use super::seq_log;
 use crate::duration;
 use crate::work::{self, ConsumerReport, Fill};
 
@@ -116,7 +117,7 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
     }
     let bar = progress_bar(args);
     // Ctrl-C ends the run early; the report covers the batches published until then.
-    let stop = &crate::STOP;
+    let stop = &crate::signals::STOP;
     let mut timing = work::ProduceTiming {
         round_trips: args.round_trip.then(Vec::new),
         timed_from: warmup_of(args.batches),

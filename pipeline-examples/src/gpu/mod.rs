@@ -19,35 +19,15 @@ pub mod gaps;
 pub mod kernels;
 mod stamps;
 
-use pipeline_cuda::backend::{SyncMode, TimelineMemory};
-use pipeline_cuda::driver;
+use std::sync::OnceLock;
+
+use pipeline_cuda::policy::Facts;
 
 pub use fill::{CudaCheck, CudaFill};
 
-/// Why the CUDA backend cannot be used here, if it cannot.
-pub fn usable() -> Result<(), String> {
-    if !driver::driver_present() {
-        return Err("no CUDA driver (libcuda.so.1) could be loaded".into());
-    }
-    let report = pipeline_cuda::probe::probe().map_err(|e| e.to_string())?;
-    if report.devices.is_empty() {
-        return Err("the CUDA driver sees no device".into());
-    }
-    report
-        .auto_memory_path_for(0, pipeline_cuda::backend::HandleKind::PosixFd)
-        .map_err(|e| e.to_string())?;
-    driver::ensure_nvrtc().map_err(|e| e.to_string())?;
-    Ok(())
-}
-
-/// The sync mode `auto` picks for timeline words in `words`. Measured on an H100
-/// (docs/benchmarks.md): with the words in host memory, which the GPU polls over PCIe, IPC
-/// events were as fast as or faster than semaphores; with the words in device memory,
-/// semaphores were the faster (2 MiB, MPS, 1 consumer: 0.86x of the fair ceiling against
-/// 0.84x; 4 consumers: 0.80x against 0.70x).
-pub fn auto_sync(words: TimelineMemory) -> SyncMode {
-    match words {
-        TimelineMemory::Device => SyncMode::Semaphore,
-        TimelineMemory::Host => SyncMode::Events,
-    }
+/// The driver and devices, probed once for the whole command (every `auto` of one `gpipe`
+/// invocation resolves against this one probe), or why they could not be.
+pub fn facts() -> &'static Result<Facts, String> {
+    static FACTS: OnceLock<Result<Facts, String>> = OnceLock::new();
+    FACTS.get_or_init(|| Facts::probe().map_err(|e| e.to_string()))
 }
