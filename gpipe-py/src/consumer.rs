@@ -14,6 +14,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use pipeline_cuda::backend::{CudaConsumer, CudaOptions};
+use pipeline_cuda::driver::CUstream;
+use pipeline_cuda::ordering::ReleaseAfter;
 
 use crate::args;
 use crate::blocking::{TICK, blocking, deadline};
@@ -555,62 +557,25 @@ struct BatchCell {
 }
 
 impl BatchCell {
-    /// CUDA: orders `finished` after the work on every stream the batch was used on. With
-    /// one stream (the usual case) `finished` is written on that stream itself; with several,
-    /// the consumer's stream waits for each and the release writes it there. So in the common
-    /// case no stream waits on another of the same process per batch, which matters when the
-    /// GPU time-slices between processes (no MPS).
-    fn join_streams(&self) -> Result<(), Error> {
-        use pipeline_cuda::driver::CUstream;
-        if let Some(AnyBatch::Cuda(b)) = &self.batch {
-            let streams = self.streams.lock();
-            let be = |e| Error::Backend(Box::new(e));
-            match streams.as_slice() {
-                [] => {}
-                // SAFETY: `s` is a stream handle the user gave for this batch's tensors (or
-                // 1/2); the user keeps it alive while the batch's tensors are (docs/python.md).
-                [s] => {
-                    // SAFETY: as above.
-                    let r = unsafe {
-                        b.backend()
-                            .signal_finished_on(*s as usize as CUstream, b.slot(), b.seq())
-                    };
-                    if let Err(e) = r {
-                        // The release will write `finished` on our stream, which does not wait
-                        // for the user's: let that work complete first.
-                        let _ = pipeline_core::ConsumerBackend::complete_now(b.backend());
-                        return Err(be(e));
-                    }
-                }
-                many => {
-                    let mut failed = None;
-                    for &s in many {
-                        // SAFETY: as above.
-                        if let Err(e) = unsafe { b.backend().join(s as usize as CUstream) } {
-                            failed.get_or_insert(e);
-                        }
-                    }
-                    if let Some(e) = failed {
-                        // A stream not joined is not ordered before the release: let all the
-                        // work complete first, as above.
-                        let _ = pipeline_core::ConsumerBackend::complete_now(b.backend());
-                        return Err(be(e));
-                    }
-                }
-            }
-        }
-        Ok(())
+    /// CUDA: the streams the batch's tensors were made for, as handles; the release orders
+    /// `finished` after their work.
+    fn handles(&self) -> Vec<CUstream> {
+        self.streams
+            .lock()
+            .iter()
+            .map(|&s| s as usize as CUstream)
+            .collect()
     }
 
     /// Releases now, reporting errors.
     fn release(mut self) -> Result<(), Error> {
-        let joined = self.join_streams();
-        let released = match self.batch.take() {
+        match self.batch.take() {
             Some(AnyBatch::Host(b)) => b.release(),
-            Some(AnyBatch::Cuda(b)) => b.release(),
+            // SAFETY: each stream is a handle the user gave for this batch's tensors (or
+            // 1/2); the user keeps it alive while the batch's tensors are (docs/python.md).
+            Some(AnyBatch::Cuda(b)) => unsafe { b.release_after(&self.handles()) },
             None => Ok(()),
-        };
-        joined.and(released)
+        }
     }
 }
 
@@ -621,10 +586,13 @@ impl Drop for BatchCell {
             std::mem::forget(self.batch.take());
             return;
         }
-        if let Err(e) = self.join_streams() {
-            eprintln!("gpipe: ordering a released batch after its streams failed: {e}");
+        // A host batch releases itself as the field drops; a CUDA one after its streams.
+        if let Some(AnyBatch::Cuda(b)) = self.batch.take() {
+            // SAFETY: as in `release`.
+            if let Err(e) = unsafe { b.drop_after(&self.handles()) } {
+                eprintln!("gpipe: ordering a released batch after its streams failed: {e}");
+            }
         }
-        // The core batch releases itself as it drops.
     }
 }
 
@@ -634,14 +602,7 @@ impl StreamUse for BatchCell {
             return Ok(());
         };
         // SAFETY: `stream` is the handle a DLPack consumer named for this tensor (or 1/2).
-        unsafe {
-            b.backend().wait_ready_on(
-                stream as usize as pipeline_cuda::driver::CUstream,
-                b.slot(),
-                b.seq(),
-            )
-        }
-        .map_err(|e| e.to_string())?;
+        unsafe { b.order_reads_on(stream as usize as CUstream) }.map_err(|e| e.to_string())?;
         let mut streams = self.streams.lock();
         if !streams.contains(&stream) {
             streams.push(stream);

@@ -16,6 +16,7 @@ use pyo3::types::PyDict;
 
 use pipeline_cuda::backend::CudaProducer;
 use pipeline_cuda::driver::CUstream;
+use pipeline_cuda::ordering::OrderWrites;
 
 use crate::args;
 use crate::blocking::{TICK, blocking, deadline};
@@ -330,8 +331,7 @@ impl PyProducer {
                     let capacity = s.capacity();
                     if let Some(h) = user_stream {
                         // SAFETY: `h` is the caller's stream handle (or 1/2).
-                        unsafe { s.backend().order_after(h as usize as CUstream) }
-                            .map_err(|e| Error::Backend(Box::new(e)))?;
+                        unsafe { s.order_writes_on(h as usize as CUstream) }?;
                     }
                     Ok((s.into_loan(), base, capacity))
                 }

@@ -8,8 +8,8 @@ use pipeline_core::{Error, SlotLoan, TensorPlan, USER_HEADER_WORDS, pattern};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use pipeline_cuda::backend::CudaProducer;
 use pipeline_cuda::driver::CUstream;
+use pipeline_cuda::ordering::{OrderWrites, PublishAfter};
 
 use crate::args;
 use crate::dlpack::{DEVICE_CPU, DLDevice};
@@ -32,26 +32,13 @@ pub(crate) struct SlotStreams {
 }
 
 impl SlotStreams {
-    /// Orders `ready` for batch `seq` in `slot` after the work on every stream used on the
-    /// slot: with one stream (the usual case) `ready` is signalled on it directly; with
-    /// several, the producer's stream waits for each and the publish signals there.
-    fn order_ready(&self, backend: &CudaProducer, slot: u32, seq: u64) -> Result<(), Error> {
-        let streams = self.streams.lock();
-        let be = |e| Error::Backend(Box::new(e));
-        match streams.as_slice() {
-            [] => {}
-            // SAFETY: a stream handle the caller gave for this slot (or 1/2), alive while the
-            // slot is open.
-            [s] => unsafe { backend.signal_ready_on(*s as usize as CUstream, slot, seq) }
-                .map_err(be)?,
-            many => {
-                for &s in many {
-                    // SAFETY: as above.
-                    unsafe { backend.join(s as usize as CUstream) }.map_err(be)?;
-                }
-            }
-        }
-        Ok(())
+    /// The streams used on the slot, as handles.
+    fn handles(&self) -> Vec<CUstream> {
+        self.streams
+            .lock()
+            .iter()
+            .map(|&s| s as usize as CUstream)
+            .collect()
     }
 }
 
@@ -63,8 +50,7 @@ impl StreamUse for SlotStreams {
         // The producer lock is taken before the streams lock, as in publish.
         if let AnyProducer::Cuda(p) = &*self.cell.producer.lock() {
             // SAFETY: the handle a DLPack consumer named for this slot's tensor (or 1/2).
-            unsafe { p.backend().order_after(stream as usize as CUstream) }
-                .map_err(|e| e.to_string())?;
+            unsafe { p.order_writes_on(stream as usize as CUstream) }.map_err(|e| e.to_string())?;
         }
         let mut streams = self.streams.lock();
         if !streams.contains(&stream) {
@@ -319,21 +305,12 @@ impl PySlot {
         // holding the GIL would deadlock with us. Publishing never waits.
         let publish = || match &mut *cell.producer.lock() {
             AnyProducer::Host(p) => p.resume(loan)?.publish_with(len, &header, tensors),
-            AnyProducer::Cuda(p) => {
-                let slot = p.resume(loan)?;
-                if len > slot.capacity() {
-                    return Err(Error::InvalidArgument(format!(
-                        "batch of {len} bytes exceeds the slot capacity {}",
-                        slot.capacity()
-                    )));
-                }
-                streams.order_ready(slot.backend(), loan.index(), loan.seq())?;
-                let published = slot.publish_with(len, &header, tensors);
-                if published.is_err() {
-                    p.backend().forget_presignal(loan.index());
-                }
-                published
-            }
+            // SAFETY: every stream is a handle the caller gave for this slot (or 1/2), alive
+            // while the slot is open, and holds or waits for its writes (docs/python.md).
+            AnyProducer::Cuda(p) => unsafe {
+                p.resume(loan)?
+                    .publish_after(&streams.handles(), len, &header, tensors)
+            },
         };
         let seq = publish().map_err(|e| match e {
             Error::Closed => Closed::new_err("the producer is closed"),

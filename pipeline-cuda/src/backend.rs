@@ -61,8 +61,8 @@ use pipeline_core::{
 };
 
 use crate::driver::{self, CUdeviceptr, Context, CudaError, Event, Stream, WaitCondition};
-use crate::export::{ExportHeader, SlotExport};
-use crate::memory::{ConsumerSlots, ProducerSlots, micros};
+use crate::export::ExportHeader;
+use crate::memory::{ConsumerSlots, ProducerSlots, SlotExport, micros};
 pub use crate::memory::{HandleKind, ImportTimings, MAX_VMM_FD_SLOTS, MemoryPath};
 use crate::mirror::Mirror;
 use crate::probe::Capabilities;
@@ -96,9 +96,12 @@ pub struct CudaOptions {
     /// read-write.
     pub writable: bool,
     /// Consumer: do not make the consumer's own stream wait for `ready` on each batch; the
-    /// caller makes the streams it uses wait, with [`CudaConsumer::wait_ready_on`], and joins
-    /// them with [`CudaConsumer::join`] before the batch is released (the Python package
-    /// does this for the streams DLPack names). Without a wait, nothing may read the batch.
+    /// caller makes the streams it uses wait, with
+    /// [`ReleaseAfter::order_reads_on`](crate::ordering::ReleaseAfter::order_reads_on), and
+    /// releases after them with
+    /// [`ReleaseAfter::release_after`](crate::ordering::ReleaseAfter::release_after) (the
+    /// Python package does this for the streams DLPack names). Without a wait, nothing may
+    /// read the batch.
     pub defer_ready: bool,
     /// Consumer: read the producer's slots in place, or mirror each batch into buffers of its
     /// own on its GPU (see [`crate::mirror`]). Default [`Delivery::Auto`]: in place on the
@@ -198,9 +201,7 @@ pub struct CudaBatchRef<'a> {
     pub stream: &'a Stream,
 }
 
-pub(crate) fn be(e: CudaError) -> BackendError {
-    Box::new(e)
-}
+pub(crate) use crate::error::be;
 
 fn check_capabilities(
     ctx: &Arc<Context>,
@@ -303,7 +304,7 @@ impl CudaProducer {
     /// # Safety
     /// `stream` must be a live stream handle of this context, or `CU_STREAM_LEGACY` (1) /
     /// `CU_STREAM_PER_THREAD` (2).
-    pub unsafe fn order_after(&self, stream: driver::CUstream) -> Result<(), CudaError> {
+    pub(crate) unsafe fn order_after(&self, stream: driver::CUstream) -> Result<(), CudaError> {
         self.ctx.make_current()?;
         let ev = self.scratch.lock();
         ev.record(&self.stream)?;
@@ -318,7 +319,7 @@ impl CudaProducer {
     ///
     /// # Safety
     /// As for [`CudaProducer::order_after`].
-    pub unsafe fn signal_ready_on(
+    pub(crate) unsafe fn signal_ready_on(
         &self,
         stream: driver::CUstream,
         slot: u32,
@@ -333,7 +334,7 @@ impl CudaProducer {
 
     /// Forgets a [`CudaProducer::signal_ready_on`] for `slot` whose publish did not happen:
     /// the next publish of the slot signals again.
-    pub fn forget_presignal(&self, slot: u32) {
+    pub(crate) fn forget_presignal(&self, slot: u32) {
         self.presignalled[slot as usize].store(0, Ordering::Release);
     }
 
@@ -348,7 +349,7 @@ impl CudaProducer {
     ///
     /// # Safety
     /// As for [`CudaProducer::order_after`].
-    pub unsafe fn join(&self, stream: driver::CUstream) -> Result<(), CudaError> {
+    pub(crate) unsafe fn join(&self, stream: driver::CUstream) -> Result<(), CudaError> {
         // SAFETY: the caller guarantees `stream`.
         unsafe { join_into(&self.ctx, &self.scratch, &self.stream, stream) }
     }
@@ -993,7 +994,7 @@ impl CudaConsumer {
     ///
     /// # Safety
     /// As for [`CudaConsumer::wait_ready_on`].
-    pub unsafe fn join(&self, stream: driver::CUstream) -> Result<(), CudaError> {
+    pub(crate) unsafe fn join(&self, stream: driver::CUstream) -> Result<(), CudaError> {
         // SAFETY: the caller guarantees `stream`.
         unsafe { join_into(&self.ctx, &self.scratch, &self.stream, stream) }
     }

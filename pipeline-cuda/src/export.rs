@@ -10,33 +10,12 @@ use std::os::fd::OwnedFd;
 use pipeline_core::BackendError;
 use pipeline_core::wire::Reader;
 
-use crate::driver::{FabricHandle, IpcMemHandle, PointerExport};
-use crate::memory::{HandleKind, MemoryPath, ProducerShare, ProducerSlots, TWO_MIB};
+use crate::memory::{
+    HandleKind, MemoryPath, ProducerShare, ProducerSlots, Share, SlotExport, TWO_MIB,
+};
 use crate::sync::{SyncMode, TimelineMemory};
 
 const HANDLE: usize = 64;
-
-/// The path-specific part of the export blob, as bytes and fds (parsed, not yet imported).
-pub(crate) enum SlotExport {
-    /// The pool's handle, then one pointer export per slot.
-    Pool {
-        pool: Share,
-        pointers: Vec<PointerExport>,
-    },
-    /// Per slot: a handle to an allocation of `alloc_bytes`.
-    Vmm {
-        alloc_bytes: u64,
-        allocations: Vec<Share>,
-    },
-    /// Per slot: a legacy IPC handle.
-    Legacy { handles: Vec<IpcMemHandle> },
-}
-
-/// One shareable handle: an fd (sent with `SCM_RIGHTS`) or fabric bytes (in the blob).
-pub(crate) enum Share {
-    Fd(OwnedFd),
-    Fabric(FabricHandle),
-}
 
 fn handle64(r: &mut Reader<'_>) -> Result<[u8; HANDLE], BackendError> {
     Ok(r.bytes(HANDLE)?.try_into()?)

@@ -9,6 +9,8 @@
 //!   timeline words).
 //! - `export` (crate-private): the export blob a producer sends each consumer.
 //! - [`backend`]: the producer's and the consumer's halves of the CUDA backend.
+//! - [`ordering`]: publishing after, and releasing after, work on the caller's own streams
+//!   (extension traits on the core's `Slot` and `Batch`).
 //! - [`probe`]: what each device supports, and which transport path gpipe takes on it.
 //! - [`policy`]: every `auto` rule (slots, lead, backend and memory path, sync, timeline
 //!   memory, side signals, delivery, fan-out shape) and the one resolver the command line and
@@ -21,11 +23,13 @@
 
 pub mod backend;
 pub mod driver;
+mod error;
 mod export;
 pub mod memory;
 pub mod mirror;
 mod names;
 pub mod nccl;
+pub mod ordering;
 pub mod policy;
 pub mod probe;
 pub mod sync;

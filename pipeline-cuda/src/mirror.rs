@@ -86,7 +86,7 @@ impl Mirror {
             return Err("mirror delivery needs at least one buffer of its own".into());
         }
         let len = usize::try_from(bytes).map_err(|_| "slot size overflows usize")?;
-        let be = crate::backend::be;
+        let be = crate::error::be;
         let mut buffers = Vec::with_capacity(count as usize);
         let (mut copied, mut freed) = (Vec::new(), Vec::new());
         for j in 0..count {
@@ -237,7 +237,7 @@ impl Mirror {
         }
         if let Err(e) = r {
             self.table.give_back(seq);
-            return Err(crate::backend::be(e));
+            return Err(crate::error::be(e));
         }
         Ok(j)
     }

@@ -22,10 +22,10 @@ use parking_lot::{Mutex, RwLock};
 use pipeline_core::BackendError;
 use serde::Serialize;
 
-use crate::backend::be;
 use crate::driver::{
     self, CUdeviceptr, Context, CudaError, Event, HostRegistration, Stream, WaitCondition,
 };
+use crate::error::be;
 
 /// How `ready` is signalled across processes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize)]

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys;
 
-use super::{CUdevice_attribute, CUevent, CUstream, CudaError, Event, check, init, log_drop_error};
+use super::{CUdevice_attribute, CUevent, CUstream, CudaError, check, init, log_drop_error};
 
 /// A CUDA device, by ordinal.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -311,24 +311,6 @@ impl Stream {
     /// The context the stream belongs to.
     pub fn context(&self) -> &Arc<Context> {
         &self.ctx
-    }
-
-    /// Makes later work on this stream wait for the event's most recent record.
-    pub fn wait_event(&self, event: &Event) -> Result<(), CudaError> {
-        // SAFETY: `event.raw()` is a live event owned by `event`, borrowed for this call.
-        unsafe { self.wait_event_raw(event.raw()) }
-    }
-
-    /// Makes a stream given by handle wait for `event`'s most recent record.
-    ///
-    /// # Safety
-    /// `stream` must be a live stream handle of a context on this device (or
-    /// `CU_STREAM_LEGACY` / `CU_STREAM_PER_THREAD`).
-    pub unsafe fn raw_wait_event(stream: CUstream, event: &Event) -> Result<(), CudaError> {
-        // SAFETY: the caller guarantees `stream`; `event` is live (borrowed).
-        check("cuStreamWaitEvent", unsafe {
-            sys::cuStreamWaitEvent(stream, event.raw(), 0)
-        })
     }
 
     /// Like [`Stream::wait_event`], for an event handle owned elsewhere.

@@ -146,6 +146,26 @@ impl Event {
     }
 }
 
+impl Stream {
+    /// Makes later work on this stream wait for the event's most recent record.
+    pub fn wait_event(&self, event: &Event) -> Result<(), CudaError> {
+        // SAFETY: `event.raw()` is a live event owned by `event`, borrowed for this call.
+        unsafe { self.wait_event_raw(event.raw()) }
+    }
+
+    /// Makes a stream given by handle wait for `event`'s most recent record.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream handle of a context on this device (or
+    /// `CU_STREAM_LEGACY` / `CU_STREAM_PER_THREAD`).
+    pub unsafe fn raw_wait_event(stream: CUstream, event: &Event) -> Result<(), CudaError> {
+        // SAFETY: the caller guarantees `stream`; `event` is live (borrowed).
+        check("cuStreamWaitEvent", unsafe {
+            sys::cuStreamWaitEvent(stream, event.raw(), 0)
+        })
+    }
+}
+
 impl Drop for Event {
     fn drop(&mut self) {
         // SAFETY: we own the event (created or opened) and destroy it once.

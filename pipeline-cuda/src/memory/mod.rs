@@ -16,177 +16,43 @@
 //!
 //! Each path's code (create, export, import, release) lives in its own file: `pool.rs`,
 //! `vmm.rs`, `legacy.rs`. The backend sees one interface, the producer's and the consumer's
-//! slot enums here, which dispatch to them. The bytes of the export blob are in `export.rs`.
+//! slot enums here, which dispatch to them. What the paths share sits below them, one file per
+//! concept: the names of the paths and handle kinds (`path.rs`), fabric handles' IMEX check
+//! (`fabric.rs`), the handles in transit (`share.rs`) and the import timings (`timings.rs`).
+//! The bytes of the export blob are in `export.rs`.
 
-use std::os::fd::OwnedFd;
 use std::sync::Arc;
-use std::time::Instant;
 
 use pipeline_core::{BackendError, RingLayout};
-use serde::Serialize;
 
-use crate::driver::{CUdeviceptr, Context, CudaError, FabricHandle, PoolHandleType, Stream};
-use crate::export::SlotExport;
+use crate::driver::{CUdeviceptr, Context, CudaError, Stream};
 
+mod fabric;
 mod legacy;
+mod path;
 mod pool;
+mod share;
+mod timings;
 mod vmm;
 
+pub(crate) use fabric::fabric_failure;
+use fabric::fabric_or;
+pub use fabric::{FABRIC_HINT, IMEX_CHANNEL_DIR, imex_channel_present};
 use legacy::{LegacyImports, LegacySlots};
+pub(crate) use path::TWO_MIB;
+pub use path::{HandleKind, MemoryPath};
 use pool::{PoolImports, PoolSlots};
+pub(crate) use share::{ProducerShare, Share, SlotExport};
+pub use timings::ImportTimings;
+pub(crate) use timings::micros;
 pub use vmm::MAX_VMM_FD_SLOTS;
 use vmm::{VmmImports, VmmSlots};
-
-/// How the slots' GPU memory is allocated and shared with consumers.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum MemoryPath {
-    /// An exportable stream-ordered memory pool (`cuMemPoolCreate`), one allocation per slot.
-    #[default]
-    Pool,
-    /// Virtual memory management: one `cuMemCreate` allocation per slot, each exported.
-    Vmm,
-    /// Legacy IPC: one `cuMemAlloc` allocation per slot, shared with `cuIpcGetMemHandle`.
-    Legacy,
-}
-
-crate::names::named_enum!(MemoryPath, "memory path", [
-    Pool = "pool" (1) [],
-    Vmm = "vmm" (2) [],
-    Legacy = "legacy" (3) ["ipc"],
-]);
-
-impl MemoryPath {
-    /// Whether the path can share its memory with `handle`.
-    pub fn supports(self, handle: HandleKind) -> bool {
-        !(self == MemoryPath::Legacy && handle == HandleKind::Fabric)
-    }
-}
-
-/// How the pool and VMM paths' handles travel to consumers.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum HandleKind {
-    /// POSIX file descriptors, passed over the socket with `SCM_RIGHTS`.
-    #[default]
-    PosixFd,
-    /// Fabric handles (`CUmemFabricHandle`, 64 bytes in the export blob). Need an IMEX channel
-    /// (`/dev/nvidia-caps-imex-channels`) and a multi-node NVLink system's IMEX daemon.
-    Fabric,
-}
-
-crate::names::named_enum!(HandleKind, "handle kind", [
-    PosixFd = "posix_fd" (1) ["posix-fd", "fd", "posix"],
-    Fabric = "fabric" (2) [],
-]);
-
-impl HandleKind {
-    /// The driver handle type.
-    pub fn pool_handle_type(self) -> PoolHandleType {
-        match self {
-            HandleKind::PosixFd => PoolHandleType::PosixFd,
-            HandleKind::Fabric => PoolHandleType::Fabric,
-        }
-    }
-}
-
-/// Where the IMEX channel device nodes live.
-pub const IMEX_CHANNEL_DIR: &str = "/dev/nvidia-caps-imex-channels";
-
-/// Whether an IMEX channel device node (`/dev/nvidia-caps-imex-channels/channel*`) exists:
-/// fabric handles need one.
-pub fn imex_channel_present() -> bool {
-    std::fs::read_dir(IMEX_CHANNEL_DIR).is_ok_and(|entries| {
-        entries
-            .flatten()
-            .any(|e| e.file_name().to_string_lossy().starts_with("channel"))
-    })
-}
-
-/// What to do when fabric handles cannot be used.
-pub const FABRIC_HINT: &str = "fabric handles need an IMEX channel \
-     (/dev/nvidia-caps-imex-channels) and multi-node NVLink with the IMEX daemon running; on a \
-     single host use POSIX fd handles instead";
-
-/// Wraps a driver failure of a fabric-handle step into a [`CudaError::Unsupported`] that says
-/// what is missing.
-pub(crate) fn fabric_failure(step: &str, e: CudaError) -> CudaError {
-    let channel = if imex_channel_present() {
-        "an IMEX channel is present"
-    } else {
-        "no IMEX channel is present"
-    };
-    CudaError::Unsupported {
-        what: format!("fabric handles are not usable here ({step}: {e}; {channel})"),
-        hint: FABRIC_HINT.into(),
-    }
-}
-
-/// How long a consumer's import (attach) took, per step, in microseconds.
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
-pub struct ImportTimings {
-    /// The memory path the producer uses.
-    pub memory: MemoryPath,
-    /// The handle kind the producer uses.
-    pub handle: HandleKind,
-    /// Slots imported.
-    pub slots: u32,
-    /// Driver init, context, capability check and stream creation.
-    pub setup_us: f64,
-    /// Pool path: importing the pool and setting its access (0 on the other paths).
-    pub pool_import_us: f64,
-    /// All slots: pool pointer imports, or VMM import + reserve + map + set access, or legacy
-    /// IPC opens.
-    pub slot_imports_us: f64,
-    /// The slowest single slot of `slot_imports_us`.
-    pub slot_import_max_us: f64,
-    /// Opening the `ready` IPC events, all slots.
-    pub event_opens_us: f64,
-    /// Mapping and registering the `finished` timelines.
-    pub timelines_us: f64,
-    /// The whole import, from the blob's arrival to the reply.
-    pub total_us: f64,
-}
-
-impl ImportTimings {
-    /// Mean time per slot of `slot_imports_us` (0 for no slots).
-    pub fn slot_import_mean_us(&self) -> f64 {
-        if self.slots == 0 {
-            0.0
-        } else {
-            self.slot_imports_us / f64::from(self.slots)
-        }
-    }
-}
-
-/// Microseconds since `t`.
-pub(crate) fn micros(t: Instant) -> f64 {
-    t.elapsed().as_secs_f64() * 1e6
-}
-
-/// 2 MiB: the slot alignment, and the unit VMM allocations are rounded to.
-pub(crate) const TWO_MIB: u64 = 2 << 20;
 
 /// The producer's slots, per path. Owns the allocations, their mappings and their exports.
 pub(crate) enum ProducerSlots {
     Pool(PoolSlots),
     Vmm(VmmSlots),
     Legacy(LegacySlots),
-}
-
-/// A handle the producer keeps to hand out: an fd it clones per consumer, or fabric bytes.
-pub(crate) enum ProducerShare {
-    Fd(OwnedFd),
-    Fabric(FabricHandle),
-}
-
-/// Maps a fabric-handle creation failure to a clear error; other failures pass unchanged.
-fn fabric_or(handle: HandleKind, step: &str, e: CudaError) -> CudaError {
-    if handle == HandleKind::Fabric && matches!(e, CudaError::Driver { .. }) {
-        fabric_failure(step, e)
-    } else {
-        e
-    }
 }
 
 impl ProducerSlots {
@@ -319,39 +185,5 @@ impl ConsumerSlots {
             ConsumerSlots::Vmm(s) => s.release(),
             ConsumerSlots::Legacy(s) => s.release(),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn names_parse_and_print() {
-        for m in MemoryPath::ALL {
-            assert_eq!(m.to_string().parse::<MemoryPath>().unwrap(), m);
-            assert_eq!(MemoryPath::from_wire(m.to_wire()), Some(m));
-        }
-        for h in HandleKind::ALL {
-            assert_eq!(h.to_string().parse::<HandleKind>().unwrap(), h);
-            assert_eq!(HandleKind::from_wire(h.to_wire()), Some(h));
-        }
-        assert!("auto".parse::<MemoryPath>().is_err());
-        assert_eq!(MemoryPath::default(), MemoryPath::Pool);
-        assert_eq!(HandleKind::default(), HandleKind::PosixFd);
-        assert!(!MemoryPath::Legacy.supports(HandleKind::Fabric));
-        assert!(MemoryPath::Vmm.supports(HandleKind::Fabric));
-    }
-
-    #[test]
-    fn fabric_failures_name_the_imex_channel() {
-        let e = fabric_failure(
-            "creating",
-            CudaError::InvalidArgument("driver said no".into()),
-        );
-        let text = e.to_string();
-        assert!(text.contains("/dev/nvidia-caps-imex-channels"), "{text}");
-        assert!(text.contains("multi-node NVLink"), "{text}");
-        assert!(text.contains("driver said no"), "{text}");
     }
 }

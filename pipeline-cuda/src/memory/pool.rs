@@ -9,9 +9,8 @@ use std::time::Instant;
 
 use pipeline_core::BackendError;
 
-use super::{HandleKind, ImportTimings, ProducerShare, fabric_failure, fabric_or, micros};
+use super::{HandleKind, ImportTimings, ProducerShare, Share, fabric_failure, fabric_or, micros};
 use crate::driver::{CUdeviceptr, Context, CudaError, MemPool, PointerExport, Stream};
-use crate::export::Share;
 
 /// The producer's slots on the pool path: the pool, its share, and per slot the allocation and
 /// its pointer export.

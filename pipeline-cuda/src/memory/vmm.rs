@@ -9,11 +9,10 @@ use std::time::Instant;
 
 use pipeline_core::{BackendError, RingLayout};
 
-use super::{HandleKind, ProducerShare, TWO_MIB, fabric_failure, fabric_or, micros};
+use super::{HandleKind, ProducerShare, Share, TWO_MIB, fabric_failure, fabric_or, micros};
 use crate::driver::{
     CUdeviceptr, Context, CudaError, PhysicalAllocation, VmmMapping, allocation_granularity,
 };
-use crate::export::Share;
 
 /// The most slots the VMM path with POSIX fds shares: one fd per slot, plus the control memfd
 /// and the timelines memfd, must fit one `SCM_RIGHTS` message (at most 253 fds).

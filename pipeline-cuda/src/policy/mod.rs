@@ -19,12 +19,18 @@
 //! | `delivery.rs` | `delivery = auto`: a consumer reads in place or mirrors |
 //! | `fanout.rs` | fan-out shape `auto`: direct, chain or tree |
 //!
+//! Below the rules: `inputs.rs` ([`Inputs`], [`FrontEnd`], [`LeadRequest`]: what was asked) and
+//! `choice.rs` ([`Choice`], [`bytes_text`]: what every rule returns). This file holds the
+//! resolver and its result.
+//!
 //! Delivery and the fan-out shape depend on where each consumer runs, which a producer's
 //! resolution cannot know: the consumer's backend and the fan-out planner call their rules.
 
+mod choice;
 pub mod delivery;
 pub mod depth;
 pub mod fanout;
+mod inputs;
 pub mod lead;
 mod memory;
 pub mod signals;
@@ -32,7 +38,7 @@ pub mod sync;
 
 use std::fmt;
 
-use pipeline_core::{BackendKind, Mode, ProducerConfig};
+use pipeline_core::BackendKind;
 use serde::{Deserialize, Serialize};
 
 use crate::backend::CudaOptions;
@@ -41,135 +47,8 @@ use crate::memory::{HandleKind, MemoryPath};
 use crate::probe::ProbeReport;
 use crate::sync::{SyncMode, TimelineMemory};
 
-/// The choices a front-end makes on purpose where the command line and the Python package
-/// differ. Each is documented where it is used; [`FrontEnd::CLI`] and [`FrontEnd::PYTHON`] are
-/// the two front-ends' values.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub struct FrontEnd {
-    /// `sync = auto` takes timeline words whatever the timeline memory: a consumer releases a
-    /// dead producer's words itself, where an IPC event recorded by a dead process may never
-    /// complete. The Python package sets it: a producer there lives inside an application
-    /// that may die at any point. The command line takes the faster mode for the words'
-    /// place ([`sync::rule_sync`]).
-    pub ready_survives_producer: bool,
-    /// `memory = auto` takes the VMM path for a broadcast ring where the device has it, so
-    /// that consumers map the slots read-only (the Python package hands them to application
-    /// code as tensors). The command line takes the first of pool, vmm, legacy.
-    pub read_only_broadcast: bool,
-    /// `backend = auto` takes CUDA only where NVRTC loads: the command line's fill and verify
-    /// kernels are compiled with it. The Python package runs no kernels of its own.
-    pub needs_nvrtc: bool,
-}
-
-impl FrontEnd {
-    /// `gpipe produce`, `bench`, `soak` and `probe`.
-    pub const CLI: FrontEnd = FrontEnd {
-        ready_survives_producer: false,
-        read_only_broadcast: false,
-        needs_nvrtc: true,
-    };
-    /// `gpipe.Producer` and `gpipe.resolve`.
-    pub const PYTHON: FrontEnd = FrontEnd {
-        ready_survives_producer: true,
-        read_only_broadcast: true,
-        needs_nvrtc: false,
-    };
-}
-
-/// What was asked for `max_lead`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LeadRequest {
-    /// Nothing: the ring's own bound (`slots`).
-    Ring,
-    /// `auto`: from the GPU's L2 size ([`lead::l2_max_lead`]).
-    Auto,
-    /// This many batches.
-    Batches(u32),
-}
-
-/// What a front-end was asked: `None` is `auto` throughout.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Inputs {
-    /// The backend (`None`: CUDA when the ring's GPU can run it, else host memory).
-    pub backend: Option<BackendKind>,
-    /// The GPU the ring's slots live on (CUDA).
-    pub device: usize,
-    /// Delivery mode of the ring.
-    pub mode: Mode,
-    /// Bytes per batch.
-    pub batch_bytes: u64,
-    /// Slots in the ring.
-    pub slots: Option<u32>,
-    /// The most slot memory `slots = auto` may take, in bytes.
-    pub depth_budget: u64,
-    /// The producer-lead bound.
-    pub max_lead: LeadRequest,
-    /// The CUDA memory path.
-    pub memory: Option<MemoryPath>,
-    /// How pool and VMM handles travel.
-    pub handle: HandleKind,
-    /// How `ready` is signalled.
-    pub sync: Option<SyncMode>,
-    /// Where the timeline words live.
-    pub timeline_memory: Option<TimelineMemory>,
-    /// Whether a CUDA consumer of this ring waits and signals on side streams.
-    pub side_signals: Option<bool>,
-    /// The front-end's own choices.
-    pub front_end: FrontEnd,
-}
-
-impl Inputs {
-    /// Every setting at its default for `front_end`: the ring's own shape
-    /// ([`ProducerConfig::default`]), the default depth budget, and `auto` for the rest.
-    pub fn new(front_end: FrontEnd) -> Inputs {
-        let ring = ProducerConfig::default();
-        Inputs {
-            backend: None,
-            device: 0,
-            mode: ring.mode,
-            batch_bytes: ring.batch_bytes,
-            slots: Some(ring.slots),
-            depth_budget: depth::DEFAULT_DEPTH_BUDGET,
-            max_lead: LeadRequest::Ring,
-            memory: None,
-            handle: HandleKind::PosixFd,
-            sync: None,
-            timeline_memory: None,
-            side_signals: None,
-            front_end,
-        }
-    }
-}
-
-/// One resolved setting and why it has that value.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct Choice<T> {
-    /// The value.
-    pub value: T,
-    /// It came from `auto` (or a front-end's default the rule applies to), not from the
-    /// caller.
-    pub auto: bool,
-    /// Why, in words ("given" when the caller gave it).
-    pub reason: String,
-}
-
-impl<T> Choice<T> {
-    fn given(value: T) -> Choice<T> {
-        Choice {
-            value,
-            auto: false,
-            reason: "given".into(),
-        }
-    }
-
-    fn auto(value: T, reason: impl Into<String>) -> Choice<T> {
-        Choice {
-            value,
-            auto: true,
-            reason: reason.into(),
-        }
-    }
-}
+pub use choice::{Choice, bytes_text};
+pub use inputs::{FrontEnd, Inputs, LeadRequest};
 
 /// The CUDA settings of a resolution.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -386,17 +265,6 @@ pub fn resolve(inputs: &Inputs, facts: &Result<Facts, String>) -> Result<Resolut
         side_signals,
         side_signals_queues,
     })
-}
-
-/// Bytes in the largest binary unit that divides them whole: `2 GiB`, `3 MiB`, `4 KiB`,
-/// `100 B` (how reasons and the command line write sizes).
-pub fn bytes_text(b: u64) -> String {
-    for (shift, unit) in [(30, "GiB"), (20, "MiB"), (10, "KiB")] {
-        if b >= 1 << shift && b % (1 << shift) == 0 {
-            return format!("{} {unit}", b >> shift);
-        }
-    }
-    format!("{b} B")
 }
 
 #[cfg(test)]
