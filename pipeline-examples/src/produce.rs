@@ -301,9 +301,9 @@ fn check_socket_path(socket: &Path) -> Result<(), String> {
         Ok(m) if m.is_dir() => {
             if std::os::unix::net::UnixStream::connect(socket).is_ok() {
                 return Err(format!(
-                    "cannot make the socket {}: it is in use, another producer listens on it \
-                     (`gpipe inspect --socket {}` shows it); stop that one or give another \
-                     --socket",
+                    "cannot make the socket {}: it is in use, another producer is already \
+                     listening on it (`gpipe inspect --socket {}` shows it); stop that one or \
+                     give another --socket",
                     socket.display(),
                     socket.display()
                 ));
