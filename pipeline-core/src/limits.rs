@@ -288,6 +288,12 @@ pub fn human_bytes(b: u64) -> String {
         if tenths % 10 != 0 {
             return format!("{}.{} {unit}", tenths / 10, tenths % 10);
         }
+        // Close to a whole number of units: two decimals where they tell it apart, else
+        // the exact count (a size just past a limit must not read as the limit).
+        let hundredths = (u128::from(b) * 100 + u128::from(one) / 2) / u128::from(one);
+        if hundredths % 100 != 0 {
+            return format!("{}.{:02} {unit}", hundredths / 100, hundredths % 100);
+        }
         break;
     }
     if b == 1 {
@@ -387,6 +393,8 @@ mod tests {
         assert_eq!(human_bytes(1536), "1.5 KiB");
         assert_eq!(human_bytes(100), "100 bytes");
         assert_eq!(human_bytes(1), "1 byte");
+        // Available memory is rarely a round figure: never a bare count of bytes for it.
+        assert_eq!(human_bytes(24_724_041_728), "23.03 GiB");
         assert_eq!(human_bytes(0), "0 bytes");
         // One byte past 64 GiB must not read as "64 GiB" or "64.0 GiB".
         assert_eq!(
