@@ -139,9 +139,9 @@ fn try_to_write(
     };
     match ro {
         Ok(p) => {
+            let writable = MprotectFlags::READ | MprotectFlags::WRITE;
             // SAFETY: `p` is our own mapping of `len` bytes; nothing else refers to it.
-            let flipped =
-                unsafe { rustix::mm::mprotect(p, len, MprotectFlags::READ | MprotectFlags::WRITE) };
+            let flipped = unsafe { rustix::mm::mprotect(p, len, writable) };
             if flipped.is_ok() {
                 allowed.push(format!(
                     "mprotect(PROT_WRITE) of a read-only mapping of fd {fdn}"

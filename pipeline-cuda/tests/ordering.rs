@@ -192,9 +192,9 @@ fn publish_after_callers_streams_the_consumer_sees_their_writes() {
             unsafe { memset_d8_async(ptr + (k * part) as u64, value, part, caller) }.unwrap();
         }
         let raw: Vec<_> = callers[..streams].iter().map(Stream::raw).collect();
+        let header = [0; USER_HEADER_WORDS];
         // SAFETY: live streams of the producer's context, holding every write of the batch.
-        let published =
-            unsafe { slot.publish_after(&raw, LEN as u64, &[0; USER_HEADER_WORDS], &[]) };
+        let published = unsafe { slot.publish_after(&raw, LEN as u64, &header, &[]) };
         assert_eq!(published.unwrap(), seq);
         std::thread::sleep(HOLD);
         gate.open();
