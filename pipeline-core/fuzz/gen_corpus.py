@@ -147,8 +147,8 @@ def segment(slots, cap, mode, head, slot_words, consumers, hint=0, requeued=0):
     return bytes(img)
 
 
-def setup(slots, cap, mode, read_only=False, me=0):
-    flags = (mode - 1) | (2 if read_only else 0)
+def setup(slots, cap, mode, not_write_sealed=False, me=0):
+    flags = (mode - 1) | (2 if not_write_sealed else 0)
     return bytes([slots - 1, cap - 1, flags, me])
 
 
@@ -160,7 +160,7 @@ def segments():
     cons = [(2, 1000, 0, 3), (2, 1001, 2, 6)]
     img = segment(4, 2, 1, 6, slots, cons)
     write("segment_consumer", "broadcast_4x2", setup(4, 2, 1) + img)
-    write("segment_consumer", "broadcast_4x2_observer", setup(4, 2, 1, read_only=True, me=1) + img)
+    write("segment_consumer", "broadcast_4x2_observer", setup(4, 2, 1, me=1) + img)
     # Header only (slots and records zero): valid magic, nothing published.
     write("segment_consumer", "broadcast_header_only", setup(4, 2, 1) + img[:1024])
     # Shared, 8 slots, 4 consumers: head 10, two unclaimed, one claimed, one requeued.
@@ -176,20 +176,24 @@ def segments():
 
 
 def producer():
-    # mode byte, active mask, then point-check operands (pending, active), then the script.
-    # Ops: low 3 bits 0 publish, 1 join, 2 depart, 3 claim/release, 4 shared release,
-    # 5 scribble (+u64), 6/7 check; high 5 bits the consumer.
+    # mode byte, hostile mask (4 consumers), a u64 for the claim-word codec, then the script.
+    # Ops: low 3 bits 0 publish if free, 1 join, 2 depart, 3 take (claim/adopt/receive),
+    # 4 release, 5 hostile writes the claim word (+selector byte), 6 hostile writes its own
+    # page (+selector byte), 7 look; high 4 bits the consumer. Selector: low 3 bits the kind
+    # (0 unclaimed, 1 claimed by consumer sel>>4, 2 departed, 3 holding, 4 released, 5 none,
+    # 6 zero, 7 raw u64 follows), high 4 bits the batch offset + 2.
     def op(code, c=0):
-        return bytes([code | (c << 3)])
+        return bytes([code | (c << 4)])
 
-    bc = bytes([0]) + u64(0b111) + u64(0b101) + u64(0b011)
-    bc += op(0) + op(3, 0) + op(3, 1) + op(6) + op(2, 2) + op(0) + op(1, 5) + op(0)
-    bc += op(3, 0) + op(3, 1) + op(3, 5) + op(0) + op(5, 1) + u64(1 << 40) + op(0)
+    bc = bytes([0, 0b1000]) + u64(0x1234)
+    bc += op(1, 0) + op(1, 1) + op(1, 3) + op(0) + op(3, 0) + op(3, 1) + op(4, 0) + op(7)
+    bc += op(6, 3) + bytes([4 | (2 << 4)]) + op(0) + op(4, 1) + op(0) + op(2, 3) + op(0)
     write("segment_producer", "broadcast", bc)
 
-    sh = bytes([1]) + u64(0b1111) + u64(UNCLAIMED) + u64(0b1)
-    sh += op(0) + op(3, 2) + op(3, 1) + op(6) + op(4, 2) + op(0) + op(3, 1) + op(2, 1)
-    sh += op(3, 3) + op(4, 3) + op(0) + op(5, 3) + u64(UNCLAIMED | 1) + op(7) + op(0)
+    sh = bytes([1, 0b1000]) + u64(U64_MAX)
+    sh += op(1, 0) + op(1, 1) + op(1, 3) + op(0) + op(3, 0) + op(5, 3) + bytes([0 | (2 << 4)])
+    sh += op(3, 1) + op(0) + op(4, 0) + op(4, 1) + op(0) + op(5, 3) + bytes([1 | (2 << 4)])
+    sh += op(3, 0) + op(6, 3) + bytes([3 | (2 << 4)]) + op(7) + op(2, 3) + op(0) + op(2, 0) + op(0)
     write("segment_producer", "shared", sh)
 
 
@@ -214,7 +218,7 @@ def regressions():
     cons = [(2, 0xFFFFFFFF, 0, 3), (2, 0x80000000, 2, 6)]
     img = segment(4, 2, 1, 6, slots, cons)
     with open(os.path.join(d, "pid_not_i32"), "wb") as f:
-        f.write(setup(4, 2, 1, read_only=True) + img)
+        f.write(setup(4, 2, 1) + img)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ use crate::layout::{
     ConsumerRecord, ControlSegment, LAYOUT_HASH, Mode, PROTOCOL_VERSION, RingLayout,
     USER_HEADER_WORDS, consumer_state, producer_state,
 };
+use crate::page::{ClaimSegment, ConsumerPage};
 use crate::ring;
 use crate::sys::{self, IoDeadline};
 use crate::tensor::{TensorInfo, Tensors};
@@ -60,6 +61,8 @@ pub struct PendingAttach {
     index: u32,
     backend: BackendKind,
     seg_fd: OwnedFd,
+    claims_fd: OwnedFd,
+    page_fd: OwnedFd,
     fds: Vec<OwnedFd>,
     blob: Vec<u8>,
     config: ConsumerConfig,
@@ -186,10 +189,24 @@ fn welcome(conn: &UnixStream, role: Role, deadline: IoDeadline) -> Result<Welcom
                 }
                 _ => {}
             }
-            if fds.is_empty() {
-                return Err(
-                    ProtocolError::Message("Welcome carried no control segment".into()).into(),
-                );
+            // The control segment; a consumer also gets the claim segment and its own page.
+            let needed = if role == Role::Observer { 1 } else { 3 };
+            if fds.len() < needed {
+                return Err(ProtocolError::Message(format!(
+                    "Welcome carried {} fds; a {} needs at least {needed} (control segment{})",
+                    fds.len(),
+                    if role == Role::Observer {
+                        "observer"
+                    } else {
+                        "consumer"
+                    },
+                    if role == Role::Observer {
+                        ""
+                    } else {
+                        ", claim segment, its own page"
+                    }
+                ))
+                .into());
             }
             Ok(Welcomed {
                 layout,
@@ -211,13 +228,20 @@ impl PendingAttach {
     pub fn connect(path: impl AsRef<Path>, config: ConsumerConfig) -> Result<Self, Error> {
         let (conn, deadline) = connect(path.as_ref(), &config)?;
         let mut w = welcome(&conn, Role::Consumer, deadline)?;
-        let seg_fd = w.fds.remove(0);
+        let mut fds = w.fds.drain(..3);
+        let (seg_fd, claims_fd, page_fd) = match (fds.next(), fds.next(), fds.next()) {
+            (Some(a), Some(b), Some(c)) => (a, b, c),
+            _ => unreachable!("welcome() checked that a consumer's Welcome carries 3 fds"),
+        };
+        drop(fds);
         Ok(Self {
             conn,
             layout: w.layout,
             index: w.index,
             backend: w.backend,
             seg_fd,
+            claims_fd,
+            page_fd,
             fds: w.fds,
             blob: w.blob,
             config,
@@ -243,6 +267,8 @@ impl PendingAttach {
             index,
             backend,
             seg_fd,
+            claims_fd,
+            page_fd,
             fds,
             blob,
             config,
@@ -258,7 +284,12 @@ impl PendingAttach {
                 found: backend.to_string(),
             });
         }
-        let seg = match ControlSegment::open(seg_fd, layout, true) {
+        let opened = ControlSegment::open(seg_fd, layout).and_then(|seg| {
+            let claims = ClaimSegment::open(claims_fd, &layout)?;
+            let page = ConsumerPage::open(page_fd, &layout)?;
+            Ok((seg, claims, page))
+        });
+        let (seg, claims, page) = match opened {
             Ok(s) => s,
             Err(e) => {
                 wire::send_reject(&conn, &e.to_string());
@@ -325,8 +356,10 @@ impl PendingAttach {
         // producer detached us) bumps it. Read after the Acquire of ACTIVE above, which the
         // producer stores after the bump.
         let generation = rec.generation.load(Ordering::Relaxed);
-        rec.placement
+        page.header()
+            .placement
             .store(be.placement().encode(), Ordering::Release);
+        page.header().cursor.store(start, Ordering::Relaxed);
         let _ = conn.set_nonblocking(true);
         let head = seg.header().head.value.load(Ordering::Acquire);
         let record = RecordPtr(std::ptr::NonNull::from(rec));
@@ -334,6 +367,8 @@ impl PendingAttach {
             link: Arc::new(Link {
                 record,
                 seg,
+                claims,
+                page,
                 backend: ManuallyDrop::new(be),
                 conn,
                 index,
@@ -348,9 +383,10 @@ impl PendingAttach {
                 }),
             }),
             index,
-            claim_token,
             layout,
             cursor: start,
+            hint: 0,
+            seen_requeued: 0,
             last_head: head.min(start),
             config,
             ended: false,
@@ -364,7 +400,12 @@ impl PendingAttach {
 struct Link<B: ConsumerBackend> {
     /// Our record in `seg` (see [`Link::record`]).
     record: RecordPtr,
+    /// What the producer writes (read-only to us).
     seg: ControlSegment,
+    /// The words every consumer may write: the producer's wake word, shared-mode claims.
+    claims: ClaimSegment,
+    /// Our own progress, which only we and the producer map writable.
+    page: ConsumerPage,
     backend: ManuallyDrop<B>,
     conn: UnixStream,
     index: u32,
@@ -382,9 +423,9 @@ struct Link<B: ConsumerBackend> {
     next_cursor: AtomicU64,
 }
 
-/// Our consumer record in the control segment, looked up once at attach: every batch reads
-/// and counts in it, and [`ControlSegment::consumer`] would check the index and work out the
-/// offset each time.
+/// Our consumer record in the control segment (read-only to us: our counters are in our
+/// page), looked up once at attach: every batch reads its state and generation, and
+/// [`ControlSegment::consumer`] would check the index and work out the offset each time.
 struct RecordPtr(std::ptr::NonNull<ConsumerRecord>);
 
 // SAFETY: it points at a `ConsumerRecord`, whose fields are all atomics (so shared access from
@@ -400,10 +441,13 @@ unsafe impl Sync for RecordPtr {}
 pub struct Consumer<B: ConsumerBackend> {
     link: Arc<Link<B>>,
     index: u32,
-    /// Shared mode: stored in a slot's `claimer` after each claim.
-    claim_token: u64,
     layout: RingLayout,
     cursor: u64,
+    /// Shared mode: every batch below this was claimed when we last looked (our own hint:
+    /// a peer cannot move it).
+    hint: u64,
+    /// Shared mode: the producer's `requeued` count when we last scanned the whole window.
+    seen_requeued: u64,
     last_head: u64,
     config: ConsumerConfig,
     ended: bool,
@@ -439,9 +483,19 @@ impl<B: ConsumerBackend> Consumer<B> {
         &self.link.backend
     }
 
-    /// The control segment (read-only use: inspection and tests).
+    /// The control segment (mapped read-only: inspection and tests).
     pub fn segment(&self) -> &ControlSegment {
         &self.link.seg
+    }
+
+    /// The claim segment every consumer of the ring maps writable (tests).
+    pub fn claims(&self) -> &ClaimSegment {
+        &self.link.claims
+    }
+
+    /// This consumer's own page: its progress as the producer reads it (tests).
+    pub fn page(&self) -> &ConsumerPage {
+        &self.link.page
     }
 
     /// Starts a thread that checks the producer's socket every `tick` and, when the producer
@@ -593,7 +647,7 @@ impl<B: ConsumerBackend> Consumer<B> {
                 return Err(Error::Backend(e));
             }
         };
-        let rec = link.record();
+        let rec = link.page.header();
         rec.received.fetch_add(1, Ordering::Relaxed);
         if mirrored {
             // The copy is ours and `finished` for the slot is signalled after it: release the
@@ -604,7 +658,7 @@ impl<B: ConsumerBackend> Consumer<B> {
             } else {
                 Ok(())
             };
-            let ok = link.release_slot(slot);
+            let ok = link.release_slot(slot, seq);
             rec.released.fetch_add(1, Ordering::Relaxed);
             if let Err(e) = done {
                 let _ = link.backend.signal_finished(slot, seq);
@@ -668,28 +722,57 @@ impl<B: ConsumerBackend> Consumer<B> {
     #[cold]
     #[inline(never)]
     fn violation(&self, v: ring::Violation) -> Error {
+        if let ring::Violation::Overrun { head, cursor, n } = v
+            && let Some(what) = self.page_tampered(cursor)
+        {
+            return ProtocolError::Segment(format!(
+                "head {head} is more than {n} batches past our cursor {cursor}: batches we had \
+                 not released were overwritten, because our page says {what}, which this \
+                 consumer never wrote: another process wrote our page (a process of this uid \
+                 can open it through /proc/<pid>/fd; run consumers that must not be reached \
+                 as a user of their own)"
+            ))
+            .into();
+        }
         explain_violation(v, self.check_active())
     }
 
-    /// Shared mode: puts a batch we claimed back, unclaimed and counted, so that a scan finds
-    /// it and it is not lost to the others.
-    fn unclaim(&self, k: u32) {
-        let seg = &self.link.seg;
-        let desc = seg.slot(k);
-        if desc
-            .pending
-            .compare_exchange(
-                ring::bit(self.index),
-                ring::UNCLAIMED,
-                Ordering::AcqRel,
-                Ordering::Relaxed,
-            )
-            .is_ok()
-        {
-            let h = seg.header();
-            seg.claim().requeued.value.fetch_add(1, Ordering::AcqRel);
-            wait::notify(&h.data_wake.value, &h.data_sleepers.value, true);
-        }
+    /// What our page says that we did not write, if anything: a batch we hold, or one we
+    /// never received, shown as released. (Our page is writable by us and
+    /// the producer only; a process that can reach our fds can write it too.)
+    fn page_tampered(&self, cursor: u64) -> Option<String> {
+        let link = &*self.link;
+        (0..self.layout.slot_count).find_map(|k| {
+            let word = link.page.slot(k).load(Ordering::Acquire);
+            match link.held[k as usize].load(Ordering::Acquire) {
+                0 => ring::released_seq(word)
+                    .filter(|&x| x >= cursor)
+                    .map(|x| format!("batch {x} (slot {k}) was released before we received it")),
+                h if word == ring::released(h - 1) => Some(format!(
+                    "batch {} (slot {k}), which we still hold, was released",
+                    h - 1
+                )),
+                _ => None,
+            }
+        })
+    }
+
+    /// Shared mode: puts batch `seq`, which we claimed in slot `k`, back as unclaimed and
+    /// our page as it was (`before`). The producer makes the others look again if it waits.
+    fn unclaim(&self, k: u32, seq: u64, before: u64) {
+        let link = &*self.link;
+        let _ = link.claims.claim(k).compare_exchange(
+            ring::claim_word(seq, Some(self.index)),
+            ring::claim_word(seq, None),
+            Ordering::AcqRel,
+            Ordering::Relaxed,
+        );
+        link.page.slot(k).store(before, Ordering::Release);
+        wait::notify(
+            link.claims.space_wake(),
+            &link.seg.header().space_sleepers.value,
+            false,
+        );
     }
 
     /// Liveness check after a wake-up with nothing to do. `Ok(true)`: the ring is closed.
@@ -727,7 +810,7 @@ impl<B: ConsumerBackend> Consumer<B> {
             let closed_empty = wait::wait_for(
                 policy,
                 &h.data_wake.value,
-                &h.data_sleepers.value,
+                &self.link.page.header().sleeping.value,
                 || (h.head.value.load(Ordering::Acquire) > c).then_some(false),
                 || {
                     if self.check_peer(deadline)? {
@@ -746,21 +829,21 @@ impl<B: ConsumerBackend> Consumer<B> {
         let k = ring::slot_of(c, n);
         let desc = self.link.seg.slot(k);
         let seq = desc.seq.load(Ordering::Acquire);
-        let pending = desc.pending.load(Ordering::Acquire);
-        ring::check_slot(k, seq, c, pending, self.index).map_err(|v| self.violation(v))?;
+        let addressed = desc.addressed.load(Ordering::Acquire);
+        ring::check_slot(k, seq, c, addressed, self.index).map_err(|v| self.violation(v))?;
         self.cursor = c + 1;
         self.link
-            .seg
-            .consumer(self.index)
+            .page
+            .header()
             .cursor
             .store(self.cursor, Ordering::Relaxed);
         self.link.next_cursor.store(self.cursor, Ordering::Relaxed);
         Ok(Some((c, k, false)))
     }
 
-    /// Shared mode: claims the oldest unclaimed batch. The flag says the claim's token could
-    /// not be recorded (a late writer got there first), so the producer will not wait for
-    /// our work on it: we complete it before releasing.
+    /// Shared mode: claims the oldest unclaimed batch (or one a peer claimed in our name).
+    /// The flag is the old protocol's "claim not recorded", always false now: every claim
+    /// is recorded in our page before it is made.
     fn next_shared(
         &mut self,
         deadline: Option<Instant>,
@@ -769,87 +852,74 @@ impl<B: ConsumerBackend> Consumer<B> {
         let me = self.index;
         loop {
             let head = self.load_head()?;
-            let seg = &self.link.seg;
-            let claim = seg.claim();
-            let requeued = claim.requeued.value.load(Ordering::Acquire);
+            let link = &*self.link;
+            let (seg, claims, page) = (&link.seg, &link.claims, &link.page);
+            let h = seg.header();
+            let requeued = h.requeued.value.load(Ordering::Acquire);
+            let rescan = requeued != self.seen_requeued;
             let window = ring::live_window(head, n);
-            let hint = claim.claim_hint.value.load(Ordering::Acquire);
-            let start = ring::scan_start(head, hint, requeued, n);
+            let start = ring::scan_start(head, self.hint, rescan, n);
             for s in start..window.end {
                 let k = ring::slot_of(s, n);
-                let desc = seg.slot(k);
-                if !ring::try_claim(&desc.pending, me) {
+                let (claim, mine) = (claims.claim(k), page.slot(k));
+                let Some(before) =
+                    ring::try_claim(claim, mine, s, me).or_else(|| ring::adopt(claim, mine, s, me))
+                else {
                     continue;
-                }
+                };
                 // Detached meanwhile (the producer marks our record before it takes our
                 // claims back): this claim is not ours to keep. The fence pairs with the
-                // producer's between marking the record and taking claims back: either it
-                // took this claim back, or we see the mark here.
+                // producer's between marking the record and taking claims back, and with its
+                // fence between marking a slot as being rewritten and looking at our page.
                 std::sync::atomic::fence(Ordering::SeqCst);
                 if let Err(e) = self.check_active() {
-                    self.unclaim(k);
+                    self.unclaim(k, s, before);
                     return Err(e);
                 }
-                let seq = desc.seq.load(Ordering::Acquire);
-                let now = seg.header().head.value.load(Ordering::Acquire).max(head);
+                let seq = seg.slot(k).seq.load(Ordering::SeqCst);
+                if seq != s {
+                    // The slot is being written again (a peer reopened a batch that was
+                    // consumed) or holds a newer batch: not ours. Our page as it was.
+                    mine.store(before, Ordering::Release);
+                    continue;
+                }
+                let now = h.head.value.load(Ordering::Acquire).max(head);
                 if let Err(v) = ring::check_claimed(k, seq, now, n) {
-                    // Put it back untouched (and count it, so scans find it) and report.
-                    self.unclaim(k);
+                    self.unclaim(k, s, before);
                     return Err(self.violation(v));
                 }
-                // Tell the producer whose work to wait for before it refills the slot. If a
-                // late writer got there first, it will not wait for ours: we complete our
-                // work on this batch before releasing it instead.
-                let unrecorded = !ring::record_claim(&desc.claimer, seq, self.claim_token);
-                if seq < hint {
-                    let _ = claim.requeued.value.fetch_update(
-                        Ordering::AcqRel,
-                        Ordering::Acquire,
-                        |r| r.checked_sub(1),
-                    );
+                if s >= self.hint {
+                    self.hint = s + 1;
                 }
-                claim.claim_hint.value.fetch_max(s + 1, Ordering::AcqRel);
-                seg.consumer(me).cursor.store(seq + 1, Ordering::Relaxed);
-                return Ok(Some((seq, k, unrecorded)));
+                page.header().cursor.store(seq + 1, Ordering::Relaxed);
+                return Ok(Some((seq, k, false)));
             }
-            if requeued == 0 {
-                claim
-                    .claim_hint
-                    .value
-                    .fetch_max(window.end, Ordering::AcqRel);
-            } else {
-                // A whole-window scan found nothing: the count is stale (a requeued batch
-                // taken at or above the hint is not counted down, e.g. when its claimer died
-                // before moving the hint). Reset it unless a requeue came meanwhile, or every
-                // later scan would cover the whole window.
-                let _ = claim.requeued.value.compare_exchange(
-                    requeued,
-                    0,
-                    Ordering::AcqRel,
-                    Ordering::Relaxed,
-                );
+            // Everything from `start` on was claimed when we looked.
+            self.hint = self.hint.max(window.end);
+            if rescan {
+                self.seen_requeued = requeued;
             }
             // Nothing claimable: wait for a new batch or a requeue.
             self.check_not_self_blocked(head)?;
-            let h = seg.header();
             let closed_empty = wait::wait_for(
                 self.config.wait,
                 &h.data_wake.value,
-                &h.data_sleepers.value,
+                &page.header().sleeping.value,
                 || {
                     (h.head.value.load(Ordering::Acquire) != head
-                        || claim.requeued.value.load(Ordering::Acquire) != requeued)
+                        || h.requeued.value.load(Ordering::Acquire) != requeued)
                         .then_some(false)
                 },
                 || {
                     if self.check_peer(deadline)? {
-                        // Closed: done when nothing published is still unclaimed.
+                        // Closed: done when nothing published is still unclaimed, but for
+                        // batches we released ourselves (a peer may reopen their words; we
+                        // never take a batch twice).
                         let head = h.head.value.load(Ordering::Acquire);
                         let left = ring::live_window(head, n).any(|s| {
-                            seg.slot(ring::slot_of(s, n))
-                                .pending
-                                .load(Ordering::Acquire)
-                                == ring::UNCLAIMED
+                            let k = ring::slot_of(s, n);
+                            claims.claim(k).load(Ordering::Acquire) == ring::claim_word(s, None)
+                                && page.slot(k).load(Ordering::Relaxed) != ring::released(s)
                         });
                         return Ok(Some(!left));
                     }
@@ -885,15 +955,19 @@ impl<B: ConsumerBackend> Link<B> {
         )
     }
 
-    /// Releases `slot` in the ring; false if it was taken from us.
-    fn release_slot(&self, slot: u32) -> bool {
-        let desc = self.seg.slot(slot);
+    /// Releases batch `seq` in `slot` (in our page); false if it was taken from us
+    /// (broadcast: the producer no longer addresses it to us, which it alone can say; in
+    /// shared mode the record check before this call tells).
+    fn release_slot(&self, slot: u32, seq: u64) -> bool {
+        ring::release(self.page.slot(slot), seq);
         let ok = match self.layout.mode {
-            Mode::Broadcast => ring::release_broadcast(&desc.pending, self.index),
-            Mode::Shared => ring::release_shared(&desc.pending, self.index),
+            Mode::Broadcast => {
+                self.seg.slot(slot).addressed.load(Ordering::Acquire) & ring::bit(self.index) != 0
+            }
+            Mode::Shared => true,
         };
         let h = self.seg.header();
-        wait::notify(&h.space_wake.value, &h.space_sleepers.value, false);
+        wait::notify(self.claims.space_wake(), &h.space_sleepers.value, false);
         ok
     }
 
@@ -902,7 +976,7 @@ impl<B: ConsumerBackend> Link<B> {
     /// for a `finished` signal that never comes.
     fn refuse(&self, slot: u32, seq: u64) {
         let _ = self.backend.signal_finished(slot, seq);
-        self.release_slot(slot);
+        self.release_slot(slot, seq);
     }
 
     /// Broadcast: the batch this consumer receives next, `(slot, seq)`, when the producer
@@ -922,8 +996,8 @@ impl<B: ConsumerBackend> Link<B> {
         let k = ring::slot_of(c, n);
         let desc = self.seg.slot(k);
         let seq = desc.seq.load(Ordering::Acquire);
-        let pending = desc.pending.load(Ordering::Acquire);
-        ring::check_slot(k, seq, c, pending, self.index)
+        let addressed = desc.addressed.load(Ordering::Acquire);
+        ring::check_slot(k, seq, c, addressed, self.index)
             .is_ok()
             .then_some((k, c))
     }
@@ -955,17 +1029,11 @@ impl<B: ConsumerBackend> Link<B> {
         self.held[slot as usize].store(0, Ordering::Release);
         // Detached, and our index perhaps given to a later consumer: the slot's bit for our
         // index, and the record's counters, are no longer ours to touch.
-        let rec = self.record();
-        let ours = record_verdict(
-            rec.state.load(Ordering::Acquire),
-            rec.generation.load(Ordering::Relaxed),
-            self.generation,
-        )
-        .is_ok();
-        let ok = ours && self.release_slot(slot);
+        let ours = self.check_record().is_ok();
+        let ok = ours && self.release_slot(slot, seq);
         crate::fault::point("consumer.after_release");
         if ours {
-            rec.released.fetch_add(1, Ordering::Relaxed);
+            self.page.header().released.fetch_add(1, Ordering::Relaxed);
         }
         finished.map_err(Error::Backend)?;
         if !ok {
@@ -1150,7 +1218,7 @@ pub fn observe(
 ) -> Result<(ControlSegment, BackendKind), Error> {
     let (conn, deadline) = connect(path.as_ref(), &config)?;
     let mut w = welcome(&conn, Role::Observer, deadline)?;
-    let seg = ControlSegment::open(w.fds.remove(0), w.layout, false)?;
+    let seg = ControlSegment::open(w.fds.remove(0), w.layout)?;
     Ok((seg, w.backend))
 }
 

@@ -83,15 +83,18 @@ impl Snapshot {
             .map(|k| {
                 let d = seg.slot(k);
                 let seq = d.seq.load(Ordering::Acquire);
-                let p = d.pending.load(Ordering::Acquire);
+                // Broadcast: the consumers the batch was published to and that are still
+                // attached (whether each released it is in its own page, which observers do
+                // not get). Shared mode: claims live in the claim segment, not shown.
+                let p = d.addressed.load(Ordering::Acquire);
                 SlotView {
                     index: k,
                     seq: (seq != u64::MAX).then_some(seq),
                     len: d.len.load(Ordering::Relaxed),
                     held_by: (0..l.consumer_capacity)
-                        .filter(|&c| p != ring::UNCLAIMED && p & ring::bit(c) != 0)
+                        .filter(|&c| p & ring::bit(c) != 0)
                         .collect(),
-                    unclaimed: p == ring::UNCLAIMED,
+                    unclaimed: false,
                 }
             })
             .collect();

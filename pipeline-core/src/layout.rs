@@ -1,17 +1,21 @@
-//! The control segment: a sealed memfd shared by the producer and every consumer.
+//! The control segment: a memfd that only the producer writes. It maps its own writable view,
+//! then seals the memfd against every later write (`F_SEAL_FUTURE_WRITE`) before any peer
+//! gets it, so consumers map it read-only and nothing a consumer does can change what another
+//! reads here (docs/protocol.md, version 4). What consumers write lives elsewhere: each one's
+//! own [`crate::page::ConsumerPage`], and the shared [`crate::page::ClaimSegment`] whose words
+//! the producer never trusts.
 //!
 //! Layout (all integers little-endian, every field naturally aligned, see docs/protocol.md):
 //!
 //! | offset | size | what |
 //! | --- | --- | --- |
-//! | 0 | 768 | [`SegmentHeader`]: constants, then five 128-byte lines of counters |
-//! | 768 | 256 | [`ClaimLines`] |
+//! | 0 | 1024 | [`SegmentHeader`]: constants, then seven 128-byte lines of counters |
 //! | 1024 | 256 × slots | [`SlotDesc`] per slot |
 //! | 1024 + 256 × slots | 256 × consumers | [`ConsumerRecord`] per consumer |
 //! | after the records | 1536 × slots | [`TensorTable`] per slot |
 //!
 //! Every byte of the segment lies inside an atomic, so holding a `&SegmentHeader` while
-//! another process writes is sound; values read from it are validated before use.
+//! the producer writes is sound; values read from it are validated before use.
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -26,11 +30,10 @@ use crate::tensor::TensorTable;
 /// `"GPIPESEG"` little-endian: written last by the producer, it marks the segment initialised.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"GPIPESEG");
 /// Version of the control-segment layout and the handshake.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 /// Words of user header carried by each batch descriptor (64 bytes).
 pub const USER_HEADER_WORDS: usize = 8;
 pub use crate::limits::{MAX_CONSUMERS, MAX_SLOT_BYTES, MAX_SLOTS, SLOT_ALIGN, round_slot_bytes};
-pub use crate::ring::UNCLAIMED;
 /// Largest sequence number (sequences are 48-bit so they fit next to flags if ever needed).
 pub const MAX_SEQ: u64 = (1 << 48) - 1;
 
@@ -207,43 +210,43 @@ pub struct Line32 {
     _pad: [AtomicU32; 31],
 }
 
-/// Segment header: constants, then counters on separate cache lines by writer.
+/// Segment header: constants, then counters on separate cache lines. The producer writes
+/// every word of it.
 #[repr(C)]
 pub struct SegmentHeader {
     /// Offset 0.
     pub constants: HeaderConstants,
-    /// Offset 128, producer writes: number of batches published (= next sequence number).
+    /// Offset 128: number of batches published (= next sequence number).
     pub head: Line64,
-    /// Offset 256, producer writes: bumped after a publish (or requeue) when consumers sleep.
+    /// Offset 256: bumped after a publish (or requeue) when a consumer sleeps.
     pub data_wake: Line32,
-    /// Offset 384, consumers write: how many consumers sleep on `data_wake`.
-    pub data_sleepers: Line32,
-    /// Offset 512, consumers write: bumped after a release when the producer sleeps.
-    pub space_wake: Line32,
-    /// Offset 640, producer writes: non-zero while the producer sleeps on `space_wake`.
+    /// Offset 384 (shared mode): bumped whenever the producer puts batches back as
+    /// unclaimed; a consumer that sees it change scans the whole live window again.
+    pub requeued: Line64,
+    /// Offset 512: non-zero while the producer sleeps on the claim segment's `space_wake`.
     pub space_sleepers: Line32,
+    _reserved: [Line64; 3],
 }
 
-/// One slot's batch descriptor: a line written by the producer, a line written by consumers.
+/// One slot's batch descriptor, written by the producer only.
 #[repr(C, align(128))]
 pub struct SlotDesc {
-    /// Sequence number of the batch last published into this slot (`u64::MAX`: never).
+    /// Sequence number of the batch last published into this slot (`u64::MAX`: none, or
+    /// the slot is being written again).
     pub seq: AtomicU64,
     /// Length of that batch in bytes.
     pub len: AtomicU64,
     /// User header of that batch.
     pub header: [AtomicU64; USER_HEADER_WORDS],
     _pad0: [AtomicU64; 6],
-    /// Consumers' line. Broadcast: bit c set while consumer c still holds the batch.
-    /// Shared: [`UNCLAIMED`], or bit c while consumer c holds it, or 0 when free.
-    pub pending: AtomicU64,
-    /// Shared mode: claim token ([`crate::ring::claim_token`]) of the consumer that claimed the
-    /// batch, for the backend's waits; `u64::MAX` when published.
-    pub claimer: AtomicU64,
-    _pad1: [AtomicU64; 14],
+    /// Broadcast: bit c set if the batch was published to consumer c and c is still
+    /// attached (the producer clears it when c goes). Shared: 0.
+    pub addressed: AtomicU64,
+    _pad1: [AtomicU64; 15],
 }
 
-/// One consumer's record.
+/// One consumer's record, as the producer sees it: written by the producer only (the
+/// counters are copied from the consumer's own page by the producer's supervisor, every tick).
 #[repr(C, align(128))]
 pub struct ConsumerRecord {
     /// Producer writes: [`consumer_state`].
@@ -255,55 +258,41 @@ pub struct ConsumerRecord {
     /// Producer writes: bumped on every attach to this record.
     pub generation: AtomicU64,
     _pad0: [AtomicU64; 13],
-    /// Consumer writes: next sequence number it reads (broadcast) or last claimed + 1 (shared).
+    /// Copied from the consumer's page: next sequence number it reads (broadcast) or last
+    /// claimed + 1 (shared).
     pub cursor: AtomicU64,
-    /// Consumer writes: batches received.
+    /// Copied from the consumer's page: batches received.
     pub received: AtomicU64,
-    /// Consumer writes: batches released.
+    /// Copied from the consumer's page: batches released.
     pub released: AtomicU64,
-    /// Consumer writes, at attach: where it uses its batches
+    /// Copied from the consumer's page: where it uses its batches
     /// ([`crate::delivery::Placement::encode`]; 0 until written).
     pub placement: AtomicU32,
     _pad_placement: AtomicU32,
     _pad1: [AtomicU64; 12],
 }
 
-/// Shared-mode claim hint and requeue count, at offset 768, each on a line of its own
-/// because consumers write them.
-#[repr(C)]
-pub struct ClaimLines {
-    /// Consumers write (shared mode): lowest sequence number that may still be unclaimed.
-    pub claim_hint: Line64,
-    /// Producer and consumers write (shared mode): batches put back after a consumer died.
-    pub requeued: Line64,
-}
-
-/// Offset of the claim lines.
-pub const CLAIM_OFFSET: usize = size_of::<SegmentHeader>();
 /// Offset of the first slot descriptor.
-pub const SLOTS_OFFSET: usize = CLAIM_OFFSET + size_of::<ClaimLines>();
+pub const SLOTS_OFFSET: usize = size_of::<SegmentHeader>();
 
 const _: () = {
     assert!(size_of::<HeaderConstants>() == 128);
     assert!(size_of::<Line64>() == 128 && size_of::<Line32>() == 128);
-    assert!(size_of::<SegmentHeader>() == 768);
+    assert!(size_of::<SegmentHeader>() == 1024);
     assert!(std::mem::offset_of!(SegmentHeader, head) == 128);
     assert!(std::mem::offset_of!(SegmentHeader, data_wake) == 256);
-    assert!(std::mem::offset_of!(SegmentHeader, data_sleepers) == 384);
-    assert!(std::mem::offset_of!(SegmentHeader, space_wake) == 512);
-    assert!(std::mem::offset_of!(SegmentHeader, space_sleepers) == 640);
+    assert!(std::mem::offset_of!(SegmentHeader, requeued) == 384);
+    assert!(std::mem::offset_of!(SegmentHeader, space_sleepers) == 512);
     assert!(std::mem::offset_of!(HeaderConstants, version) == 8);
     assert!(std::mem::offset_of!(HeaderConstants, layout_hash) == 16);
     assert!(std::mem::offset_of!(HeaderConstants, slot_count) == 24);
     assert!(std::mem::offset_of!(HeaderConstants, slot_bytes) == 32);
     assert!(std::mem::offset_of!(HeaderConstants, producer_pid) == 48);
     assert!(std::mem::offset_of!(HeaderConstants, created_unix_ms) == 64);
-    assert!(size_of::<ClaimLines>() == 256);
     assert!(SLOTS_OFFSET == 1024);
     assert!(size_of::<SlotDesc>() == 256);
     assert!(std::mem::offset_of!(SlotDesc, header) == 16);
-    assert!(std::mem::offset_of!(SlotDesc, pending) == 128);
-    assert!(std::mem::offset_of!(SlotDesc, claimer) == 136);
+    assert!(std::mem::offset_of!(SlotDesc, addressed) == 128);
     assert!(size_of::<ConsumerRecord>() == 256);
     assert!(std::mem::offset_of!(ConsumerRecord, cursor) == 128);
 };
@@ -319,26 +308,34 @@ const fn fnv1a(mut h: u64, v: u64) -> u64 {
     h
 }
 
+/// Bytes of a consumer's page before its per-slot progress words (see `page.rs`).
+pub const PAGE_HEADER_BYTES: usize = 256;
+/// Offset of the first claim word in the claim segment (see `page.rs`).
+pub const CLAIMS_OFFSET: usize = 128;
+/// Distance between two claim words (each on a line of its own: consumers write them).
+pub const CLAIM_STRIDE: usize = 128;
+
 /// A hash of every size and offset in the layout: peers built from another revision of the
 /// layout refuse each other instead of misreading.
 pub const LAYOUT_HASH: u64 = {
-    let parts: [u64; 22] = [
+    let parts: [u64; 23] = [
         PROTOCOL_VERSION as u64,
         size_of::<SegmentHeader>() as u64,
-        size_of::<ClaimLines>() as u64,
+        PAGE_HEADER_BYTES as u64,
         size_of::<SlotDesc>() as u64,
         size_of::<ConsumerRecord>() as u64,
         std::mem::offset_of!(SegmentHeader, head) as u64,
         std::mem::offset_of!(SegmentHeader, data_wake) as u64,
-        std::mem::offset_of!(SegmentHeader, space_wake) as u64,
+        std::mem::offset_of!(SegmentHeader, requeued) as u64,
+        std::mem::offset_of!(SegmentHeader, space_sleepers) as u64,
         std::mem::offset_of!(SlotDesc, len) as u64,
         std::mem::offset_of!(SlotDesc, header) as u64,
-        std::mem::offset_of!(SlotDesc, pending) as u64,
-        std::mem::offset_of!(SlotDesc, claimer) as u64,
+        std::mem::offset_of!(SlotDesc, addressed) as u64,
+        CLAIM_STRIDE as u64,
+        CLAIMS_OFFSET as u64,
         std::mem::offset_of!(ConsumerRecord, join_seq) as u64,
         std::mem::offset_of!(ConsumerRecord, cursor) as u64,
         USER_HEADER_WORDS as u64,
-        UNCLAIMED,
         size_of::<TensorTable>() as u64,
         size_of::<crate::tensor::TensorEntry>() as u64,
         std::mem::offset_of!(TensorTable, entries) as u64,
@@ -364,14 +361,20 @@ pub struct ControlSegment {
 
 impl ControlSegment {
     /// Creates and initialises a segment for `layout` (producer side). `magic` is written last.
+    /// The producer's writable view is mapped first, then the memfd is sealed against every
+    /// later write (`F_SEAL_FUTURE_WRITE`): the fd it hands out can only be mapped read-only.
     pub fn create(layout: RingLayout, backend: u32) -> Result<Self, Error> {
         layout.validate()?;
         let bytes = layout.segment_bytes();
-        let fd = sys::sealed_memfd("gpipe-control", bytes).map_err(Error::os("memfd_create"))?;
+        let unshared = sys::UnsharedMemfd::create("gpipe-control", bytes)
+            .map_err(Error::os("memfd_create"))?;
         let map = MmapOptions::new()
             .len(bytes as usize)
-            .map_raw(&fd)
+            .map_raw(&unshared.fd())
             .map_err(Error::os("mmap control segment"))?;
+        let fd = unshared
+            .seal_writes()
+            .map_err(Error::os("seal the control segment"))?;
         let seg = Self { map, fd, layout };
         let c = &seg.header().constants;
         c.version.store(PROTOCOL_VERSION, Ordering::Relaxed);
@@ -398,23 +401,20 @@ impl ControlSegment {
         Ok(seg)
     }
 
-    /// Maps a segment received from a producer and checks it against the layout announced in
-    /// the handshake. Nothing is trusted: magic, version, hash, sizes and seals are checked.
-    pub fn open(fd: OwnedFd, expected: RingLayout, writable: bool) -> Result<Self, Error> {
+    /// Maps a segment received from a producer, read-only, and checks it against the layout
+    /// announced in the handshake. Nothing is trusted: magic, version, hash, sizes and seals
+    /// (it must be sealed against writes, so that no other peer can change it) are checked.
+    pub fn open(fd: OwnedFd, expected: RingLayout) -> Result<Self, Error> {
         expected.validate()?;
         let bytes = expected.segment_bytes();
-        sys::check_sealed_memfd(fd.as_fd(), bytes)
+        sys::check_write_sealed_memfd(fd.as_fd(), bytes)
             .map_err(|m| ProtocolError::Segment(format!("control segment: {m}")))?;
-        let mut opts = MmapOptions::new();
-        opts.len(bytes as usize);
-        let map = if writable {
-            opts.map_raw(&fd)
-        } else {
-            // Read-only observers (gpipe inspect) still need atomics; loads on a read-only
-            // mapping are fine, and they never store.
-            opts.map_raw_read_only(&fd)
-        }
-        .map_err(Error::os("mmap control segment"))?;
+        // Peers only load from it (atomics on a read-only mapping are fine for loads) and
+        // wait on its futex word, which the kernel allows on a read-only mapping.
+        let map = MmapOptions::new()
+            .len(bytes as usize)
+            .map_raw_read_only(&fd)
+            .map_err(Error::os("mmap control segment"))?;
         let seg = Self {
             map,
             fd,
@@ -479,14 +479,6 @@ impl ControlSegment {
         unsafe { &*(self.map.as_ptr() as *const SegmentHeader) }
     }
 
-    /// The shared-mode claim lines.
-    #[inline]
-    pub fn claim(&self) -> &ClaimLines {
-        // SAFETY: as for `header`: CLAIM_OFFSET + size_of::<ClaimLines>() == SLOTS_OFFSET is
-        // within the mapping, 128-aligned, and all atomics.
-        unsafe { &*(self.map.as_ptr().add(CLAIM_OFFSET) as *const ClaimLines) }
-    }
-
     /// Slot `k`'s descriptor. Panics if `k` is out of range: callers pass indices they
     /// computed from the local layout, never values read from shared memory.
     #[inline]
@@ -522,7 +514,8 @@ impl ControlSegment {
         unsafe { &*(self.map.as_ptr().add(off) as *const TensorTable) }
     }
 
-    /// Raw base pointer and length (for tests that scribble on the segment on purpose).
+    /// Raw base pointer and length (for tests that try to scribble on the segment: a
+    /// consumer's mapping is read-only, so a store through it faults).
     pub fn as_raw(&self) -> (*mut u8, usize) {
         (self.map.as_mut_ptr(), self.map.len())
     }
@@ -553,7 +546,7 @@ mod tests {
     fn create_then_open_roundtrip() {
         let seg = ControlSegment::create(layout(), 1).unwrap();
         let fd = seg.fd().try_clone_to_owned().unwrap();
-        let other = ControlSegment::open(fd, layout(), true).unwrap();
+        let other = ControlSegment::open(fd, layout()).unwrap();
         seg.slot(3).len.store(77, Ordering::Relaxed);
         assert_eq!(other.slot(3).len.load(Ordering::Relaxed), 77);
         assert_eq!(other.slot(0).seq.load(Ordering::Relaxed), u64::MAX);
@@ -565,18 +558,34 @@ mod tests {
         let mut l2 = layout();
         l2.slot_count = 5;
         let fd = seg.fd().try_clone_to_owned().unwrap();
-        assert!(ControlSegment::open(fd, l2, true).is_err());
+        assert!(ControlSegment::open(fd, l2).is_err());
         seg.header().constants.magic.store(0, Ordering::Relaxed);
         let fd = seg.fd().try_clone_to_owned().unwrap();
-        let e = ControlSegment::open(fd, layout(), true).err().unwrap();
+        let e = ControlSegment::open(fd, layout()).err().unwrap();
         assert!(e.to_string().contains("bad magic"), "{e}");
+    }
+
+    #[test]
+    fn the_shared_fd_cannot_be_written() {
+        let seg = ControlSegment::create(layout(), 1).unwrap();
+        let e = MmapOptions::new()
+            .len(4096)
+            .map_raw(&seg.fd())
+            .expect_err("a writable mapping of the control segment must be refused");
+        assert_eq!(e.raw_os_error(), Some(libc_eperm()), "{e}");
+        let e = rustix::io::write(seg.fd(), b"x").unwrap_err();
+        assert_eq!(e, rustix::io::Errno::PERM);
+    }
+
+    fn libc_eperm() -> i32 {
+        rustix::io::Errno::PERM.raw_os_error()
     }
 
     #[test]
     fn open_refuses_unsealed_memfd() {
         let fd = rustix::fs::memfd_create("x", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
         rustix::fs::ftruncate(&fd, layout().segment_bytes()).unwrap();
-        let e = ControlSegment::open(fd, layout(), true).err().unwrap();
+        let e = ControlSegment::open(fd, layout()).err().unwrap();
         assert!(e.to_string().contains("seal"), "{e}");
     }
 

@@ -51,6 +51,8 @@ pub mod layout;
 #[cfg(not(loom))]
 pub mod limits;
 #[cfg(not(loom))]
+pub mod page;
+#[cfg(not(loom))]
 pub mod pattern;
 #[cfg(not(loom))]
 pub mod producer;

@@ -17,6 +17,7 @@ use crate::layout::{
     self, ControlSegment, MAX_SEQ, Mode, PROTOCOL_VERSION, RingLayout, USER_HEADER_WORDS,
     consumer_state, producer_state,
 };
+use crate::page::{ClaimSegment, ConsumerPage};
 use crate::ring;
 use crate::socket_file::{self, SocketFile};
 use crate::sys::{self, IoDeadline};
@@ -182,6 +183,16 @@ struct Members {
 
 struct Shared<B> {
     seg: ControlSegment,
+    /// The words every consumer may write (the producer's futex word, shared-mode claims).
+    claims: ClaimSegment,
+    /// Per consumer index: the page of its current (or last) attach. Replaced, under the
+    /// members lock, only when a new consumer at the index activates; `pages_epoch` is
+    /// bumped then, before the consumer's bit enters `active`.
+    pages: Mutex<Vec<Option<Arc<ConsumerPage>>>>,
+    pages_epoch: AtomicU64,
+    /// Per slot (shared mode): `seq + 1` of its batch if a claimer that has since departed
+    /// had released it (its page is no longer looked at).
+    consumed: Vec<AtomicU64>,
     backend: B,
     layout: RingLayout,
     config: ProducerConfig,
@@ -249,6 +260,7 @@ impl<B: ProducerBackend> Shared<B> {
     fn depart_if(&self, idx: u32, token: Option<u64>, how: Departure, why: &str) {
         let mut requeued = 0u64;
         let pid;
+        let page = self.pages.lock()[idx as usize].clone();
         {
             let mut m = self.members.lock();
             if token.is_some_and(|t| self.claim_tokens[idx as usize].load(Ordering::Acquire) != t) {
@@ -263,26 +275,70 @@ impl<B: ProducerBackend> Shared<B> {
                 Departure::Died => consumer_state::DEAD,
                 Departure::Detached => consumer_state::DETACHED,
             };
+            // Its last counters, for `gpipe inspect`: they are final once it is gone.
+            if let Some(page) = page.as_ref() {
+                self.fold_counters_of(idx, page);
+            }
             self.seg.consumer(idx).state.store(state, Ordering::Release);
             // Pairs with the fence a shared consumer makes between a claim and reading its
             // record: either our reclaim below sees its claim, or it sees this state.
             std::sync::atomic::fence(Ordering::SeqCst);
-            let shared = self.shared_mode();
             for k in 0..self.layout.slot_count {
-                if ring::reclaim(&self.seg.slot(k).pending, idx, shared) {
+                if !self.shared_mode() {
+                    // It no longer receives what it had not released: the batch is no
+                    // longer addressed to it (it sees that if it comes back to it).
+                    self.seg
+                        .slot(k)
+                        .addressed
+                        .fetch_and(!ring::bit(idx), Ordering::AcqRel);
+                    continue;
+                }
+                // What its page says it released counts as consumed from now on (its page
+                // is no longer looked at), whatever the claim word says; its other claims go
+                // back as unclaimed.
+                let word = self.claims.claim(k);
+                let progress = page
+                    .as_ref()
+                    .map_or(0, |p| p.slot(k).load(Ordering::Acquire));
+                if let Some(r) = ring::released_seq(progress)
+                    && r == self.seg.slot(k).seq.load(Ordering::Acquire)
+                {
+                    self.consumed[k as usize].store(r + 1, Ordering::Release);
+                }
+                let w = word.load(Ordering::Acquire);
+                if ring::claim_owner(w) != Some(idx) || w == ring::NO_BATCH {
+                    continue;
+                }
+                let s = ring::claim_seq(w);
+                if progress == ring::released(s) {
+                    // Not in its index's name any more: a later consumer at the index
+                    // would take it for a claim made in its name.
+                    let _ = word.compare_exchange(
+                        w,
+                        ring::claim_word(s, Some(ring::DEPARTED)),
+                        Ordering::AcqRel,
+                        Ordering::Relaxed,
+                    );
+                } else if word
+                    .compare_exchange(
+                        w,
+                        ring::claim_word(s, None),
+                        Ordering::AcqRel,
+                        Ordering::Relaxed,
+                    )
+                    .is_ok()
+                {
                     requeued += 1;
                 }
             }
             if requeued > 0 {
                 self.seg
-                    .claim()
+                    .header()
                     .requeued
                     .value
-                    .fetch_add(requeued, Ordering::AcqRel);
+                    .fetch_add(1, Ordering::AcqRel);
             }
-            // Only now leave the active set: the producer checks slots without this lock,
-            // and a lone claim bit of an inactive consumer reads as a free slot, which must
-            // not happen before the batch is requeued above.
+            // Only now leave the active set: from here on its page is not looked at.
             m.active &= !ring::bit(idx);
             self.active.store(m.active, Ordering::Release);
             // Keep the index from being handed out until the backend has let go of it.
@@ -313,15 +369,56 @@ impl<B: ProducerBackend> Shared<B> {
                 }
             ),
         }
-        let h = self.seg.header();
-        wait::notify(&h.space_wake.value, &h.space_sleepers.value, true);
+        self.wake_producer();
         if requeued > 0 {
-            wait::notify(&h.data_wake.value, &h.data_sleepers.value, true);
+            self.wake_consumers();
         }
         if how == Departure::Detached {
             // Close its socket so it notices at once.
             self.waker.wake();
         }
+    }
+
+    /// Wakes a producer thread asleep waiting for a slot.
+    fn wake_producer(&self) {
+        wait::notify(
+            self.claims.space_wake(),
+            &self.seg.header().space_sleepers.value,
+            true,
+        );
+    }
+
+    /// Wakes every consumer asleep waiting for data (off the hot path: unconditionally).
+    fn wake_consumers(&self) {
+        let w = &self.seg.header().data_wake.value;
+        std::sync::atomic::fence(Ordering::SeqCst);
+        w.fetch_add(1, Ordering::Release);
+        sys::futex_wake(w, i32::MAX as u32);
+    }
+
+    /// Copies each active consumer's counters from its page into its record, where
+    /// `gpipe inspect` reads them.
+    fn fold_counters(&self) {
+        let active = self.active.load(Ordering::Acquire);
+        let pages = self.pages.lock();
+        for c in ring::members(active) {
+            if let Some(page) = pages[c as usize].as_ref() {
+                self.fold_counters_of(c, page);
+            }
+        }
+    }
+
+    /// Copies consumer `c`'s counters from its page into its record.
+    fn fold_counters_of(&self, c: u32, page: &ConsumerPage) {
+        let (p, r) = (page.header(), self.seg.consumer(c));
+        r.cursor
+            .store(p.cursor.load(Ordering::Relaxed), Ordering::Relaxed);
+        r.received
+            .store(p.received.load(Ordering::Relaxed), Ordering::Relaxed);
+        r.released
+            .store(p.released.load(Ordering::Relaxed), Ordering::Relaxed);
+        r.placement
+            .store(p.placement.load(Ordering::Relaxed), Ordering::Release);
     }
 
     fn uid_allowed(&self, cred: &sys::PeerCred) -> bool {
@@ -560,7 +657,7 @@ impl<B: ProducerBackend> Shared<B> {
         rec.pid.store(cred.pid.unwrap_or(0), Ordering::Relaxed);
         let result = self
             .attach_reserved(attaching, idx, &welcome, deadline)
-            .and_then(|conn_arc| {
+            .and_then(|(conn_arc, page)| {
                 let mut m = self.members.lock();
                 // Closing began while this attach ran: refuse it rather than join a closed
                 // ring (the supervisor may already have cut its socket). Checked under the lock
@@ -587,6 +684,9 @@ impl<B: ProducerBackend> Shared<B> {
                 rec.placement.store(0, Ordering::Relaxed);
                 rec.generation.fetch_add(1, Ordering::Relaxed);
                 rec.state.store(consumer_state::ACTIVE, Ordering::Release);
+                // Its page before its bit: whoever sees the bit sees the new epoch.
+                self.pages.lock()[idx as usize] = Some(page);
+                self.pages_epoch.fetch_add(1, Ordering::AcqRel);
                 m.active |= ring::bit(idx);
                 self.active.store(m.active, Ordering::Release);
                 m.conns[idx as usize] = Some(Member {
@@ -642,10 +742,12 @@ impl<B: ProducerBackend> Shared<B> {
         idx: u32,
         welcome: &dyn Fn(u32, u32, Vec<u8>) -> Message,
         deadline: IoDeadline,
-    ) -> Result<Arc<UnixStream>, Error> {
+    ) -> Result<(Arc<UnixStream>, Arc<ConsumerPage>), Error> {
         let conn = &attaching.conn;
+        // A fresh page for every attach: no earlier consumer of this index holds it.
+        let page = Arc::new(ConsumerPage::create(&self.layout)?);
         let export = self.backend.export(idx).map_err(Error::Backend)?;
-        let mut fds: Vec<BorrowedFd<'_>> = vec![self.seg.fd()];
+        let mut fds: Vec<BorrowedFd<'_>> = vec![self.seg.fd(), self.claims.fd(), page.fd()];
         fds.extend(export.fds.iter().map(|f| f.as_fd()));
         wire::send_until(
             conn,
@@ -675,7 +777,10 @@ impl<B: ProducerBackend> Shared<B> {
                 .into());
             }
         }
-        Ok(Arc::new(conn.try_clone().map_err(Error::os("dup socket"))?))
+        Ok((
+            Arc::new(conn.try_clone().map_err(Error::os("dup socket"))?),
+            page,
+        ))
     }
 
     /// Closing: no attach may complete now. Ends the reads of handshakes in progress rather
@@ -810,6 +915,7 @@ impl<B: ProducerBackend> Shared<B> {
                     );
                 }
             }
+            self.fold_counters();
             partial.retain(|k, _| snapshot.iter().any(|(_, c)| Arc::as_ptr(c) as usize == *k));
             attaching.retain(|(h, _)| !h.is_finished());
             if self.closing.load(Ordering::Acquire) {
@@ -919,6 +1025,12 @@ pub struct Producer<B: ProducerBackend> {
     shared: Arc<Shared<B>>,
     head: u64,
     holders: Vec<u64>,
+    /// This thread's copy of the consumers' pages (`Shared::pages`), refreshed when the
+    /// epoch moves: the hot path reads pages without a lock.
+    pages: std::cell::RefCell<PageCache>,
+    /// The epoch `pages` was copied at (checked without borrowing it, on every publish and
+    /// every slot check).
+    pages_seen: std::cell::Cell<u64>,
     supervisor: Option<JoinHandle<()>>,
     socket_path: PathBuf,
     /// The socket file we created: removed at the end only if the path still names it.
@@ -928,11 +1040,36 @@ pub struct Producer<B: ProducerBackend> {
     /// policy's clock, kept across `acquire` calls that time out (a binding acquires in short
     /// slices to stay interruptible).
     stalled_since: Option<(u64, Instant)>,
+    /// Shared mode, while stalled: since when each consumer's page has said, without a break,
+    /// that it holds the batch waited for. The lag policy blames a consumer for its own hold
+    /// only: a batch left unclaimed (or whose claim word a peer keeps resetting) runs no
+    /// consumer's clock, so the consumer that finally takes it is not detached at once.
+    /// Keyed by the stall's start (reset lazily, off the hot path).
+    held_since: std::cell::RefCell<(Option<Instant>, Vec<Option<Instant>>)>,
     /// One past the last batch whose slot was taken ahead ([`Producer::acquire_ahead`]):
     /// batches `head..reserved` have their slots waited for and are not yet published.
     reserved: u64,
     /// Bumped by [`Producer::cancel_ahead`]: loans from before are refused.
     loan_epoch: u64,
+}
+
+/// The producer thread's copy of the consumers' pages.
+struct PageCache {
+    epoch: u64,
+    pages: Vec<Option<Arc<ConsumerPage>>>,
+}
+
+/// Where a slot the producer wants to write again stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SlotWait {
+    /// Free: every holder let go of its batch.
+    Free,
+    /// These consumers still hold it.
+    Held(u64),
+    /// Shared mode: its batch waits for a consumer to claim it.
+    Unclaimed,
+    /// Shared mode: its claim word names nobody whose page backs it (this claim word).
+    Unbacked(u64),
 }
 
 impl<B: ProducerBackend> Producer<B> {
@@ -963,6 +1100,7 @@ impl<B: ProducerBackend> Producer<B> {
             sys::make_not_dumpable().map_err(Error::os("prctl(PR_SET_DUMPABLE, 0)"))?;
         }
         let seg = ControlSegment::create(layout, B::KIND.to_u32())?;
+        let claims = ClaimSegment::create(&layout)?;
         // A ring too large for its memory is a wrong argument, not a failing backend.
         let backend = B::create(&layout, options).map_err(|e| {
             match e.downcast::<crate::limits::DoesNotFit>() {
@@ -980,6 +1118,10 @@ impl<B: ProducerBackend> Producer<B> {
         }
         let shared = Arc::new(Shared {
             seg,
+            claims,
+            pages: Mutex::new((0..layout.consumer_capacity).map(|_| None).collect()),
+            pages_epoch: AtomicU64::new(0),
+            consumed: (0..layout.slot_count).map(|_| AtomicU64::new(0)).collect(),
             backend,
             layout,
             config,
@@ -1020,11 +1162,20 @@ impl<B: ProducerBackend> Producer<B> {
             shared,
             head: 0,
             holders: vec![0; layout.slot_count as usize],
+            pages: std::cell::RefCell::new(PageCache {
+                epoch: 0,
+                pages: (0..layout.consumer_capacity).map(|_| None).collect(),
+            }),
+            pages_seen: std::cell::Cell::new(0),
             supervisor: Some(supervisor),
             socket_path,
             socket_file,
             closed: false,
             stalled_since: None,
+            held_since: std::cell::RefCell::new((
+                None,
+                vec![None; layout.consumer_capacity as usize],
+            )),
             reserved: 0,
             loan_epoch: 0,
         })
@@ -1120,18 +1271,13 @@ impl<B: ProducerBackend> Producer<B> {
         let waited_on = self
             .lead_bound(seq)
             .into_iter()
-            .chain(ring::previous_in_slot(seq, n).map(|_| seq));
-        for slot in waited_on.map(|s| ring::slot_of(s, n)) {
-            let active = sh.active.load(Ordering::Acquire);
-            let pending = &sh.seg.slot(slot).pending;
-            if ring::slot_free(pending, active, sh.shared_mode()) {
-                continue;
-            }
-            let p = pending.load(Ordering::Acquire);
-            let held = if p & ring::UNCLAIMED != 0 {
-                0
-            } else {
-                p & active
+            .chain(ring::previous_in_slot(seq, n));
+        for prev in waited_on {
+            let slot = ring::slot_of(prev, n);
+            let held = match self.slot_wait(slot, prev) {
+                SlotWait::Free => continue,
+                SlotWait::Held(m) => m,
+                SlotWait::Unclaimed | SlotWait::Unbacked(_) => 0,
             };
             let members = sh.members.lock();
             let holders = (0..sh.layout.consumer_capacity)
@@ -1284,11 +1430,11 @@ impl<B: ProducerBackend> Producer<B> {
             Some((seq, t)) if seq == s => t,
             _ => self.stalled_since.insert((s, Instant::now())).1,
         };
-        if let Some((k_early, _)) = early {
-            self.wait_slot_free(k_early, started, deadline)?;
+        if let Some((k_early, e)) = early {
+            self.wait_slot_free(k_early, e, started, deadline)?;
         }
-        if prev.is_some() {
-            self.wait_slot_free(k, started, deadline)?;
+        if let Some(p) = prev {
+            self.wait_slot_free(k, p, started, deadline)?;
         }
         self.stalled_since = None;
         // Both released: the backend orders after both in one call (one stream operation).
@@ -1348,9 +1494,114 @@ impl<B: ProducerBackend> Producer<B> {
         }
         let prev = ring::previous_in_slot(next, n)?;
         let k = ring::slot_of(next, n);
+        (self.slot_wait(k, prev) == SlotWait::Free).then(|| (k, prev, self.holders_of(k, prev)))
+    }
+
+    /// The consumers' pages as of now, for the consumers in the active mask loaded first
+    /// (the caller's `active` must be loaded before this call: a page is installed, and the
+    /// epoch bumped, before its consumer's bit is set).
+    fn pages(&self) -> std::cell::Ref<'_, PageCache> {
+        let epoch = self.shared.pages_epoch.load(Ordering::Acquire);
+        if self.pages_seen.get() != epoch {
+            let mut cache = self.pages.borrow_mut();
+            cache.pages.clone_from(&self.shared.pages.lock());
+            cache.epoch = epoch;
+            self.pages_seen.set(epoch);
+        }
+        self.pages.borrow()
+    }
+
+    /// Where slot `k`, holding batch `prev`, stands (see [`SlotWait`]). In shared mode a slot
+    /// found free is marked as being written again (its descriptor's `seq` set to
+    /// [`ring::NO_BATCH`]) and its holders looked for once more: a consumer that claims the
+    /// batch anew (a peer may have reopened its claim word) either sees the mark and lets
+    /// go, or is seen here and waited for.
+    fn slot_wait(&self, k: u32, prev: u64) -> SlotWait {
+        let sh = &*self.shared;
         let active = sh.active.load(Ordering::Acquire);
-        ring::slot_free(&sh.seg.slot(k).pending, active, sh.shared_mode())
-            .then(|| (k, prev, self.holders_of(k, prev)))
+        let cache = self.pages();
+        let word = |c: u32, order: Ordering| {
+            cache.pages[c as usize]
+                .as_ref()
+                .map_or(0, |p| p.slot(k).load(order))
+        };
+        if !sh.shared_mode() {
+            let addressed = self.addressed(k, prev, active);
+            return match ring::broadcast_laggards(prev, addressed, |c| word(c, Ordering::Acquire)) {
+                0 => SlotWait::Free,
+                m => SlotWait::Held(m),
+            };
+        }
+        let w = sh.claims.claim(k).load(Ordering::Acquire);
+        let consumed = sh.consumed[k as usize].load(Ordering::Acquire) == prev + 1;
+        match ring::shared_slot(w, prev, active, consumed, |c| word(c, Ordering::Acquire)) {
+            ring::SharedSlot::Free => {
+                let desc = sh.seg.slot(k);
+                if desc.seq.load(Ordering::Relaxed) != ring::NO_BATCH {
+                    desc.seq.store(ring::NO_BATCH, Ordering::SeqCst);
+                }
+                match ring::holders_after_mark(prev, active, |c| word(c, Ordering::SeqCst)) {
+                    0 => SlotWait::Free,
+                    m => SlotWait::Held(m),
+                }
+            }
+            ring::SharedSlot::Held(m) => SlotWait::Held(m),
+            ring::SharedSlot::Unclaimed => SlotWait::Unclaimed,
+            ring::SharedSlot::Unbacked => SlotWait::Unbacked(w),
+        }
+    }
+
+    /// Broadcast: the consumers batch `prev` (in slot `k`) was published to that are still
+    /// attached — not a consumer that has since taken the same index (it joined after).
+    fn addressed(&self, k: u32, prev: u64, active: u64) -> u64 {
+        let sh = &*self.shared;
+        let mut holders = 0;
+        for c in ring::members(self.holders[k as usize] & active) {
+            if sh
+                .joined_at
+                .get(c as usize)
+                .is_some_and(|j| j.load(Ordering::Acquire) <= prev)
+            {
+                holders |= ring::bit(c);
+            }
+        }
+        holders
+    }
+
+    /// Shared mode: puts back as unclaimed a batch whose claim word `w` no page backs (a
+    /// scribble, a claim in another's name, a departed claimer's late claim), and tells the
+    /// consumers to look again.
+    fn put_back(&self, k: u32, prev: u64, w: u64) {
+        let sh = &*self.shared;
+        if sh
+            .claims
+            .claim(k)
+            .compare_exchange(
+                w,
+                ring::claim_word(prev, None),
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            )
+            .is_ok()
+        {
+            tracing::debug!(
+                slot = k,
+                "slot {k}'s claim word held {w:#x}, which no consumer's page backs (a claim in \
+                 another's name, or scribbled); put batch {prev} back as unclaimed"
+            );
+            self.rescan();
+        }
+    }
+
+    /// Shared mode: tells consumers to scan the whole window again (a batch was put back).
+    fn rescan(&self) {
+        let sh = &*self.shared;
+        sh.seg
+            .header()
+            .requeued
+            .value
+            .fetch_add(1, Ordering::AcqRel);
+        sh.wake_consumers();
     }
 
     /// The batch that must be done with before batch `s` is written, under
@@ -1363,16 +1614,16 @@ impl<B: ProducerBackend> Producer<B> {
         s.checked_sub(lead)
     }
 
-    /// Waits until slot `k` is free; the lag policy counts from `started`.
+    /// Waits until slot `k`, holding batch `prev`, is free; the lag policy counts from
+    /// `started`.
     fn wait_slot_free(
         &self,
         k: u32,
+        prev: u64,
         started: Instant,
         deadline: Option<Instant>,
     ) -> Result<(), Error> {
         let sh = &*self.shared;
-        let desc = sh.seg.slot(k);
-        let shared_mode = sh.shared_mode();
         let h = sh.seg.header();
         // Sleep no longer than the deadline: a caller polling with short timeouts (a pipeline
         // that publishes between them) must get control back on time.
@@ -1383,49 +1634,66 @@ impl<B: ProducerBackend> Producer<B> {
         }
         wait::wait_for(
             policy,
-            &h.space_wake.value,
+            sh.claims.space_wake(),
             &h.space_sleepers.value,
-            || {
-                ring::slot_free(
-                    &desc.pending,
-                    sh.active.load(Ordering::Acquire),
-                    shared_mode,
-                )
-                .then_some(())
+            || match self.slot_wait(k, prev) {
+                SlotWait::Free => Some(()),
+                SlotWait::Unbacked(w) => {
+                    self.put_back(k, prev, w);
+                    None
+                }
+                _ => None,
             },
             || {
-                if shared_mode {
-                    let p = desc.pending.load(Ordering::Acquire);
-                    if let Some(v) = ring::repair_shared(p, sh.active.load(Ordering::Acquire)) {
-                        if desc
-                            .pending
-                            .compare_exchange(p, v, Ordering::AcqRel, Ordering::Relaxed)
-                            .is_ok()
-                        {
-                            sh.seg.claim().requeued.value.fetch_add(1, Ordering::AcqRel);
-                            tracing::warn!(
-                                slot = k,
-                                "slot {k}'s pending word held {p:#x}, which no correct consumer writes (scribbled?); put its batch back as unclaimed"
-                            );
-                            wait::notify(&h.data_wake.value, &h.data_sleepers.value, true);
+                let laggards = match self.slot_wait(k, prev) {
+                    SlotWait::Free => return Ok(Some(())),
+                    SlotWait::Held(m) => m,
+                    SlotWait::Unbacked(w) => {
+                        self.put_back(k, prev, w);
+                        0
+                    }
+                    SlotWait::Unclaimed => {
+                        // Consumers look for work from where they last found some: make
+                        // them look at the whole window, whatever put this batch back.
+                        self.rescan();
+                        0
+                    }
+                };
+                if let LagPolicy::DetachAfter(limit) = sh.config.lag {
+                    // Broadcast: a laggard has held the batch since the wait began at least.
+                    // Shared: since its page first said so (without a break) in this stall.
+                    let now = Instant::now();
+                    let mut overdue = 0;
+                    let mut held_since = self.held_since.borrow_mut();
+                    let (stall, since) = &mut *held_since;
+                    if *stall != Some(started) {
+                        since.fill(None);
+                        *stall = Some(started);
+                    }
+                    for (c, t) in since.iter_mut().enumerate() {
+                        let c = c as u32;
+                        if laggards & ring::bit(c) == 0 {
+                            *t = None;
+                            continue;
+                        }
+                        let from = if sh.shared_mode() {
+                            *t.get_or_insert(now)
+                        } else {
+                            started
+                        };
+                        if now.saturating_duration_since(from) >= limit {
+                            overdue |= ring::bit(c);
                         }
                     }
-                }
-                if let LagPolicy::DetachAfter(limit) = sh.config.lag {
-                    if started.elapsed() >= limit {
-                        let p = desc.pending.load(Ordering::Acquire);
-                        let laggards = p & sh.active.load(Ordering::Acquire);
-                        for c in 0..63 {
-                            if laggards & ring::bit(c) != 0 {
-                                sh.depart(
-                                    c,
-                                    Departure::Detached,
-                                    &format!(
-                                        "it held slot {k} for over {limit:?} (lag policy detach-after)"
-                                    ),
-                                );
-                            }
-                        }
+                    drop(held_since);
+                    for c in ring::members(overdue) {
+                        sh.depart(
+                            c,
+                            Departure::Detached,
+                            &format!(
+                                "it held slot {k} for over {limit:?} (lag policy detach-after)"
+                            ),
+                        );
                     }
                 }
                 if deadline.is_some_and(|d| Instant::now() >= d) {
@@ -1444,7 +1712,7 @@ impl<B: ProducerBackend> Producer<B> {
         let n = self.shared.layout.slot_count;
         for s in self.head.saturating_sub(n as u64)..self.head {
             let k = ring::slot_of(s, n);
-            self.wait_slot_free(k, Instant::now(), deadline)?;
+            self.wait_slot_free(k, s, Instant::now(), deadline)?;
             let _gate = self.shared.holders_gate.read();
             let holders = self.holders_of(k, s);
             self.shared
@@ -1461,28 +1729,19 @@ impl<B: ProducerBackend> Producer<B> {
     fn holders_of(&self, k: u32, seq: u64) -> u64 {
         let sh = &*self.shared;
         let active = sh.active.load(Ordering::Acquire);
-        if sh.shared_mode() {
-            // The claimer's token, if it is the current holder of its index. Not filtered by
-            // join point: a consumer may claim a batch published before it joined, and its
-            // GPU work on it must finish before the slot is written again.
-            let t = sh.seg.slot(k).claimer.load(Ordering::Acquire);
-            let c = ring::token_index(t);
-            return match sh.claim_tokens.get(c as usize) {
-                Some(current) if current.load(Ordering::Acquire) == t => ring::bit(c) & active,
-                _ => 0,
-            };
+        if !sh.shared_mode() {
+            return self.addressed(k, seq, active);
         }
-        // Visit the set bits only: this runs for every acquire.
-        let mut rest = self.holders[k as usize] & active;
+        // Every active consumer whose page says it took the batch (held or released it): not
+        // filtered by join point, since a consumer may claim a batch published before it
+        // joined; a later consumer at an index has a fresh page that never took it.
+        let cache = self.pages();
         let mut holders = 0;
-        while rest != 0 {
-            let c = rest.trailing_zeros();
-            rest &= rest - 1;
-            if sh
-                .joined_at
-                .get(c as usize)
-                .is_some_and(|j| j.load(Ordering::Acquire) <= seq)
-            {
+        for c in ring::members(active) {
+            let w = cache.pages[c as usize]
+                .as_ref()
+                .map_or(0, |p| p.slot(k).load(Ordering::Acquire));
+            if w == ring::holding(seq) || w == ring::released(seq) {
                 holders |= ring::bit(c);
             }
         }
@@ -1520,7 +1779,7 @@ impl<B: ProducerBackend> Producer<B> {
         h.constants
             .producer_state
             .store(producer_state::CLOSED, Ordering::Release);
-        wait::notify(&h.data_wake.value, &h.data_sleepers.value, true);
+        sh.wake_consumers();
         let deadline = Instant::now() + sh.config.drain_timeout;
         loop {
             let attached = {
@@ -1581,8 +1840,7 @@ impl<B: ProducerBackend> Producer<B> {
             }
         }
         // Consumers asleep waiting for a batch look at the producer now.
-        let h = sh.seg.header();
-        wait::notify(&h.data_wake.value, &h.data_sleepers.value, true);
+        sh.wake_consumers();
         socket_file::remove(&self.socket_path, self.socket_file);
         // The supervisor is told to stop but not joined: a handshake it waits for may be stuck
         // in the backend (a GPU stream that waits on work that never comes). It and the
@@ -1750,19 +2008,20 @@ impl<'p, B: ProducerBackend> Slot<'p, B> {
         for (w, v) in desc.header.iter().zip(header) {
             w.store(*v, Ordering::Relaxed);
         }
-        desc.claimer
-            .store(ring::claim_marker(self.seq), Ordering::Relaxed);
         desc.seq.store(self.seq, Ordering::Relaxed);
+        if sh.shared_mode() {
+            // Claimable from here on, for consumers that see the head below pass it.
+            sh.claims
+                .claim(self.slot)
+                .store(ring::claim_word(self.seq, None), Ordering::Release);
+        }
         crate::fault::point("producer.before_publish");
         let h = sh.seg.header();
         let mask = {
             let mut m = sh.members.lock();
-            let mask = if sh.shared_mode() {
-                ring::UNCLAIMED
-            } else {
-                m.active
-            };
-            ring::publish(&desc.pending, &h.head.value, self.seq, mask);
+            let mask = if sh.shared_mode() { 0 } else { m.active };
+            desc.addressed.store(mask, Ordering::Relaxed);
+            h.head.value.store(self.seq + 1, Ordering::Release);
             m.head = self.seq + 1;
             mask
         };
@@ -1770,7 +2029,59 @@ impl<'p, B: ProducerBackend> Slot<'p, B> {
         p.holders[self.slot as usize] = mask;
         p.head = self.seq + 1;
         p.reserved = p.reserved.max(p.head);
-        wait::notify(&h.data_wake.value, &h.data_sleepers.value, true);
+        let active = sh.active.load(Ordering::Acquire);
+        let cache = p.pages();
+        wait::notify_if(&h.data_wake.value, true, || {
+            ring::members(active).any(|c| {
+                cache.pages[c as usize]
+                    .as_ref()
+                    .is_some_and(|pg| pg.header().sleeping.value.load(Ordering::SeqCst) != 0)
+            })
+        });
         Ok(self.seq)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Consumer, HostConsumer, HostOptions, HostProducer};
+
+    /// A table that does not fit its batch (only the producer can write one now: the control
+    /// segment is read-only to consumers) is refused and the slot given back.
+    #[test]
+    fn a_table_that_does_not_fit_the_batch_is_refused_and_the_slot_given_back() {
+        let sock = std::env::temp_dir().join(format!("gpipe-badtable-{}.sock", std::process::id()));
+        let config = ProducerConfig {
+            slots: 2,
+            batch_bytes: 1 << 20,
+            ..Default::default()
+        };
+        let mut producer: Producer<HostProducer> =
+            Producer::bind(&sock, config, HostOptions::default()).unwrap();
+        let mut consumer: Consumer<HostConsumer> =
+            Consumer::attach(&sock, HostOptions::default()).unwrap();
+        producer
+            .wait_for_consumers(1, Duration::from_secs(5))
+            .unwrap();
+        producer.acquire().unwrap().publish(64).unwrap();
+        // A table entry that reaches past the batch, as a buggy producer could write.
+        producer
+            .shared
+            .seg
+            .tensor_table(0)
+            .write(&[crate::TensorInfo::bytes(4096)]);
+        let e = consumer.recv().unwrap_err();
+        assert!(e.to_string().contains("beyond the batch"), "{e}");
+        // The slot went back: the producer can go round the ring.
+        for _ in 0..2 {
+            producer
+                .acquire_timeout(Duration::from_secs(5))
+                .unwrap()
+                .publish(8)
+                .unwrap();
+        }
+        drop(consumer);
+        producer.close();
     }
 }

@@ -1,19 +1,23 @@
 //! The ring's protocol steps on shared words, free of I/O so that proptest and loom can check
-//! them. The producer and consumers call exactly these functions on the control segment.
+//! them. The producer and consumers call exactly these functions (docs/protocol.md, version 4).
 //!
-//! Per slot the producer owns `seq` and the descriptor; `pending` is the handover word:
-//! * broadcast: the producer stores the mask of active consumers at publish; each consumer
-//!   clears its bit when it releases; the slot is free when no active consumer's bit is set;
-//! * shared: the producer stores [`UNCLAIMED`]; one consumer swaps it for its own bit; it
-//!   swaps its bit for 0 when it releases.
+//! The producer alone writes the descriptors (in the read-only control segment). A consumer
+//! writes its progress in its own page, one word per slot: [`holding`]`(seq)` while it holds
+//! batch `seq` of that slot, [`released`]`(seq)` once it let go of it. The producer reuses a
+//! slot when no consumer it published the batch to (broadcast), or no consumer at all
+//! (shared), still holds it. In shared mode a claim word per slot, which every consumer may
+//! write, decides which consumer takes a batch: a consumer records its hold in its page
+//! *before* it swaps the word from [`claim_word`]`(seq, None)` to its own index, and the
+//! producer trusts a claim only when the claimer's page backs it.
 
 #[cfg(loom)]
-pub(crate) use loom::sync::atomic::{AtomicU64, Ordering};
+pub(crate) use loom::sync::atomic::{AtomicU64, Ordering, fence};
 #[cfg(not(loom))]
-pub(crate) use std::sync::atomic::{AtomicU64, Ordering};
+pub(crate) use std::sync::atomic::{AtomicU64, Ordering, fence};
 
-/// Marks a published batch that no consumer has claimed yet (shared mode).
-pub const UNCLAIMED: u64 = 1 << 63;
+/// A descriptor's `seq`, and a claim word, before any batch (and a descriptor's `seq` while
+/// the producer writes the slot again, in shared mode).
+pub const NO_BATCH: u64 = u64::MAX;
 
 /// Slot of sequence number `seq` in a ring of `n` slots.
 #[inline]
@@ -34,45 +38,74 @@ pub fn bit(c: u32) -> u64 {
     1u64 << c
 }
 
-/// Shared mode: the word a consumer stores in a slot's `claimer` after claiming it: its index
-/// in the low 6 bits and, above them, a number the producer gave this attach only (sent in
-/// Joined). An index alone is not enough: a consumer may claim a batch published before it
-/// joined, and an index may be reused by a later consumer that never had the batch.
+/// The consumers in `mask`, lowest first.
+#[inline]
+pub fn members(mut mask: u64) -> impl Iterator<Item = u32> {
+    std::iter::from_fn(move || {
+        (mask != 0).then(|| {
+            let c = mask.trailing_zeros();
+            mask &= mask - 1;
+            c
+        })
+    })
+}
+
+/// A number the producer gives each attach (sent in Joined): the consumer's index in the low
+/// 6 bits and, above them, a serial unique to that attach. The producer uses it to name one
+/// attach of an index (a later consumer may take the same index).
 #[inline]
 pub fn claim_token(index: u32, attach_serial: u64) -> u64 {
     debug_assert!(index < 63);
     ((attach_serial & ((1 << 56) - 1)) << 6) | index as u64
 }
 
-/// The consumer index a claim token names (63 for the producer's "nobody" value).
+/// The consumer index a claim token names.
 #[inline]
 pub fn token_index(token: u64) -> u32 {
     (token & 63) as u32
 }
 
-/// Shared mode: what the producer stores in a slot's `claimer` when it publishes batch `seq`.
-/// Never a claim token (bit 63 is set; tokens stay below 2^62).
+/// A page's progress word while its consumer holds batch `seq` (shared: claimed).
 #[inline]
-pub fn claim_marker(seq: u64) -> u64 {
-    UNCLAIMED | seq
+pub fn holding(seq: u64) -> u64 {
+    ((seq + 1) << 1) | 1
 }
 
-/// Shared consumer, after claiming batch `seq` and checking it: records `token` in the slot's
-/// `claimer`, only over the batch's own marker. Returns false if another value was there: a
-/// consumer detached between its claim and this step wrote late, or we are that consumer.
-/// Either way the producer will not wait for our work on this batch, so the caller must
-/// complete it before releasing ([`crate::ConsumerBackend::complete_now`]). Because a write
-/// succeeds only over the marker, a late writer can never overwrite a recorded token.
+/// A page's progress word once its consumer let go of batch `seq`.
 #[inline]
-pub fn record_claim(claimer: &AtomicU64, seq: u64, token: u64) -> bool {
-    claimer
-        .compare_exchange(
-            claim_marker(seq),
-            token,
-            Ordering::AcqRel,
-            Ordering::Relaxed,
-        )
-        .is_ok()
+pub fn released(seq: u64) -> u64 {
+    (seq + 1) << 1
+}
+
+/// The batch a page's progress word says was released, if it says so.
+#[inline]
+pub fn released_seq(word: u64) -> Option<u64> {
+    (word & 1 == 0)
+        .then(|| (word >> 1).checked_sub(1))
+        .flatten()
+}
+
+/// The owner a claim word names for a batch whose claimer released it and then departed (the
+/// producer writes it then, so that a later consumer given the same index does not take the
+/// batch for a claim made in its name). No consumer has this index.
+pub const DEPARTED: u32 = 0xfe;
+
+/// Shared mode: the claim word of batch `seq`, unclaimed (`None`) or claimed by a consumer.
+#[inline]
+pub fn claim_word(seq: u64, owner: Option<u32>) -> u64 {
+    (seq << 8) | owner.map_or(0, |c| u64::from(c) + 1)
+}
+
+/// The batch a claim word speaks of.
+#[inline]
+pub fn claim_seq(w: u64) -> u64 {
+    w >> 8
+}
+
+/// The consumer a claim word names, if any (any value: it may be a scribble).
+#[inline]
+pub fn claim_owner(w: u64) -> Option<u32> {
+    ((w & 0xff) as u32).checked_sub(1)
 }
 
 /// Sequence numbers a consumer may find published given the head it read: the last `n`.
@@ -81,77 +114,144 @@ pub fn live_window(head: u64, n: u32) -> std::ops::Range<u64> {
     head.saturating_sub(n as u64)..head
 }
 
-/// Producer: hand the filled slot over. The descriptor fields (`len`, header, `seq`) must be
-/// stored before; `head` is the publication point (Release), consumers Acquire it.
+/// Consumer: let go of batch `seq` (Release: our reads of the slot happen before the
+/// producer's next writes, which it makes after an Acquire load of this word).
 #[inline]
-pub fn publish(pending: &AtomicU64, head: &AtomicU64, seq: u64, mask: u64) {
-    pending.store(mask, Ordering::Release);
-    head.store(seq + 1, Ordering::Release);
+pub fn release(mine: &AtomicU64, seq: u64) {
+    mine.store(released(seq), Ordering::Release);
 }
 
-/// Producer: may the slot be written again? `active` masks out bits of consumers that are
-/// gone (or garbage bits a scribbler set). Acquire pairs with the consumers' releases, so
-/// their reads of the slot happen before the producer's next writes.
+/// Shared consumer: claim batch `seq` if its word says unclaimed. Records the hold in our
+/// page first, so that a claim the word shows is always backed. Returns our page word's
+/// value from before (to put back if the claim is not kept).
 #[inline]
-pub fn slot_free(pending: &AtomicU64, active: u64, shared: bool) -> bool {
-    let p = pending.load(Ordering::Acquire);
-    if shared {
-        p == 0 || (p & UNCLAIMED == 0 && p & active == 0)
-    } else {
-        p & active == 0
+pub fn try_claim(claim: &AtomicU64, mine: &AtomicU64, seq: u64, me: u32) -> Option<u64> {
+    let free = claim_word(seq, None);
+    if claim.load(Ordering::Relaxed) != free {
+        return None;
+    }
+    let before = mine.load(Ordering::Relaxed);
+    if before == released(seq) {
+        // We had it already: a word reopened after we released the batch (a peer's write)
+        // never hands us the same batch twice.
+        return None;
+    }
+    mine.store(holding(seq), Ordering::SeqCst);
+    match claim.compare_exchange(
+        free,
+        claim_word(seq, Some(me)),
+        Ordering::SeqCst,
+        Ordering::Relaxed,
+    ) {
+        Ok(_) => Some(before),
+        Err(_) => {
+            mine.store(before, Ordering::Release);
+            None
+        }
     }
 }
 
-/// Producer, shared mode: what to put in a slot's pending word that holds a value no
-/// correct consumer writes (a scribble), so the slot cannot stay blocked for good. Valid
-/// values are 0, [`UNCLAIMED`] and one active consumer's bit; bits of absent consumers alone
-/// already count as free. Anything else — unclaimed plus other bits, or several bits with an
-/// active one — is put back as unclaimed (its batch may then be delivered again).
-pub fn repair_shared(p: u64, active: u64) -> Option<u64> {
-    let valid = if p & UNCLAIMED != 0 {
-        p == UNCLAIMED
-    } else {
-        p & active == 0 || p.count_ones() == 1
-    };
-    (!valid).then_some(UNCLAIMED)
-}
-
-/// Broadcast consumer: release; returns false if our bit was not set (we were detached).
+/// Shared consumer: a claim word names us for batch `seq` but our page does not back it (a
+/// peer wrote it in our name): take the batch as ours. Returns our page word from before.
+/// If the word changed meanwhile (the producer reset it), the batch is not ours.
 #[inline]
-pub fn release_broadcast(pending: &AtomicU64, me: u32) -> bool {
-    pending.fetch_and(!bit(me), Ordering::AcqRel) & bit(me) != 0
-}
-
-/// Shared consumer: try to claim an unclaimed batch.
-#[inline]
-pub fn try_claim(pending: &AtomicU64, me: u32) -> bool {
-    pending.load(Ordering::Relaxed) == UNCLAIMED
-        && pending
-            .compare_exchange(UNCLAIMED, bit(me), Ordering::AcqRel, Ordering::Relaxed)
-            .is_ok()
-}
-
-/// Shared consumer: release a claimed batch; false if it was taken back from us.
-#[inline]
-pub fn release_shared(pending: &AtomicU64, me: u32) -> bool {
-    pending
-        .compare_exchange(bit(me), 0, Ordering::AcqRel, Ordering::Relaxed)
-        .is_ok()
-}
-
-/// Producer: take back what consumer `c` holds in this slot. Broadcast clears its bit;
-/// shared puts its claimed batch back as unclaimed. Returns true if a shared batch was
-/// requeued.
-#[inline]
-pub fn reclaim(pending: &AtomicU64, c: u32, shared: bool) -> bool {
-    if shared {
-        pending
-            .compare_exchange(bit(c), UNCLAIMED, Ordering::AcqRel, Ordering::Relaxed)
-            .is_ok()
-    } else {
-        pending.fetch_and(!bit(c), Ordering::AcqRel);
-        false
+pub fn adopt(claim: &AtomicU64, mine: &AtomicU64, seq: u64, me: u32) -> Option<u64> {
+    let w = claim_word(seq, Some(me));
+    if claim.load(Ordering::Relaxed) != w {
+        return None;
     }
+    let before = mine.load(Ordering::Relaxed);
+    if before == holding(seq) || before == released(seq) {
+        return None;
+    }
+    mine.store(holding(seq), Ordering::SeqCst);
+    if claim.load(Ordering::SeqCst) == w {
+        Some(before)
+    } else {
+        mine.store(before, Ordering::Release);
+        None
+    }
+}
+
+/// Producer, broadcast: which of the consumers the batch `prev` was published to (and still
+/// attached: `addressed`) have not released it. 0: the slot may be written again. `word(c)`
+/// is an Acquire load of consumer c's progress word for the slot.
+#[inline]
+pub fn broadcast_laggards(prev: u64, addressed: u64, word: impl Fn(u32) -> u64) -> u64 {
+    let mut laggards = 0;
+    for c in members(addressed) {
+        if word(c) != released(prev) {
+            laggards |= bit(c);
+        }
+    }
+    laggards
+}
+
+/// What a shared-mode slot holding batch `prev` is to the producer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SharedSlot {
+    /// Consumed: some consumer's page says it released the batch (or a claimer that has since
+    /// departed had), and no page says it holds it.
+    Free,
+    /// Held by these consumers (their pages say so): not free, and theirs the blame.
+    Held(u64),
+    /// Published and unclaimed.
+    Unclaimed,
+    /// Nobody's page holds or released it and the claim word does not say unclaimed (a
+    /// scribble, a claim in another's name, or a departed claimer's): put the batch back.
+    Unbacked,
+}
+
+/// Producer, shared mode: the state of a slot whose batch is `prev`, from its claim word `w`,
+/// the active consumers and their progress words (`word(c)`, Acquire loads), and `consumed`:
+/// whether a claimer that has since departed had released it.
+///
+/// The pages decide, never the claim word, which every consumer can write: a batch is held
+/// while any page says so, and consumed once any page says it was released. The claim word
+/// only tells an unclaimed batch (wait for a consumer) from one to put back. So a peer that
+/// rewrites claim words can neither free a batch someone holds nor keep a consumed one from
+/// being written again.
+pub fn shared_slot(
+    w: u64,
+    prev: u64,
+    active: u64,
+    consumed: bool,
+    word: impl Fn(u32) -> u64,
+) -> SharedSlot {
+    let (mut held, mut done) = (0, consumed);
+    for c in members(active) {
+        let v = word(c);
+        if v == holding(prev) {
+            held |= bit(c);
+        } else if v == released(prev) {
+            done = true;
+        }
+    }
+    if held != 0 {
+        SharedSlot::Held(held)
+    } else if done {
+        SharedSlot::Free
+    } else if w == claim_word(prev, None) {
+        SharedSlot::Unclaimed
+    } else {
+        SharedSlot::Unbacked
+    }
+}
+
+/// Producer, shared mode, after [`shared_slot`] said free: which consumers' pages say they
+/// hold `prev` after the producer marked the descriptor as being rewritten (stored
+/// [`NO_BATCH`] in its `seq`, SeqCst). A consumer records its hold (SeqCst) before it reads
+/// `seq` (SeqCst): either it sees the mark and lets go, or it is seen here and waited for.
+#[inline]
+pub fn holders_after_mark(prev: u64, active: u64, word: impl Fn(u32) -> u64) -> u64 {
+    fence(Ordering::SeqCst);
+    let mut held = 0;
+    for c in members(active) {
+        if word(c) == holding(prev) {
+            held |= bit(c);
+        }
+    }
+    held
 }
 
 /// A value read from shared memory that cannot be right: the checks every consumer applies
@@ -266,7 +366,13 @@ pub fn check_window(head: u64, cursor: u64, n: u32) -> Result<(), Violation> {
 }
 
 /// Broadcast: the slot of `expected` holds it, and is addressed to consumer `me`.
-pub fn check_slot(k: u32, seq: u64, expected: u64, pending: u64, me: u32) -> Result<(), Violation> {
+pub fn check_slot(
+    k: u32,
+    seq: u64,
+    expected: u64,
+    addressed: u64,
+    me: u32,
+) -> Result<(), Violation> {
     if seq != expected {
         return Err(Violation::WrongSeq {
             slot: k,
@@ -274,7 +380,7 @@ pub fn check_slot(k: u32, seq: u64, expected: u64, pending: u64, me: u32) -> Res
             expected,
         });
     }
-    if pending & bit(me) == 0 {
+    if addressed & bit(me) == 0 {
         return Err(Violation::NotAddressed { seq });
     }
     Ok(())
@@ -304,10 +410,10 @@ pub fn check_claimed(k: u32, seq: u64, head: u64, n: u32) -> Result<(), Violatio
 }
 
 /// Shared: where to start looking for unclaimed batches: the whole live window when batches
-/// were requeued, else from the (untrusted, so clamped) claim hint.
-pub fn scan_start(head: u64, hint: u64, requeued: u64, n: u32) -> u64 {
+/// were put back since our last whole scan (`rescan`), else from our own hint (clamped).
+pub fn scan_start(head: u64, hint: u64, rescan: bool, n: u32) -> u64 {
     let w = live_window(head, n);
-    if requeued > 0 {
+    if rescan {
         w.start
     } else {
         hint.clamp(w.start, w.end)
@@ -330,8 +436,6 @@ mod tests {
             } else {
                 prop_assert!(seq < n as u64);
             }
-            // The live window holds each slot at most once, and always `seq`'s slot if
-            // seq is in it.
             let w = live_window(seq + 1, n);
             prop_assert!(w.end - w.start <= n as u64);
             prop_assert!(w.contains(&seq));
@@ -347,17 +451,56 @@ mod tests {
         }
 
         #[test]
-        fn broadcast_free_only_after_every_active_release(mask in 0u64..(1 << 20), order in proptest::collection::vec(0u32..20, 0..40)) {
-            let p = AtomicU64::new(0);
-            let head = AtomicU64::new(0);
-            publish(&p, &head, 0, mask);
-            let mut left = mask;
+        fn broadcast_free_only_after_every_addressed_release(
+            addressed in 0u64..(1 << 20),
+            order in proptest::collection::vec(0u32..20, 0..40),
+            seq in 0u64..(1 << 40),
+        ) {
+            let words: Vec<AtomicU64> = (0..20).map(|_| AtomicU64::new(0)).collect();
+            let mut left = addressed;
             for c in order {
-                prop_assert_eq!(slot_free(&p, mask, false), left == 0);
-                let had = release_broadcast(&p, c);
-                prop_assert_eq!(had, left & bit(c) != 0);
+                let lag = broadcast_laggards(seq, addressed, |c| words[c as usize].load(Ordering::Acquire));
+                prop_assert_eq!(lag, left);
+                release(&words[c as usize], seq);
                 left &= !bit(c);
             }
+        }
+
+        /// Whatever a scribbler puts in a claim word and in its own page, the producer calls a
+        /// slot free only when no active page holds the batch and some page released it (or
+        /// a departed claimer had), and the claim word alone never makes it free or held.
+        #[test]
+        fn a_shared_slot_is_free_only_when_consumed_and_unheld(
+            w in any::<u64>(), prev in 0u64..(1 << 40), active in 0u64..(1 << 8),
+            consumed in any::<bool>(), pages in proptest::collection::vec(0u8..4, 8),
+        ) {
+            let word = |c: u32| match pages[c as usize] {
+                0 => 0,
+                1 => holding(prev),
+                2 => released(prev),
+                _ => released(prev + 1),
+            };
+            let st = shared_slot(w, prev, active, consumed, word);
+            let held: u64 = members(active).filter(|&c| pages[c as usize] == 1).map(bit).sum();
+            let some_released = members(active).any(|c| pages[c as usize] == 2);
+            match st {
+                SharedSlot::Held(m) => prop_assert_eq!(m, held),
+                SharedSlot::Free => {
+                    prop_assert_eq!(held, 0);
+                    prop_assert!(consumed || some_released);
+                }
+                SharedSlot::Unclaimed => {
+                    prop_assert_eq!(w, claim_word(prev, None));
+                    prop_assert!(held == 0 && !consumed && !some_released);
+                }
+                SharedSlot::Unbacked => prop_assert!(held == 0 && !consumed && !some_released),
+            }
+            // Whatever the claim word says, the pages' answer is the same.
+            let other = shared_slot(w ^ 0x5a5a, prev, active, consumed, word);
+            prop_assert_eq!(
+                matches!(st, SharedSlot::Free | SharedSlot::Held(_)),
+                matches!(other, SharedSlot::Free | SharedSlot::Held(_))
+            );
         }
     }
 
@@ -365,15 +508,15 @@ mod tests {
         #[test]
         fn checks_never_panic_and_bound_what_they_accept(
             head in any::<u64>(), last in any::<u64>(), cursor in any::<u64>(), n in 1u32..=4096,
-            seq in any::<u64>(), pending in any::<u64>(), me in 0u32..63, len in any::<u64>(),
-            hint in any::<u64>(), requeued in any::<u64>(),
+            seq in any::<u64>(), addressed in any::<u64>(), me in 0u32..63, len in any::<u64>(),
+            hint in any::<u64>(), rescan in any::<bool>(),
         ) {
             let _ = check_head(last, head);
             if check_window(head, cursor, n).is_ok() {
                 prop_assert!(head <= cursor.saturating_add(n as u64));
             }
             let k = slot_of(cursor, n);
-            if check_slot(k, seq, cursor, pending, me).is_ok() {
+            if check_slot(k, seq, cursor, addressed, me).is_ok() {
                 prop_assert_eq!(seq, cursor);
             }
             if check_len(seq, k, len, 2 << 20).is_ok() {
@@ -382,70 +525,98 @@ mod tests {
             if check_claimed(k, seq, head, n).is_ok() {
                 prop_assert!(live_window(head, n).contains(&seq) || seq == head);
             }
-            let st = scan_start(head, hint, requeued, n);
+            let st = scan_start(head, hint, rescan, n);
             let w = live_window(head, n);
             prop_assert!(st >= w.start && st <= w.end);
         }
     }
 
-    proptest! {
-        #[test]
-        fn a_shared_slot_is_never_blocked_by_garbage(p in any::<u64>(), active in 0u64..(1 << 62)) {
-            let word = AtomicU64::new(p);
-            if slot_free(&word, active, true) {
-                return Ok(());
-            }
-            match repair_shared(p, active) {
-                // Blocked legitimately: unclaimed, or held by exactly one active consumer.
-                None => prop_assert!(p == UNCLAIMED || ((p & active).count_ones() == 1 && p & !active == 0)),
-                Some(v) => prop_assert_eq!(v, UNCLAIMED),
-            }
+    #[test]
+    fn claims_are_exclusive_and_backed_by_the_page() {
+        let claim = AtomicU64::new(claim_word(7, None));
+        let (a, b) = (AtomicU64::new(released(3)), AtomicU64::new(0));
+        assert_eq!(try_claim(&claim, &a, 7, 0), Some(released(3)));
+        assert_eq!(a.load(Ordering::Relaxed), holding(7));
+        assert_eq!(try_claim(&claim, &b, 7, 1), None);
+        assert_eq!(
+            b.load(Ordering::Relaxed),
+            0,
+            "a lost claim leaves the page as it was"
+        );
+        release(&a, 7);
+        let page = |c: u32| [&a, &b][c as usize].load(Ordering::Acquire);
+        let w = claim.load(Ordering::Relaxed);
+        assert_eq!(shared_slot(w, 7, 0b11, false, page), SharedSlot::Free);
+        // A peer reopens the released batch: the consumer that had it never takes it again;
+        // another may (a duplicate the peer caused), and its hold is seen and waited for.
+        claim.store(claim_word(7, None), Ordering::Relaxed);
+        let w = claim.load(Ordering::Relaxed);
+        assert_eq!(
+            shared_slot(w, 7, 0b11, false, page),
+            SharedSlot::Free,
+            "a reopened claim word does not make a consumed batch unclaimed"
+        );
+        assert_eq!(
+            try_claim(&claim, &a, 7, 0),
+            None,
+            "at most once per consumer"
+        );
+        assert!(try_claim(&claim, &b, 7, 1).is_some());
+        let w = claim.load(Ordering::Relaxed);
+        assert_eq!(shared_slot(w, 7, 0b11, false, page), SharedSlot::Held(0b10));
+        release(&b, 7);
+        claim.store(claim_word(7, None), Ordering::Relaxed);
+        assert_eq!(
+            try_claim(&claim, &b, 7, 1),
+            None,
+            "at most once per consumer"
+        );
+    }
+
+    #[test]
+    fn released_seq_reads_only_released_words() {
+        assert_eq!(released_seq(released(0)), Some(0));
+        assert_eq!(released_seq(released(41)), Some(41));
+        assert_eq!(released_seq(holding(41)), None);
+        assert_eq!(released_seq(0), None, "a fresh page released nothing");
+    }
+
+    #[test]
+    fn forged_claims_are_unbacked_or_adopted() {
+        let (a, b) = (AtomicU64::new(0), AtomicU64::new(0));
+        let page = |c: u32| [&a, &b][c as usize].load(Ordering::Acquire);
+        // A peer claims batch 9 in consumer 1's name: unbacked for the producer ...
+        let claim = AtomicU64::new(claim_word(9, Some(1)));
+        assert_eq!(
+            shared_slot(claim_word(9, Some(1)), 9, 0b11, false, page),
+            SharedSlot::Unbacked
+        );
+        // ... until consumer 1 sees its name and takes the batch as its own.
+        assert_eq!(adopt(&claim, &b, 9, 1), Some(0));
+        assert_eq!(
+            shared_slot(claim_word(9, Some(1)), 9, 0b11, false, page),
+            SharedSlot::Held(0b10)
+        );
+        assert_eq!(adopt(&claim, &b, 9, 1), None, "adopted once");
+        // A name of a consumer that is not active, garbage, another batch's word: unbacked.
+        for w in [
+            claim_word(9, Some(5)),
+            claim_word(9, Some(200)),
+            claim_word(8, None),
+            NO_BATCH,
+        ] {
+            assert_eq!(
+                shared_slot(w, 9, 0b01, false, page),
+                SharedSlot::Unbacked,
+                "{w:#x}"
+            );
         }
-    }
-
-    #[test]
-    fn a_late_claim_record_never_overwrites_a_recorded_one() {
-        let claimer = AtomicU64::new(claim_marker(7));
-        let (a, b) = (claim_token(0, 1), claim_token(1, 2));
-        // B claimed batch 7 after A's claim was taken back; A writes late: refused.
-        assert!(record_claim(&claimer, 7, b));
-        assert!(!record_claim(&claimer, 7, a));
-        assert_eq!(claimer.load(Ordering::Relaxed), b);
-        // A's late write lands first: B's is refused, and B must complete before releasing.
-        let claimer = AtomicU64::new(claim_marker(7));
-        assert!(record_claim(&claimer, 7, a));
-        assert!(!record_claim(&claimer, 7, b));
-        // A late write for an older batch of the slot never lands on a newer one's marker.
-        let claimer = AtomicU64::new(claim_marker(7 + 4));
-        assert!(!record_claim(&claimer, 7, a));
-        // Markers and tokens never collide.
-        assert_ne!(
-            claim_marker(0) & UNCLAIMED,
-            claim_token(62, u64::MAX) & UNCLAIMED
+        assert_eq!(claim_owner(claim_word(3, None)), None);
+        assert_eq!(claim_owner(claim_word(3, Some(62))), Some(62));
+        assert_eq!(
+            claim_seq(claim_word((1 << 48) - 1, Some(62))),
+            (1 << 48) - 1
         );
-    }
-
-    #[test]
-    fn shared_claim_is_exclusive_and_reclaim_requeues() {
-        let p = AtomicU64::new(0);
-        let head = AtomicU64::new(0);
-        publish(&p, &head, 0, UNCLAIMED);
-        assert!(!slot_free(&p, 0b11, true));
-        assert!(try_claim(&p, 1));
-        assert!(!try_claim(&p, 0));
-        assert!(!slot_free(&p, 0b11, true));
-        assert!(reclaim(&p, 1, true));
-        assert_eq!(p.load(Ordering::Relaxed), UNCLAIMED);
-        assert!(
-            !release_shared(&p, 1),
-            "a reclaimed batch cannot be released by its old claimer"
-        );
-        assert!(try_claim(&p, 0));
-        assert!(release_shared(&p, 0));
-        assert!(slot_free(&p, 0b11, true));
-        // A claim bit of a consumer that is no longer active does not block the producer.
-        p.store(bit(5), Ordering::Relaxed);
-        assert!(slot_free(&p, 0b11, true));
     }
 }
 
@@ -462,10 +633,13 @@ mod loom_model {
     use loom::sync::Arc;
     use loom::thread;
 
+    /// One slot: the producer's descriptor (`head`, `seq`, the data), the claim word anyone
+    /// may write, and each consumer's own progress word for the slot.
     struct Ring {
         head: AtomicU64,
         seq: AtomicU64,
-        pending: AtomicU64,
+        claim: AtomicU64,
+        pages: [AtomicU64; 2],
         data: UnsafeCell<u64>,
     }
 
@@ -473,30 +647,69 @@ mod loom_model {
         fn new() -> Self {
             Ring {
                 head: AtomicU64::new(0),
-                seq: AtomicU64::new(u64::MAX),
-                pending: AtomicU64::new(0),
+                seq: AtomicU64::new(NO_BATCH),
+                claim: AtomicU64::new(NO_BATCH),
+                pages: [AtomicU64::new(0), AtomicU64::new(0)],
                 data: UnsafeCell::new(u64::MAX),
             }
         }
 
+        fn word(&self, c: u32) -> u64 {
+            self.pages[c as usize].load(Ordering::Acquire)
+        }
+
         /// Producer step: write batch `s` into the one slot and publish it.
-        fn put(&self, s: u64, mask: u64) {
+        fn put(&self, s: u64, shared: bool) {
             // SAFETY: loom checks that no read of the cell overlaps this write.
             self.data.with_mut(|d| unsafe { *d = s * 10 });
             self.seq.store(s, Ordering::Relaxed);
-            publish(&self.pending, &self.head, s, mask);
+            if shared {
+                self.claim.store(claim_word(s, None), Ordering::Release);
+            }
+            self.head.store(s + 1, Ordering::Release);
         }
 
         /// Producer: publish 0, then 1 into the same slot if (and only if) it is free.
-        fn produce(&self, active: u64, shared: bool) -> bool {
-            let mask = if shared { UNCLAIMED } else { active };
-            self.put(0, mask);
-            if slot_free(&self.pending, active, shared) {
-                self.put(1, mask);
-                true
+        fn produce(&self, shared: bool) -> bool {
+            self.put(0, shared);
+            let free = if shared {
+                let w = self.claim.load(Ordering::Acquire);
+                shared_slot(w, 0, 0b11, false, |c| self.word(c)) == SharedSlot::Free && {
+                    self.seq.store(NO_BATCH, Ordering::SeqCst);
+                    holders_after_mark(0, 0b11, |c| self.pages[c as usize].load(Ordering::SeqCst))
+                        == 0
+                }
             } else {
-                false
+                broadcast_laggards(0, 0b11, |c| self.word(c)) == 0
+            };
+            if free {
+                self.put(1, shared);
             }
+            free
+        }
+
+        /// Shared consumer: claim (or, named by a peer, adopt) the batch; check it; read it.
+        fn consume_shared(&self, me: u32) -> Option<u64> {
+            let head = self.head.load(Ordering::Acquire);
+            let s = head.checked_sub(1)?;
+            let mine = &self.pages[me as usize];
+            let before =
+                try_claim(&self.claim, mine, s, me).or_else(|| adopt(&self.claim, mine, s, me))?;
+            fence(Ordering::SeqCst);
+            if self.seq.load(Ordering::SeqCst) != s {
+                // Being written again: not ours to read.
+                mine.store(before, Ordering::Release);
+                return None;
+            }
+            // SAFETY: loom checks that no write of the cell overlaps this read.
+            let v = self.data.with(|d| unsafe { *d });
+            assert_eq!(
+                v,
+                s * 10,
+                "consumer {me} read batch {s} while it was rewritten"
+            );
+            release(mine, s);
+            Some(s)
         }
     }
 
@@ -508,13 +721,12 @@ mod loom_model {
                 .map(|me| {
                     let ring = ring.clone();
                     thread::spawn(move || {
-                        // Read batch 0 if it is published; release it.
                         if ring.head.load(Ordering::Acquire) >= 1 {
                             assert_eq!(ring.seq.load(Ordering::Relaxed), 0);
                             // SAFETY: loom checks that no write of the cell overlaps this read.
                             let v = ring.data.with(|d| unsafe { *d });
                             assert_eq!(v, 0, "consumer {me} read batch 0 after it was overwritten");
-                            assert!(release_broadcast(&ring.pending, me));
+                            release(&ring.pages[me as usize], 0);
                             true
                         } else {
                             false
@@ -522,7 +734,7 @@ mod loom_model {
                     })
                 })
                 .collect();
-            let reused = ring.produce(0b11, false);
+            let reused = ring.produce(false);
             let read: Vec<bool> = consumers.into_iter().map(|c| c.join().unwrap()).collect();
             if reused {
                 assert!(
@@ -540,77 +752,57 @@ mod loom_model {
             let consumers: Vec<_> = (0..2u32)
                 .map(|me| {
                     let ring = ring.clone();
-                    thread::spawn(move || {
-                        let mut got = Vec::new();
-                        for _ in 0..2 {
-                            if ring.head.load(Ordering::Acquire) >= 1
-                                && try_claim(&ring.pending, me)
-                            {
-                                // Read seq after the claim: the claim may be of a newer batch.
-                                let seq = ring.seq.load(Ordering::Acquire);
-                                // The head may not have caught up with it yet; the check
-                                // consumers make must accept every such claim.
-                                let now = ring.head.load(Ordering::Acquire);
-                                assert!(
-                                    check_claimed(0, seq, now, 1).is_ok(),
-                                    "a valid claim of batch {seq} rejected with head {now}"
-                                );
-                                // SAFETY: loom checks that no write overlaps this read.
-                                let v = ring.data.with(|d| unsafe { *d });
-                                assert_eq!(v, seq * 10, "claimed batch {seq} but read other data");
-                                got.push(seq);
-                                assert!(release_shared(&ring.pending, me));
-                            }
-                        }
-                        got
-                    })
+                    thread::spawn(move || ring.consume_shared(me))
                 })
                 .collect();
-            let reused = ring.produce(0b11, true);
-            let mut all: Vec<u64> = consumers
-                .into_iter()
-                .flat_map(|c| c.join().unwrap())
-                .collect();
-            all.sort_unstable();
-            let n = all.len();
-            all.dedup();
-            assert_eq!(all.len(), n, "a batch was claimed twice");
+            let reused = ring.produce(true);
+            let got: Vec<Option<u64>> = consumers.into_iter().map(|c| c.join().unwrap()).collect();
+            assert!(
+                !(got[0] == Some(0) && got[1] == Some(0)),
+                "batch 0 was claimed twice"
+            );
             if reused {
-                assert!(all.contains(&0), "slot reused before batch 0 was consumed");
+                assert!(
+                    got.contains(&Some(0)),
+                    "slot reused before batch 0 was consumed"
+                );
             }
         });
     }
 
-    /// Consumer A claimed batch 0 and is about to record its token when the producer takes
-    /// the batch back (A was detached); consumer B may claim it meanwhile. A recorded token is
-    /// never overwritten, and a claimer whose record fails knows it (so it completes its work
-    /// itself): at most one record lands, and the word ends as the token of the one that did.
+    /// A hostile peer reopens batch 0's claim word right after consumer 0 took it (as if it
+    /// were unclaimed) while consumer 1 looks for work and the producer decides whether to
+    /// reuse the slot. A duplicate delivery is what the peer may cause; a read of the slot
+    /// while the producer rewrites it (a data race loom reports) never.
     #[test]
-    fn loom_late_claim_record_never_overwrites() {
+    fn loom_a_reopened_claim_never_lets_a_slot_be_rewritten_while_read() {
         loom::model(|| {
-            let (ta, tb) = (claim_token(0, 1), claim_token(1, 2));
-            let pending = Arc::new(AtomicU64::new(bit(0)));
-            let claimer = Arc::new(AtomicU64::new(claim_marker(0)));
-            let a = {
-                let claimer = claimer.clone();
-                thread::spawn(move || record_claim(&claimer, 0, ta))
+            let ring = Arc::new(Ring::new());
+            ring.put(0, true);
+            // Consumer 0 claimed, read and released batch 0 before the model starts.
+            assert!(try_claim(&ring.claim, &ring.pages[0], 0, 0).is_some());
+            release(&ring.pages[0], 0);
+            let hostile = {
+                let ring = ring.clone();
+                thread::spawn(move || ring.claim.store(claim_word(0, None), Ordering::Relaxed))
             };
-            let b = {
-                let (pending, claimer) = (pending.clone(), claimer.clone());
-                thread::spawn(move || try_claim(&pending, 1).then(|| record_claim(&claimer, 0, tb)))
+            let honest = {
+                let ring = ring.clone();
+                thread::spawn(move || ring.consume_shared(1))
             };
-            assert!(reclaim(&pending, 0, true));
-            let ra = a.join().unwrap();
-            let rb = b.join().unwrap();
-            let word = claimer.load(Ordering::Acquire);
-            match rb {
-                Some(true) => {
-                    assert!(!ra, "both records landed");
-                    assert_eq!(word, tb, "B's recorded token was overwritten");
+            let w = ring.claim.load(Ordering::Acquire);
+            let word = |c: u32| ring.word(c);
+            if shared_slot(w, 0, 0b11, false, word) == SharedSlot::Free {
+                ring.seq.store(NO_BATCH, Ordering::SeqCst);
+                if holders_after_mark(0, 0b11, |c| ring.pages[c as usize].load(Ordering::SeqCst))
+                    == 0
+                {
+                    // SAFETY: loom checks that no read of the cell overlaps this write.
+                    ring.data.with_mut(|d| unsafe { *d = 10 });
                 }
-                Some(false) => assert!(ra && word == ta, "B's record failed but A's did not land"),
-                None => assert_eq!(word, if ra { ta } else { claim_marker(0) }),
             }
+            hostile.join().unwrap();
+            honest.join().unwrap();
         });
     }
 }

@@ -81,3 +81,13 @@ pub fn notify(word: &AtomicU32, sleepers: &AtomicU32, all: bool) {
         sys::futex_wake(word, if all { i32::MAX as u32 } else { 1 });
     }
 }
+
+/// As [`notify`], where whether anyone sleeps is spread over several words (each consumer's
+/// own page): `sleeping` loads them after the fence.
+pub fn notify_if(word: &AtomicU32, all: bool, sleeping: impl FnOnce() -> bool) {
+    fence(Ordering::SeqCst);
+    if sleeping() {
+        word.fetch_add(1, Ordering::Release);
+        sys::futex_wake(word, if all { i32::MAX as u32 } else { 1 });
+    }
+}

@@ -89,17 +89,22 @@ fn a_detached_consumer_releasing_late_leaves_the_batch_of_the_one_now_at_its_ind
     assert_eq!(new.index(), old.index());
     assert_eq!(slot.publish(8).unwrap(), slots as u64);
     assert_eq!(producer.stats().detached, 1);
-    let pending = || new.segment().slot(0).pending.load(Ordering::SeqCst);
+    let addressed = || new.segment().slot(0).addressed.load(Ordering::SeqCst);
     let bit = 1u64 << new.index();
-    assert_ne!(pending() & bit, 0);
+    assert_ne!(addressed() & bit, 0);
+    // What the producer reads of the new consumer: its own page, which the old one cannot
+    // write (it has a page of its own, from its own attach).
+    let progress = || new.page().slot(0).load(Ordering::SeqCst);
+    assert_eq!(progress(), 0);
     // The old consumer wakes up and releases what it held: told it was detached, it must
     // not release the new consumer's batch.
     match held.release() {
         Err(e @ Error::Detached(_)) => assert!(e.to_string().contains("taken back"), "{e}"),
         other => panic!("a late release after the detach should fail as detached: {other:?}"),
     }
-    assert_ne!(
-        pending() & bit,
+    assert_ne!(addressed() & bit, 0);
+    assert_eq!(
+        progress(),
         0,
         "the old consumer released the new consumer's batch"
     );

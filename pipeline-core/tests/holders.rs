@@ -237,10 +237,12 @@ impl ConsumerBackend for Completing {
 }
 
 #[test]
-fn a_claim_whose_token_cannot_be_recorded_is_completed_before_release() {
-    // A consumer detached between its claim and recording its token may write late. Its write
-    // lands only over the batch's marker, so if it came first, the next claimer's record fails;
-    // the producer will not wait for that claimer, which must complete its work itself.
+fn a_claim_made_in_a_consumers_name_is_taken_by_it_and_waited_for() {
+    // A peer writes batch 0's claim word in this consumer's name (the claim word is the one
+    // thing every consumer may write). The producer does not believe it, since the consumer's
+    // page does not back it; the consumer, seeing its own name, takes the batch as its own and
+    // records that in its page, and from then on the producer waits for its work as for any
+    // claim. Nothing needs completing on the host: every claim is recorded.
     let (mut producer, calls, sock) = shared_ring_with_two_early_batches("late");
     let completions = Arc::new(AtomicUsize::new(0));
     let (got_tx, got_rx) = std::sync::mpsc::channel();
@@ -248,9 +250,8 @@ fn a_claim_whose_token_cannot_be_recorded_is_completed_before_release() {
     let (s2, done2) = (sock.clone(), completions.clone());
     let c = std::thread::spawn(move || {
         let mut c: Consumer<Completing> = Consumer::attach(&s2, done2.clone()).unwrap();
-        // A late writer (a departed consumer's token) got to batch 0's claimer first.
-        let late = ring::claim_token(5, 1_000);
-        c.segment().slot(0).claimer.store(late, Ordering::SeqCst);
+        let forged = ring::claim_word(0, Some(c.index()));
+        c.claims().claim(0).store(forged, Ordering::SeqCst);
         let mut seen = Vec::new();
         for _ in 0..2 {
             let b = c.recv().unwrap().unwrap();
@@ -258,27 +259,23 @@ fn a_claim_whose_token_cannot_be_recorded_is_completed_before_release() {
             b.release().unwrap();
             seen.push((seq, done2.load(Ordering::SeqCst)));
         }
-        assert_eq!(
-            c.segment().slot(0).claimer.load(Ordering::SeqCst),
-            late,
-            "a failed record must not write"
-        );
+        assert_eq!(c.page().slot(0).load(Ordering::SeqCst), ring::released(0));
         got_tx.send((c.index(), seen)).unwrap();
         let _ = done_rx.recv_timeout(Duration::from_secs(10));
     });
     let (index, seen) = got_rx.recv_timeout(Duration::from_secs(10)).unwrap();
     assert_eq!(
         seen,
-        [(0, 1), (1, 1)],
-        "batch 0 (record refused) is completed before release; batch 1 (recorded) is not"
+        [(0, 0), (1, 0)],
+        "both batches delivered, nothing to complete"
     );
     for _ in 0..2 {
         producer.acquire().unwrap().publish(8).unwrap();
     }
     assert_eq!(
         calls.lock().unwrap().clone(),
-        [(0, 0, 0), (1, 1, 1 << index)],
-        "the producer waits for recorded claims only"
+        [(0, 0, 1 << index), (1, 1, 1 << index)],
+        "the producer waits for the adopted claim as for any other"
     );
     done_tx.send(()).unwrap();
     c.join().unwrap();
@@ -335,8 +332,8 @@ fn a_consumer_whose_work_the_backend_waits_on_too_long_is_detached_under_detach_
             }
             let k = ring::slot_of(seq, 2);
             assert_eq!(
-                c.segment().slot(k).pending.load(Ordering::SeqCst),
-                ring::UNCLAIMED,
+                c.claims().claim(k).load(Ordering::SeqCst),
+                ring::claim_word(seq, None),
                 "the batch stays for the others"
             );
         }

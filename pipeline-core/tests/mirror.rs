@@ -70,7 +70,7 @@ fn a_mirroring_consumer_holds_more_batches_than_the_ring_has_slots() {
         // Every slot was released as it was copied.
         let stats = producer.stats();
         assert_eq!(stats.published, 6, "{mode}");
-        let c = consumer.segment().consumer(consumer.index());
+        let c = consumer.page().header();
         assert_eq!(
             c.released.load(std::sync::atomic::Ordering::Relaxed),
             6,

@@ -233,8 +233,9 @@ fn no_fd_a_consumer_receives_lets_it_write_the_batch_data() {
 
     let (conn, layout, fds) = welcome_fds(&sock);
     assert!(
-        fds.len() >= 2,
-        "a host Welcome carries the control segment and the slot memfd"
+        fds.len() >= 4,
+        "a host Welcome carries the control segment, the claim segment, the consumer's page \
+         and the slot memfd"
     );
     let total = (layout.slot_bytes * u64::from(layout.slot_count)) as usize;
     // In each slot, a word inside the batch (past the first page) and the batch's first word.
@@ -242,14 +243,14 @@ fn no_fd_a_consumer_receives_lets_it_write_the_batch_data() {
         .flat_map(|k| [k * layout.slot_bytes + 4096, k * layout.slot_bytes])
         .collect();
 
-    // fds[0] is the control segment: consumers write their release state there today, so it
-    // cannot be sealed yet (docs/security.md says so; issue 36 point 2 moves that state out).
-    // Every other fd is the backend's and must be read-only to a consumer.
+    // fds[0..3] are the control segment, the claim segment and this consumer's own page
+    // (tests/hostile_consumer.rs attacks those). Every later fd is the backend's and must be
+    // read-only to a consumer.
     let slots: Vec<(u64, u64)> = (0..u64::from(layout.slot_count))
         .map(|k| (k * layout.slot_bytes, layout.slot_bytes))
         .collect();
     let mut allowed = Vec::new();
-    for fd in &fds[1..] {
+    for fd in &fds[3..] {
         allowed.extend(try_to_write(fd.as_fd(), total, &offsets, &slots));
     }
 

@@ -1,4 +1,4 @@
-//! Shared mode: claims racing publishes, with whole-window scans (as after a requeue).
+//! Shared mode: claims racing publishes.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -38,11 +38,6 @@ fn whole_window_scans_racing_publishes_see_no_corruption() {
                 let mut c: Consumer<HostConsumer> =
                     Consumer::attach(&sock, HostOptions::default()).unwrap();
                 loop {
-                    if i == 0 {
-                        // Keep every scan a whole-window scan.
-                        let r = &c.segment().claim().requeued.value;
-                        let _ = r.compare_exchange(0, 1, Ordering::Relaxed, Ordering::Relaxed);
-                    }
                     match c.recv_timeout(Duration::from_millis(50)) {
                         Ok(Some(b)) => {
                             received.fetch_add(1, Ordering::Relaxed);
@@ -85,26 +80,4 @@ fn whole_window_scans_racing_publishes_see_no_corruption() {
     assert_eq!(errors.load(Ordering::Relaxed), 0, "consumers saw errors");
     assert!(published > 1000, "only {published} batches published");
     assert_eq!(received.load(Ordering::Relaxed), published);
-}
-
-/// A requeue count that no batch answers to (its batch was taken at or above the claim hint,
-/// so nobody counted it down) is reset by the next scan that finds nothing.
-#[test]
-fn a_stale_requeue_count_is_reset() {
-    let (producer, sock) = bind("stale", 4);
-    let mut c: Consumer<HostConsumer> = Consumer::attach(&sock, HostOptions::default()).unwrap();
-    producer
-        .wait_for_consumers(1, Duration::from_secs(5))
-        .unwrap();
-    let requeued = &c.segment().claim().requeued.value;
-    requeued.store(3, Ordering::Relaxed);
-    assert!(matches!(
-        c.recv_timeout(Duration::from_millis(20)),
-        Err(Error::Timeout(_))
-    ));
-    assert_eq!(
-        c.segment().claim().requeued.value.load(Ordering::Relaxed),
-        0
-    );
-    drop(producer);
 }

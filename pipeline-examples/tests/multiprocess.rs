@@ -262,7 +262,7 @@ fn socket_is_private_and_foreign_uids_are_refused() {
 }
 
 #[test]
-fn scribbled_control_segment_gives_clear_errors_not_hangs() {
+fn a_consumer_write_to_the_control_segment_faults_in_the_writer_alone() {
     watchdog(60, |procs| {
         let dir = tmpdir("scribble");
         let sock = dir.join("ring.sock");
@@ -272,41 +272,32 @@ fn scribbled_control_segment_gives_clear_errors_not_hangs() {
             active_consumers(&sock) == 1
         });
         wait_until(Duration::from_secs(10), "batches", || head(&sock) > 20);
-        // A hostile consumer attaches like any other, then scribbles on the shared head.
+        // A hostile consumer attaches like any other, then tries to scribble on the shared
+        // head (before protocol version 4 it could, and the victim stopped with "control
+        // segment corrupted"). The segment is mapped read-only and sealed against writes:
+        // the write faults in the writer alone (a forked child here, so that the fault is
+        // observable), and the victim goes on undisturbed.
         let hostile: pipeline_core::Consumer<pipeline_core::HostConsumer> =
             pipeline_core::Consumer::attach(&sock, pipeline_core::HostOptions::default()).unwrap();
-        // It keeps scribbling (the producer rewrites the head at every publish) until the
-        // victim has stopped.
         let h = &hostile.segment().header().head.value;
-        let mut a = a;
-        let until = Instant::now() + Duration::from_secs(5);
-        while a.try_wait().unwrap().is_none() && Instant::now() < until {
+        // SAFETY: the child only stores to a mapped word and exits, with no lock held.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
             h.fetch_add(1_000_000, Ordering::SeqCst);
-            std::thread::sleep(Duration::from_millis(1));
+            // Reached only if the write landed.
+            // SAFETY: ends the forked child at once, running nothing of the parent's.
+            unsafe { libc::_exit(0) };
         }
-        let ea = finish(a, Duration::from_secs(1));
-        assert_eq!(
-            ea.code,
-            Some(1),
-            "the victim must stop with an error, not crash: {}",
-            ea.stderr
+        let mut status = 0;
+        // SAFETY: waiting for the child forked above.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(
+            libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGSEGV,
+            "a consumer's write to the control segment must fault (wait status {status:#x})"
         );
-        let err = report(&ea)["error"]
-            .as_str()
-            .unwrap_or_default()
-            .to_string();
-        assert!(err.contains("control segment corrupted"), "error: {err}");
-        assert_eq!(
-            report(&ea)["mismatches"],
-            0,
-            "nothing it accepted was corrupt"
-        );
-        // The producer never reads the head back from shared memory: it goes on.
         drop(hostile);
-        signal(p.id(), libc::SIGINT);
-        let pe = finish(p, Duration::from_secs(15));
-        assert_eq!(pe.code, Some(0), "producer: {}", pe.stderr);
-        let _ = std::fs::remove_dir_all(&dir);
+        progress_then_clean_close(p, a, &sock, &dir);
     });
 }
 

@@ -3,12 +3,14 @@
 //!
 //! Input: 4 bytes of set-up, then the segment's image.
 //! * byte 0: slot_count = 1 + b % 16; byte 1: consumer_capacity = 1 + b % 8;
-//! * byte 2: bit 0 mode (broadcast/shared), bit 1 map read-only (observer), bit 2 hand over an
-//!   unsealed memfd, bit 3 hand over a sealed memfd that is too short;
+//! * byte 2: bit 0 mode (broadcast/shared), bit 1 hand over a memfd sealed against resizing
+//!   but not against writes, bit 2 hand over an unsealed memfd, bit 3 hand over a sealed memfd
+//!   that is too short;
 //! * byte 3: the consumer's own index (modulo the capacity).
 //!
-//! (a) The image is written over the start of a sealed memfd of `segment_bytes()` (the rest stays
-//! zero), `ControlSegment::open` validates it, and when it accepts it, `Snapshot::read` and its
+//! (a) The image is written over the start of a memfd of `segment_bytes()` (the rest stays
+//! zero), which is then sealed against writes as a producer does, `ControlSegment::open`
+//! (always read-only since protocol version 4) validates it, and when it accepts it, `Snapshot::read` and its
 //! Display and JSON forms must work on whatever the words hold. The consumer's run-time checks
 //! are then fed the words it would read from that segment.
 //! (b) Independently, the image's bytes are read as u64s and fed to the same checks
@@ -38,17 +40,18 @@ struct Seen {
     cursor: u64,
     /// Slots (local, from the handshake).
     n: u32,
-    /// Slot `cursor mod n`'s seq, pending and len.
+    /// Slot `cursor mod n`'s seq, addressed mask and len.
     seq: u64,
-    pending: u64,
+    addressed: u64,
     len: u64,
     /// Slot capacity (local).
     capacity: u64,
     /// Its index (local, < 63).
     me: u32,
-    /// Shared mode: claim hint and requeue count.
+    /// Shared mode: its own scan hint (local), and whether `requeued` changed since its last
+    /// whole scan.
     hint: u64,
-    requeued: u64,
+    rescan: bool,
 }
 
 fn show(v: Violation) {
@@ -80,13 +83,13 @@ fn checks(s: &Seen) {
 
     let k = ring::slot_of(s.cursor, n);
     assert!(k < n);
-    match ring::check_slot(k, s.seq, s.cursor, s.pending, s.me) {
+    match ring::check_slot(k, s.seq, s.cursor, s.addressed, s.me) {
         Ok(()) => {
             assert_eq!(s.seq, s.cursor);
-            assert_ne!(s.pending & ring::bit(s.me), 0);
+            assert_ne!(s.addressed & ring::bit(s.me), 0);
         }
         Err(v) => {
-            assert!(s.seq != s.cursor || s.pending & ring::bit(s.me) == 0);
+            assert!(s.seq != s.cursor || s.addressed & ring::bit(s.me) == 0);
             show(v);
         }
     }
@@ -119,12 +122,12 @@ fn checks(s: &Seen) {
     }
 
     // Where the shared consumer starts scanning: inside the live window, always.
-    let st = ring::scan_start(s.head, s.hint, s.requeued, n);
+    let st = ring::scan_start(s.head, s.hint, s.rescan, n);
     assert!(
         st >= window.start && st <= window.end,
         "{s:?}: scan start {st} outside {window:?}"
     );
-    if s.requeued > 0 {
+    if s.rescan {
         assert_eq!(st, window.start);
     } else if window.contains(&s.hint) {
         assert_eq!(st, s.hint);
@@ -162,12 +165,12 @@ fn checks_on_words(bytes: &[u8]) {
         cursor: w.next(),
         n: 1 + (w.next() % 4096) as u32,
         seq: w.next(),
-        pending: w.next(),
+        addressed: w.next(),
         len: w.next(),
         capacity: w.next(),
         me: (w.next() % 63) as u32,
         hint: w.next(),
-        requeued: w.next(),
+        rescan: w.next() & 1 == 1,
     };
     checks(&s);
 }
@@ -180,19 +183,18 @@ fn checks_on_segment(seg: &ControlSegment, me: u32) {
     let cursor = rec.cursor.load(Ordering::Relaxed);
     let k = ring::slot_of(cursor, l.slot_count);
     let d = seg.slot(k);
-    let claim = seg.claim();
     checks(&Seen {
         last: rec.join_seq.load(Ordering::Relaxed),
         head: h.head.value.load(Ordering::Acquire),
         cursor,
         n: l.slot_count,
         seq: d.seq.load(Ordering::Acquire),
-        pending: d.pending.load(Ordering::Acquire),
+        addressed: d.addressed.load(Ordering::Acquire),
         len: d.len.load(Ordering::Relaxed),
         capacity: l.slot_bytes,
         me,
-        hint: claim.claim_hint.value.load(Ordering::Acquire),
-        requeued: claim.requeued.value.load(Ordering::Acquire),
+        hint: cursor,
+        rescan: h.requeued.value.load(Ordering::Acquire) & 1 == 1,
     });
 }
 
@@ -230,15 +232,30 @@ fn check_snapshot(seg: &ControlSegment) {
     assert_eq!(v["slots"].as_array().map(Vec::len), Some(snap.slots.len()));
 }
 
-fn memfd(bytes: u64, sealed: bool) -> OwnedFd {
-    if sealed {
-        sys::sealed_memfd("gpipe-fuzz-control", bytes).expect("memfd")
-    } else {
+/// A memfd of `bytes` holding `image`: unsealed, sealed against resizing only, or sealed
+/// against writes too (what a producer hands out).
+fn memfd(bytes: u64, image: &[u8], sealed: bool, write_sealed: bool) -> OwnedFd {
+    let write = |fd: &OwnedFd| {
+        let file = File::from(fd.try_clone().expect("dup"));
+        file.write_all_at(image, 0).expect("write the image");
+    };
+    if !sealed {
         let fd = rustix::fs::memfd_create("gpipe-fuzz-control", rustix::fs::MemfdFlags::CLOEXEC)
             .expect("memfd");
         rustix::fs::ftruncate(&fd, bytes).expect("ftruncate");
-        fd
+        write(&fd);
+        return fd;
     }
+    if !write_sealed {
+        let fd = sys::sealed_memfd("gpipe-fuzz-control", bytes).expect("memfd");
+        write(&fd);
+        return fd;
+    }
+    let unshared = sys::UnsharedMemfd::create("gpipe-fuzz-control", bytes).expect("memfd");
+    let fd = unshared.fd().try_clone_to_owned().expect("dup");
+    write(&fd);
+    drop(fd);
+    unshared.seal_writes().expect("seal")
 }
 
 fuzz_target!(|data: &[u8]| {
@@ -257,20 +274,22 @@ fuzz_target!(|data: &[u8]| {
         },
         slot_bytes: SLOT_ALIGN,
     };
-    let writable = setup[2] & 2 == 0;
+    let write_sealed = setup[2] & 2 == 0;
     let sealed = setup[2] & 4 == 0;
     let short = setup[2] & 8 != 0;
     let me = u32::from(setup[3]) % layout.consumer_capacity;
 
     let want = layout.segment_bytes();
     let bytes = if short { want / 2 } else { want };
-    let file = File::from(memfd(bytes, sealed));
     let image = &image[..image.len().min(bytes as usize)];
-    file.write_all_at(image, 0).expect("write the image");
+    let fd = memfd(bytes, image, sealed, write_sealed);
 
-    match ControlSegment::open(OwnedFd::from(file), layout, writable) {
+    match ControlSegment::open(fd, layout) {
         Ok(seg) => {
-            assert!(sealed && !short, "open accepted an unsealed or short memfd");
+            assert!(
+                sealed && write_sealed && !short,
+                "open accepted a memfd that is short or not sealed against writes"
+            );
             assert_eq!(seg.layout(), layout);
             check_snapshot(&seg);
             checks_on_segment(&seg, me);

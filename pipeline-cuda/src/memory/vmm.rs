@@ -16,7 +16,7 @@ use crate::driver::{
 
 /// The most slots the VMM path with POSIX fds shares: one fd per slot, plus the control memfd
 /// and the timelines memfd, must fit one `SCM_RIGHTS` message (at most 253 fds).
-pub const MAX_VMM_FD_SLOTS: u32 = 250;
+pub const MAX_VMM_FD_SLOTS: u32 = 248;
 
 /// The producer's slots on the VMM path: per slot a mapped allocation and its share.
 pub(crate) struct VmmSlots {
@@ -171,7 +171,8 @@ mod tests {
 
     #[test]
     fn vmm_fd_slot_limit_leaves_room_for_the_other_fds() {
-        // control memfd + slots + timelines memfd fit one SCM_RIGHTS message.
-        const { assert!(MAX_VMM_FD_SLOTS as usize + 2 <= pipeline_core::sys::MAX_FDS_PER_MESSAGE) };
+        // The control segment, the claim segment and the consumer's page (protocol version
+        // 4), the slots, the ready words and the finished words fit one SCM_RIGHTS message.
+        const { assert!(MAX_VMM_FD_SLOTS as usize + 5 <= pipeline_core::sys::MAX_FDS_PER_MESSAGE) };
     }
 }
