@@ -132,6 +132,7 @@ impl<B: ConsumerBackend> Link<B> {
 
     /// The backend's finished signal, then the ring's release. A mirrored batch's slot was
     /// released when it was copied: only the consumer's own buffer is given back.
+    #[inline]
     pub(super) fn release_batch(
         &self,
         seq: u64,
