@@ -31,6 +31,13 @@ pub fn previous_in_slot(seq: u64, n: u32) -> Option<u64> {
     seq.checked_sub(n as u64)
 }
 
+/// The newest batch published into slot `k` of a ring of `n` slots before `head`, if any.
+#[inline]
+pub fn last_in_slot(head: u64, k: u32, n: u32) -> Option<u64> {
+    let (k, n) = (u64::from(k), u64::from(n));
+    (head > k).then(|| k + (head - 1 - k) / n * n)
+}
+
 /// Bit of consumer `c`.
 #[inline]
 pub fn bit(c: u32) -> u64 {
@@ -131,9 +138,9 @@ pub fn try_claim(claim: &AtomicU64, mine: &AtomicU64, seq: u64, me: u32) -> Opti
         return None;
     }
     let before = mine.load(Ordering::Relaxed);
-    if before == released(seq) {
-        // We had it already: a word reopened after we released the batch (a peer's write)
-        // never hands us the same batch twice.
+    if before == released(seq) || before == holding(seq) {
+        // We have or had it already: a word reopened by a peer never hands us the same
+        // batch twice.
         return None;
     }
     mine.store(holding(seq), Ordering::SeqCst);
@@ -564,6 +571,10 @@ mod tests {
         assert!(try_claim(&claim, &b, 7, 1).is_some());
         let w = claim.load(Ordering::Relaxed);
         assert_eq!(shared_slot(w, 7, 0b11, false, page), SharedSlot::Held(0b10));
+        // Reopened while b holds it: b does not take it a second time, and its hold stays.
+        claim.store(claim_word(7, None), Ordering::Relaxed);
+        assert_eq!(try_claim(&claim, &b, 7, 1), None, "not while we hold it");
+        assert_eq!(b.load(Ordering::Relaxed), holding(7));
         release(&b, 7);
         claim.store(claim_word(7, None), Ordering::Relaxed);
         assert_eq!(
@@ -571,6 +582,21 @@ mod tests {
             None,
             "at most once per consumer"
         );
+    }
+
+    #[test]
+    fn the_last_batch_of_a_slot_is_below_the_head() {
+        assert_eq!(last_in_slot(0, 0, 4), None);
+        assert_eq!(last_in_slot(3, 3, 4), None, "slot 3 not written yet");
+        assert_eq!(last_in_slot(4, 3, 4), Some(3));
+        assert_eq!(last_in_slot(9, 0, 4), Some(8));
+        assert_eq!(last_in_slot(9, 1, 4), Some(5));
+        for head in 1..40u64 {
+            for k in 0..4u32 {
+                let want = (0..head).rev().find(|s| s % 4 == u64::from(k));
+                assert_eq!(last_in_slot(head, k, 4), want, "head {head} slot {k}");
+            }
+        }
     }
 
     #[test]
@@ -697,7 +723,14 @@ mod loom_model {
                 try_claim(&self.claim, mine, s, me).or_else(|| adopt(&self.claim, mine, s, me))?;
             fence(Ordering::SeqCst);
             if self.seq.load(Ordering::SeqCst) != s {
-                // Being written again: not ours to read.
+                // Being written again: not ours to read. The claim word back, as
+                // `Consumer::unclaim` does, then our page.
+                let _ = self.claim.compare_exchange(
+                    claim_word(s, Some(me)),
+                    claim_word(s, None),
+                    Ordering::AcqRel,
+                    Ordering::Relaxed,
+                );
                 mine.store(before, Ordering::Release);
                 return None;
             }

@@ -76,8 +76,8 @@ pub enum Message {
     Joined {
         /// First sequence number.
         start_seq: u64,
-        /// Shared mode: what to store in a slot's `claimer` after a claim (see
-        /// [`crate::ring::claim_token`]).
+        /// This attach's token ([`crate::ring::claim_token`]): the consumer's index in the low
+        /// bits (checked against the index it was given) and a serial unique to the attach.
         claim_token: u64,
     },
     /// Either way: refused, with a reason.

@@ -448,8 +448,9 @@ impl<B: ConsumerBackend> Consumer<B> {
                 let seq = seg.slot(k).seq.load(Ordering::SeqCst);
                 if seq != s {
                     // The slot is being written again (a peer reopened a batch that was
-                    // consumed) or holds a newer batch: not ours. Our page as it was.
-                    mine.store(before, Ordering::Release);
+                    // consumed) or holds a newer batch: not ours. Our page as it was, and
+                    // the claim word too (unless the producer has written it since).
+                    self.unclaim(k, s, before);
                     continue;
                 }
                 let now = h.head.value.load(Ordering::Acquire).max(head);

@@ -69,8 +69,10 @@ impl<B: ProducerBackend> Shared<B> {
                 let progress = page
                     .as_ref()
                     .map_or(0, |p| p.slot(k).load(Ordering::Acquire));
+                // The slot's batch by our own count (its descriptor's `seq` may be marked
+                // as being rewritten), not by anything a consumer wrote.
                 if let Some(r) = ring::released_seq(progress)
-                    && r == self.seg.slot(k).seq.load(Ordering::Acquire)
+                    && Some(r) == ring::last_in_slot(m.head, k, self.layout.slot_count)
                 {
                     self.consumed[k as usize].store(r + 1, Ordering::Release);
                 }

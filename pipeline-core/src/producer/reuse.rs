@@ -287,7 +287,7 @@ impl<B: ProducerBackend> Producer<B> {
 
     /// The consumers that got batch `seq` (in slot `k`) and are still attached — not a
     /// consumer that has since taken the same index (broadcast: it joined after `seq`;
-    /// shared: the slot's claim token is an older attach's).
+    /// shared: its fresh page never took the batch).
     pub(super) fn holders_of(&self, k: u32, seq: u64) -> u64 {
         let sh = &*self.shared;
         let active = sh.active.load(Ordering::Acquire);

@@ -14,8 +14,9 @@ use crate::driver::{
     CUdeviceptr, Context, CudaError, PhysicalAllocation, VmmMapping, allocation_granularity,
 };
 
-/// The most slots the VMM path with POSIX fds shares: one fd per slot, plus the control memfd
-/// and the timelines memfd, must fit one `SCM_RIGHTS` message (at most 253 fds).
+/// The most slots the VMM path with POSIX fds shares: one fd per slot, plus the ring's three
+/// (control segment, claim segment, the consumer's page) and the backend's two (its
+/// `finished` words and `ready` signals), must fit one `SCM_RIGHTS` message (at most 253 fds).
 pub const MAX_VMM_FD_SLOTS: u32 = 248;
 
 /// The producer's slots on the VMM path: per slot a mapped allocation and its share.
