@@ -15,7 +15,10 @@ use crate::memory::{
 };
 use crate::sync::{SyncMode, TimelineMemory};
 
-const HANDLE: usize = 64;
+pub(crate) const HANDLE: usize = 64;
+
+/// The magic that opens a consumer's reply to the export (its Ready blob).
+pub(crate) const REPLY_MAGIC: u32 = u32::from_le_bytes(*b"GCF1");
 
 fn handle64(r: &mut Reader<'_>) -> Result<[u8; HANDLE], BackendError> {
     Ok(r.bytes(HANDLE)?.try_into()?)
