@@ -365,7 +365,7 @@ def segment(
     put(32, u64(SLOT_ALIGN) + u64(segment_bytes(slots, cap)))
     put(48, u32(4242) + u32(state) + u32(HOST) + u32(0) + u64(1_790_000_000_000))
     put(128, u64(head))
-    put(256, u32(head))  # data_wake: bumped on publishes
+    put(256, u32(head & 0xFFFFFFFF))  # data_wake: bumped on publishes (wraps)
     put(384, u64(requeued))
     put(512, u32(space_sleepers))
     tables = HEADER_BYTES + DESC_BYTES * slots + RECORD_BYTES * cap

@@ -16,9 +16,12 @@ pub struct SlotView {
     pub seq: Option<u64>,
     /// Length of that batch.
     pub len: u64,
-    /// Broadcast: consumers still holding it. Shared: the claimer, if claimed.
+    /// Broadcast: the consumers the batch went to that are still attached (whether each has
+    /// released it is in its own page, which an observer does not get). Shared: empty.
     pub held_by: Vec<u32>,
-    /// Shared mode: published and not yet claimed.
+    /// Shared mode: published and not yet claimed. Always false since protocol version 4:
+    /// claims live in the claim segment, which observers do not get (kept for the JSON's
+    /// readers).
     pub unclaimed: bool,
 }
 

@@ -42,7 +42,8 @@ pub enum Message {
         /// Backend kind it wants (0: whatever the producer uses).
         backend: u32,
     },
-    /// Producer → consumer: the ring's constants; fds: control segment, then the backend's.
+    /// Producer → consumer: the ring's constants; fds: the control segment, then (consumers
+    /// only) the claim segment and the consumer's own page, then the backend's.
     Welcome {
         /// Protocol version.
         version: u32,
@@ -60,7 +61,7 @@ pub enum Message {
         consumer_capacity: u32,
         /// Backend kind.
         backend: u32,
-        /// Number of fds attached (control segment + backend's).
+        /// Number of fds attached (the ring's, then the backend's).
         fd_count: u32,
         /// Backend export data (opaque to the core).
         blob: Vec<u8>,

@@ -244,8 +244,10 @@ impl Ring {
         if self.active & bit(c) != 0 {
             return;
         }
-        // A fresh page per attach.
+        // A fresh page per attach: a new consumer at the index never had the batch (one a
+        // peer reopened may reach it, as it may any other consumer).
         self.pages[c as usize].store(0, Ordering::Relaxed);
+        self.delivered &= !bit(c);
         self.active |= bit(c);
     }
 
