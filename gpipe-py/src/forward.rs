@@ -53,6 +53,9 @@ pub fn forward<'py>(
         wait_for_consumers,
         wait_timeout: None,
         sync: None,
+        // Whole batches: chunked forwarding is not offered to Python yet (issue #34).
+        chunk_bytes: None,
+        depth: None,
     };
     let stop = Arc::new(AtomicBool::new(false));
     let (tx, rx) = crossbeam_channel::bounded(1);
