@@ -353,6 +353,15 @@ fn two_gpu_relay_receiver_takes_back_a_restarted_sender() {
 /// intact and in order, A's close closing the chain; then the middle forwarder killed: the
 /// next one and C's consumer end with "producer died", and A goes on for its other consumer.
 fn chain(backend: &'static str, dev: &'static [&'static str]) {
+    chain_with(backend, dev, &[]);
+}
+
+/// As [`chain`], every forwarder started with `tuning` too (e.g. `--chunk 512KiB`).
+fn chain_with(
+    backend: &'static str,
+    dev: &'static [&'static str],
+    tuning: &'static [&'static str],
+) {
     watchdog(120, move |procs| {
         let dir = tmpdir(&format!("chain-{backend}"));
         let (a, b, c) = (dir.join("a.sock"), dir.join("b.sock"), dir.join("c.sock"));
@@ -372,6 +381,7 @@ fn chain(backend: &'static str, dev: &'static [&'static str]) {
                 "--json",
             ];
             args.extend_from_slice(dev);
+            args.extend_from_slice(tuning);
             let f = spawn(&procs, &args);
             let d = down.to_path_buf();
             wait_until(Duration::from_secs(30), "the forwarded ring", move || {
@@ -418,7 +428,11 @@ fn chain(backend: &'static str, dev: &'static [&'static str]) {
                 b.to_str().unwrap(),
                 "--wait-for-consumers",
                 "1",
-            ],
+            ]
+            .iter()
+            .chain(tuning)
+            .copied()
+            .collect::<Vec<_>>(),
         );
         let bb = b.clone();
         wait_until(Duration::from_secs(30), "ring B", move || {
@@ -437,7 +451,11 @@ fn chain(backend: &'static str, dev: &'static [&'static str]) {
                 // killed mid-stream below, not mid-attach.
                 "--wait-for-consumers",
                 "1",
-            ],
+            ]
+            .iter()
+            .chain(tuning)
+            .copied()
+            .collect::<Vec<_>>(),
         );
         let cc = c.clone();
         wait_until(Duration::from_secs(30), "ring C", move || {
@@ -474,6 +492,15 @@ fn chain(backend: &'static str, dev: &'static [&'static str]) {
 #[test]
 fn host_forwarders_chain_rings_and_a_killed_link_fails_clearly_downstream() {
     chain("host", &[]);
+}
+
+/// Issue #34: the same with chunked forwarders (the second copies each chunk once the first
+/// wrote it): every batch whole at the end of the chain; the first forwarder SIGKILLed, with
+/// batches part-copied, ends the second and the far consumer with "producer died", having
+/// checked nothing wrong.
+#[test]
+fn host_chunked_forwarders_chain_rings_and_a_killed_link_fails_clearly_downstream() {
+    chain_with("host", &[], &["--chunk", "256KiB"]);
 }
 
 /// GPU 0's ring forwarded to GPU 1, then along GPU 1.
