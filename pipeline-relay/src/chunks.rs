@@ -107,6 +107,20 @@ impl Board {
         slot_bytes: u64,
         chunk_bytes: u64,
     ) -> io::Result<Board> {
+        if chunk_bytes == 0
+            || u64::from(chunk_count(slot_bytes, chunk_bytes)) >= 1 << CHUNK_BITS
+            || slot_bytes.div_ceil(chunk_bytes.max(1)) >= 1 << CHUNK_BITS
+        {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "chunks of {chunk_bytes} bytes cut a slot of {slot_bytes} bytes into more \
+                     than {} chunks: use chunks of at least {} bytes",
+                    (1u64 << CHUNK_BITS) - 1,
+                    slot_bytes.div_ceil((1 << CHUNK_BITS) - 1)
+                ),
+            ));
+        }
         let path = board_path(socket);
         let _ = std::fs::remove_file(&path);
         let file = OpenOptions::new()
@@ -261,6 +275,16 @@ mod tests {
             Board::open(&sock, 4, 64 << 20).is_none(),
             "removed with its writer"
         );
+    }
+
+    #[test]
+    fn a_board_refuses_more_chunks_than_a_progress_value_counts() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = Board::create(&dir.path().join("r.sock"), 4, 1 << 30, 1024)
+            .err()
+            .expect("2^20 chunks refused");
+        assert!(e.to_string().contains("at least 16385 bytes"), "{e}");
+        assert!(Board::create(&dir.path().join("r.sock"), 4, 1 << 30, 16385).is_ok());
     }
 
     #[test]

@@ -410,13 +410,14 @@ impl Run<'_> {
             None => out.board.chunk_bytes(),
         };
         let word = out.word(slot_out);
-        // SAFETY (the memory operations below): the board words are registered host memory,
-        // 8-byte aligned, whose registration `forward` drops only after the producer (whose
-        // teardown drains this stream) is gone.
+        // Each memory operation below: the board words are registered host memory, 8-byte
+        // aligned, whose registration `forward` drops only after the producer (whose teardown
+        // drains this stream) is gone, or never (an abandoned ring).
+        // SAFETY: the word as just said; the stream is live.
         unsafe { driver::stream_write_value64(stream, word, progress(seq_out, 0)) }.map_err(err)?;
         for (c, (off, n)) in chunks(len, chunk).enumerate() {
             if let Some((u, k, x)) = up {
-                // SAFETY: as above.
+                // SAFETY: the upstream board's word, registered as ours is (see above).
                 unsafe {
                     driver::stream_wait_value64(
                         stream,
@@ -430,12 +431,12 @@ impl Run<'_> {
             // SAFETY: the caller guarantees both ranges; this chunk is inside them.
             unsafe { driver::memcpy_async(dst + off, src + off, n as usize, stream) }
                 .map_err(err)?;
-            // SAFETY: as above.
+            // SAFETY: our board's word (see above).
             unsafe { driver::stream_write_value64(stream, word, progress(seq_out, c as u32 + 1)) }
                 .map_err(err)?;
         }
         // A short batch: every chunk of the slot counts as landed.
-        // SAFETY: as above.
+        // SAFETY: our board's word (see above).
         unsafe {
             driver::stream_write_value64(stream, word, progress(seq_out, out.board.chunk_count()))
         }

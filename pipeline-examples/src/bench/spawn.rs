@@ -92,14 +92,17 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
     let mut children = Children(Vec::new());
     let chunk = args.chunk_bytes()?;
     let hosts = forwarder_hosts(args, &plan);
-    let mut forwarders = start_forwarders(&exe, dir, args, &plan, &hosts, chunk, deadline)?;
+    let shape = Shape {
+        plan: &plan,
+        hosts: &hosts,
+        chunk,
+    };
+    let mut forwarders = start_forwarders(&exe, dir, args, &shape, deadline)?;
     start_consumers(
         &exe,
         dir,
         args,
-        &plan,
-        &hosts,
-        chunk,
+        &shape,
         &mut children,
         &mut forwarders,
         deadline,
@@ -254,6 +257,15 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
     })
 }
 
+/// A fan-out as the processes of a run carry it out: the plan, where each forwarder runs
+/// ([`forwarder_hosts`]) and the forwarders' chunk size.
+#[derive(Clone, Copy)]
+struct Shape<'a> {
+    plan: &'a FanoutPlan,
+    hosts: &'a [Option<usize>],
+    chunk: Option<u64>,
+}
+
 /// For each ring, the consumer whose process runs its forwarder (`--forwarders
 /// in-consumer`: the first consumer reading it); None: a forwarder process of its own (and
 /// ring 0, the producer's).
@@ -291,11 +303,10 @@ fn start_forwarders(
     exe: &Path,
     dir: &Path,
     args: &BenchArgs,
-    plan: &FanoutPlan,
-    hosts: &[Option<usize>],
-    chunk: Option<u64>,
+    shape: &Shape<'_>,
     deadline: Instant,
 ) -> Result<Children, String> {
+    let Shape { plan, hosts, chunk } = *shape;
     let mut forwarders = Children(Vec::new());
     for (r, node) in plan.rings.iter().enumerate().skip(1) {
         if hosts[r].is_some() {
@@ -334,13 +345,12 @@ fn start_consumers(
     exe: &Path,
     dir: &Path,
     args: &BenchArgs,
-    plan: &FanoutPlan,
-    hosts: &[Option<usize>],
-    chunk: Option<u64>,
+    shape: &Shape<'_>,
     children: &mut Children,
     forwarders: &mut Children,
     deadline: Instant,
 ) -> Result<(), String> {
+    let Shape { plan, hosts, chunk } = *shape;
     let cuda = args.backend == Backend::Cuda;
     for i in 0..args.consumers {
         let ring = plan.consumer_ring.get(i as usize).copied().unwrap_or(0);
