@@ -196,7 +196,7 @@ mod tests {
     }
 
     #[test]
-    fn auto_is_direct_for_one_other_gpu_else_chain_or_tree_by_batch_size() {
+    fn auto_is_direct_for_one_other_gpu_or_small_batches_else_chain() {
         assert_eq!(
             plan(Fanout::Auto, 0, &[0, 1], 256 << 20).shape,
             Fanout::Direct
@@ -211,7 +211,7 @@ mod tests {
         );
         assert_eq!(
             plan(Fanout::Auto, 0, &[1, 2, 3], 2 << 20).shape,
-            Fanout::Tree
+            Fanout::Direct
         );
     }
 
