@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use pipeline_core::{
     BackendKind, Consumer, ConsumerConfig, HostConsumer, HostOptions, HostProducer, PendingAttach,
-    Producer, ProducerConfig,
+    Producer, ProducerConfig, WaitPolicy,
 };
 use pipeline_cuda::sync::SyncMode;
 
@@ -67,7 +67,21 @@ pub fn run_forwarder(
     opts: &ForwardOptions,
     stop: &AtomicBool,
 ) -> Result<RelayReport, RelayError> {
-    let pending = PendingAttach::connect(upstream, ConsumerConfig::default()).map_err(err)?;
+    // A receive that finds nothing must come back within microseconds, not at the upstream's
+    // next publish: meanwhile copies in flight complete and wait to be published (issue #34;
+    // the default policy sleeps up to 100 ms between looks at the clock).
+    let wait = WaitPolicy {
+        spin: Duration::from_micros(20),
+        tick: Duration::from_micros(50),
+    };
+    let pending = PendingAttach::connect(
+        upstream,
+        ConsumerConfig {
+            wait,
+            ..ConsumerConfig::default()
+        },
+    )
+    .map_err(err)?;
     let layout = pending.layout();
     let config = ProducerConfig {
         batch_bytes: layout.slot_bytes,

@@ -467,10 +467,11 @@ impl Run<'_> {
             // gets the next one, which would otherwise wait here for a slot that consumer
             // holds.
             self.settle(Settle::Whole, stop)?;
+            // With copies in flight, come back soon to publish those that complete.
             let wait = if self.inflight.is_empty() {
                 tick
             } else {
-                Duration::from_millis(1)
+                Duration::from_micros(100)
             };
             match self.producer.acquire_ahead(wait) {
                 Ok(l) => return Ok(Some(l)),
