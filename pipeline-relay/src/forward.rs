@@ -6,12 +6,22 @@
 //!
 //! Per batch: the next slot of the downstream ring is acquired (so its consumers' back-pressure
 //! holds the upstream batch, and through it the upstream producer), the batch is copied into it
-//! (CUDA: on the downstream slot's stream, after the upstream `ready`; the upstream `finished` is
-//! written on that stream after the copy), and, once the copy is complete, it is published with
-//! the upstream header and tensor table; up to three copies are in flight at once, in slots
-//! taken ahead (`Producer::acquire_ahead`). A forwarded ring only ever holds whole batches: if the
-//! upstream producer dies with batches whose `ready` never came, they are not passed on. If the forwarder dies, its downstream consumers get `ProducerDied` and the
-//! upstream ring goes on without it (a departed consumer).
+//! (CUDA: on the downstream producer's stream, after the upstream `ready`; the upstream
+//! `finished` is written after the copy), and, once the copy is complete, it is published with
+//! the upstream header and tensor table (CUDA: its `ready` written on a stream of its own, not
+//! behind the copies queued after it); up to three copies (`ForwardOptions::depth`) are in
+//! flight at once, in slots taken ahead (`Producer::acquire_ahead`). The CUDA loop is in
+//! `forward_cuda.rs`, the host one here.
+//!
+//! Chunked (`ForwardOptions::chunk_bytes`, [`crate::chunks`]): the copy is made chunk by chunk
+//! with the ring's progress published after each, and a batch whose copy has begun upstream (the
+//! upstream forwarder's progress board says so) is copied as its chunks land, before it is
+//! published upstream; it is still published downstream only once received whole.
+//!
+//! A forwarded ring only ever holds whole batches: if the upstream producer dies with batches
+//! whose `ready` never came, or mid-way through a chunked copy, they are not passed on. If the
+//! forwarder dies, its downstream consumers get `ProducerDied` and the upstream ring goes on
+//! without it (a departed consumer).
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
