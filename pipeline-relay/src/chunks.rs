@@ -26,6 +26,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -127,6 +128,7 @@ impl Board {
             .read(true)
             .write(true)
             .create_new(true)
+            .mode(0o600)
             .open(&path)
             .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
         file.set_len(Self::bytes(slots) as u64)?;
@@ -155,7 +157,13 @@ impl Board {
     pub fn open(socket: &Path, slots: u32, slot_bytes: u64) -> Option<Board> {
         let path = board_path(socket);
         let file: File = OpenOptions::new().read(true).write(true).open(&path).ok()?;
-        if file.metadata().ok()?.len() < Self::bytes(slots) as u64 {
+        let meta = file.metadata().ok()?;
+        // Only a board of our own user, which no one else can write: a forged board could
+        // start our copies before the bytes landed.
+        if meta.uid() != rustix::process::geteuid().as_raw()
+            || meta.mode() & 0o077 != 0
+            || meta.len() < Self::bytes(slots) as u64
+        {
             return None;
         }
         let map = MmapRaw::map_raw(&file).ok()?;
@@ -270,6 +278,14 @@ mod tests {
         // Another ring shape, or another socket: not this board.
         assert!(Board::open(&sock, 8, 64 << 20).is_none());
         assert!(Board::open(&dir.path().join("ring-2.sock"), 4, 64 << 20).is_none());
+        // A board that others could write is not trusted.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(board_path(&sock), std::fs::Permissions::from_mode(0o622))
+            .unwrap();
+        assert!(Board::open(&sock, 4, 64 << 20).is_none());
+        std::fs::set_permissions(board_path(&sock), std::fs::Permissions::from_mode(0o600))
+            .unwrap();
+        assert!(Board::open(&sock, 4, 64 << 20).is_some());
         drop(w);
         assert!(
             Board::open(&sock, 4, 64 << 20).is_none(),
