@@ -56,6 +56,7 @@ pub fn forward<'py>(
         // Whole batches: chunked forwarding is not offered to Python yet (issue #34).
         chunk_bytes: None,
         depth: None,
+        memory: None,
     };
     let stop = Arc::new(AtomicBool::new(false));
     let (tx, rx) = crossbeam_channel::bounded(1);

@@ -96,6 +96,12 @@ pub struct ConsumeCmd {
     /// With --forward-from: chunked forwarding, as `gpipe relay forward --chunk`.
     #[arg(long, default_value = "off", value_parser = crate::relay::parse_chunk, requires = "forward_from")]
     forward_chunk: crate::relay::ChunkSize,
+    /// With --forward-from, CUDA: the new ring's memory path (pool, vmm, legacy). This
+    /// process imports the memory it exports itself: legacy IPC handles cannot be opened by
+    /// their exporter; VMM (the default) shares each slot as an fd, which any process may
+    /// import (not yet run on a GPU in one process: `scripts/gpu/fanout.sh` tries pool too).
+    #[arg(long, default_value = "vmm", requires = "forward_from")]
+    forward_memory: pipeline_cuda::memory::MemoryPath,
     /// With --forward-from: CUDA copies in flight at once (default 3).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64), requires = "forward_from")]
     forward_depth: Option<u32>,
@@ -123,6 +129,7 @@ fn start_forwarder(cmd: &ConsumeCmd, upstream: &std::path::Path) -> Result<Forwa
         sync: None,
         chunk_bytes: cmd.forward_chunk.0,
         depth: cmd.forward_depth.map(|d| d as usize),
+        memory: Some(cmd.forward_memory),
     };
     let (up, down) = (upstream.to_path_buf(), cmd.socket.clone());
     let handle = std::thread::Builder::new()

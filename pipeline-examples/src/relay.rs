@@ -271,6 +271,7 @@ pub fn command(cmd: RelayCmd) -> Result<ExitCode, String> {
                 sync: Some(sync),
                 chunk_bytes: chunk.0,
                 depth: depth.map(|d| d as usize),
+                memory: None,
             };
             let r = pipeline_relay::run_forwarder(&upstream, &socket, config, &opts, &STOP);
             finish(r, json)

@@ -64,6 +64,11 @@ pub struct ForwardOptions {
     pub chunk_bytes: Option<u64>,
     /// CUDA: copies in flight at once (default 3, at most the ring's slots and lead).
     pub depth: Option<usize>,
+    /// CUDA: the downstream ring's memory path (default: the pool). A forwarder whose
+    /// downstream ring is read by a consumer in its own process needs a path that the process
+    /// that exported the memory can import too: legacy IPC handles cannot be opened by their
+    /// exporter; `gpipe consume --forward-from` uses VMM.
+    pub memory: Option<pipeline_cuda::memory::MemoryPath>,
 }
 
 /// Consumes the ring at `upstream` and re-publishes every batch in a ring of its own at

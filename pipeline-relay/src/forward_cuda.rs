@@ -87,6 +87,7 @@ pub(crate) fn forward(
         CudaOptions {
             device: Some(here),
             sync: opts.sync.unwrap_or(SyncMode::Semaphore),
+            memory: opts.memory.unwrap_or_default(),
             ..CudaOptions::default()
         },
     )

@@ -12,6 +12,9 @@
 #   chain-chunk-inproc     chain, chunks (auto), forwarders in the consumers (gpipe's default)
 #   chain-chunk-<S>-inproc the same with chunks of S (the chunk-size rule's alternatives)
 #   chain-chunk-d6-inproc  the same as chain-chunk-inproc with 6 copies in flight per forwarder
+#   chain-chunk-inproc-pool the same as chain-chunk-inproc with the rings in a memory pool
+#                          (64 MiB only; in-consumer rings default to VMM, which the consumer
+#                          in the same process imports: does the pool import there too?)
 #   tree-chunk-inproc      binary tree, chunks (auto), forwarders in the consumers
 # at 64, 256 and 2 MiB (chunked shapes at 64 and 256 MiB: `auto` keeps 2 MiB whole). Every
 # bench has a hard limit (60 s), and each MPS setting stops starting benches past its half of
@@ -94,6 +97,7 @@ shapes() {
       bench "$mps" "chain-chunk-$c-inproc-$b" 60 --fanout chain --chunk "$c" --forwarders in-consumer "${s[@]}"
     done
     bench "$mps" "chain-chunk-d6-inproc-$b" 60 --fanout chain --chunk auto --forwarders in-consumer --forward-depth 6 "${s[@]}"
+    [ "$b" = 64MiB ] && bench "$mps" "chain-chunk-inproc-pool-$b" 60 --fanout chain --chunk auto --forwarders in-consumer --forward-memory pool "${s[@]}"
     [ "$G" -gt 2 ] && bench "$mps" "tree-chunk-inproc-$b" 60 --fanout tree --chunk auto --forwarders in-consumer "${s[@]}"
   done
 }

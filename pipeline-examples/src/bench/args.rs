@@ -80,6 +80,11 @@ pub struct BenchCmd {
     /// Chain or tree, CUDA: copies each forwarder keeps in flight (default 3).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub(super) forward_depth: Option<u32>,
+    /// Chain or tree, CUDA, forwarders in the consumers: the memory path of their rings
+    /// (`gpipe consume --forward-memory`; default vmm, which the consumer in the same process
+    /// can import).
+    #[arg(long)]
+    pub(super) forward_memory: Option<pipeline_cuda::memory::MemoryPath>,
     /// Times each consumer reads every batch (the first read verifies it): a stand-in for a
     /// model that reads its input more than once. One value for all, or one per consumer
     /// (16,1). The fair ceiling does the same reads.
@@ -186,6 +191,8 @@ pub struct BenchArgs {
     pub forwarders_in_consumers: bool,
     /// Chain or tree, CUDA: copies in flight per forwarder.
     pub forward_depth: Option<u32>,
+    /// Chain or tree, CUDA, forwarders in the consumers: their rings' memory path.
+    pub forward_memory: Option<pipeline_cuda::memory::MemoryPath>,
     /// Reads of every batch by each consumer (one entry: all of them).
     pub passes: Vec<u32>,
     /// CUDA: record the GPU start and end of this many timed batches' fill and verify.
@@ -230,6 +237,7 @@ impl BenchArgs {
             chunking: cmd.chunk,
             forwarders_in_consumers: cmd.forwarders != ForwardersArg::Process,
             forward_depth: cmd.forward_depth,
+            forward_memory: cmd.forward_memory,
             passes: cmd.passes.clone(),
             gpu_timeline: cmd.gpu_timeline,
             gpu_timeline_out: cmd.gpu_timeline_out.clone(),

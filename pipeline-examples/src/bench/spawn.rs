@@ -377,6 +377,9 @@ fn start_consumers(
                 "--forward-chunk",
                 "--forward-depth",
             ));
+            if let (true, Some(m)) = (cuda, args.forward_memory) {
+                v.extend(["--forward-memory".to_string(), m.to_string()]);
+            }
             if cuda && device.is_none() {
                 v.extend(["--device".to_string(), plan.rings[ring].device.to_string()]);
             }
