@@ -541,3 +541,65 @@ fn host_relay_without_rejoin_ends_with_an_error_downstream() {
         let _ = std::fs::remove_dir_all(&r.dir);
     });
 }
+
+/// Issue #34, one process per GPU (here: per group) on the host backend: each consumer runs the
+/// forwarder of its ring (`gpipe consume --forward-from`), chunked. The far consumer gets every
+/// batch whole; SIGKILLing the middle consumer takes its forwarder with it, and the far
+/// consumer (and the forwarder in it) ends with "producer died" within seconds, having checked
+/// nothing wrong, while ring A goes on for its other consumer.
+#[test]
+fn host_in_consumer_chunked_forwarders_and_a_killed_consumer_fail_downstream_only() {
+    watchdog(120, |procs| {
+        let dir = tmpdir("in-consumer-chain");
+        let (a, b, c) = (dir.join("a.sock"), dir.join("b.sock"), dir.join("c.sock"));
+        let p = producer_on(&procs, &a, "host", &["--rate", "1000"]);
+        let other = consumer_with(&procs, &a, &dir.join("other.seq"), &[], &[]);
+        let hop = |up: &Path, down: &Path, wait: &str, log: &str| {
+            let c = consumer_with(
+                &procs,
+                down,
+                &dir.join(log),
+                &[
+                    "--forward-from",
+                    up.to_str().unwrap(),
+                    "--forward-wait",
+                    wait,
+                    "--forward-chunk",
+                    "16KiB",
+                ],
+                &[],
+            );
+            let d = down.to_path_buf();
+            wait_until(Duration::from_secs(30), "a forwarded ring", move || {
+                std::os::unix::net::UnixStream::connect(&d).is_ok()
+            });
+            c
+        };
+        let mut mid = hop(&a, &b, "2", "mid.seq");
+        let far = hop(&b, &c, "1", "far.seq");
+        wait_until(
+            Duration::from_secs(30),
+            "batches at the end of the chain",
+            || head(&c) > 100,
+        );
+        mid.kill().unwrap();
+        let _ = mid.wait();
+        let t = Instant::now();
+        let fe = finish(far, Duration::from_secs(10));
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "took {:?}",
+            t.elapsed()
+        );
+        assert_ne!(fe.code, Some(0));
+        let r = report(&fe);
+        assert_eq!(r["mismatches"], 0, "{r}");
+        let err = format!("{} {}", r["error"], r["forwarder"]["error"]);
+        assert!(err.contains("producer died"), "{err}");
+        let s = seqs(&dir.join("far.seq"));
+        assert!(s.len() > 100 && s[0] == 0, "{} batches", s.len());
+        assert_contiguous(&s, "far consumer");
+        ring_goes_on(p, other, &a, &dir.join("other.seq"));
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}
