@@ -12,13 +12,16 @@
 #   chain-chunk-inproc     chain, chunks (auto), forwarders in the consumers (gpipe's default)
 #   chain-chunk-<S>-inproc the same with chunks of S (the chunk-size rule's alternatives)
 #   chain-chunk-d6-inproc  the same as chain-chunk-inproc with 6 copies in flight per forwarder
+#   *-s16                  256 MiB only: chain-whole-proc and chain-chunk-inproc with 16 slots
+#                          per ring instead of 8 (were the old chain's slots too few?)
 #   chain-chunk-inproc-pool the same as chain-chunk-inproc with the rings in a memory pool
 #                          (64 MiB only; in-consumer rings default to VMM, which the consumer
 #                          in the same process imports: does the pool import there too?)
 #   tree-chunk-inproc      binary tree, chunks (auto), forwarders in the consumers
-# at 64, 256 and 2 MiB (chunked shapes at 64 and 256 MiB: `auto` keeps 2 MiB whole). Every
-# bench has a hard limit (60 s), and each MPS setting stops starting benches past its half of
-# the time budget (BUDGET seconds in all, default 440), so that the run ends within 9 minutes.
+# The main shapes run at 64, 256 and 2 MiB (chunked ones at 64 and 256 MiB: `auto` keeps 2 MiB
+# whole), then the variants at 64 and 256 MiB. Every bench has a hard limit (60 s), and each
+# MPS setting stops starting benches past its half of the time budget (BUDGET seconds in all,
+# default 440), so that the run ends within 9 minutes.
 # DRY=1 prints the gpipe commands instead of running anything (no GPU needed; GPUS=N: as
 # on N GPUs, default 4).
 # Results under $OUT: fanout.jsonl (tagged `gpipe bench --json` reports), fanout.err,
@@ -77,9 +80,10 @@ bench() {
   echo "   $mps|$tag $((SECONDS - t0))s"
 }
 
-# shapes MPS: every shape at every size.
+# shapes MPS: the main shapes at every size, then the variants (so that, past the budget,
+# what is left out is a variant).
 shapes() {
-  local mps=$1 b k
+  local mps=$1 b k c
   for size in 64MiB:1000 256MiB:300 2MiB:5000; do
     b=${size%%:*}; k=${size##*:}
     local s=(--batch-bytes "$b" --batches "$k")
@@ -92,13 +96,22 @@ shapes() {
     fi
     bench "$mps" "chain-chunk-proc-$b" 60 --fanout chain --chunk auto --forwarders process "${s[@]}"
     bench "$mps" "chain-chunk-inproc-$b" 60 --fanout chain --chunk auto --forwarders in-consumer "${s[@]}"
+    [ "$G" -gt 2 ] && bench "$mps" "tree-chunk-inproc-$b" 60 --fanout tree --chunk auto --forwarders in-consumer "${s[@]}"
+  done
+  for size in 64MiB:1000 256MiB:300; do
+    b=${size%%:*}; k=${size##*:}
+    local s=(--batch-bytes "$b" --batches "$k")
     if [ "$b" = 64MiB ]; then alts="8MiB 32MiB"; else alts="16MiB 128MiB"; fi
     for c in $alts; do
       bench "$mps" "chain-chunk-$c-inproc-$b" 60 --fanout chain --chunk "$c" --forwarders in-consumer "${s[@]}"
     done
     bench "$mps" "chain-chunk-d6-inproc-$b" 60 --fanout chain --chunk auto --forwarders in-consumer --forward-depth 6 "${s[@]}"
-    [ "$b" = 64MiB ] && bench "$mps" "chain-chunk-inproc-pool-$b" 60 --fanout chain --chunk auto --forwarders in-consumer --forward-memory pool "${s[@]}"
-    [ "$G" -gt 2 ] && bench "$mps" "tree-chunk-inproc-$b" 60 --fanout tree --chunk auto --forwarders in-consumer "${s[@]}"
+    if [ "$b" = 64MiB ]; then
+      bench "$mps" "chain-chunk-inproc-pool-$b" 60 --fanout chain --chunk auto --forwarders in-consumer --forward-memory pool "${s[@]}"
+    else
+      bench "$mps" "chain-whole-proc-s16-$b" 60 --fanout chain --chunk off --forwarders process --slots 16 "${s[@]}"
+      bench "$mps" "chain-chunk-inproc-s16-$b" 60 --fanout chain --chunk auto --forwarders in-consumer --slots 16 "${s[@]}"
+    fi
   done
 }
 
