@@ -410,6 +410,10 @@ fn chain_with(
         assert!(s.len() > 200, "{} batches at the end of the chain", s.len());
         assert_eq!(s[0], 0, "the far consumer missed the first batches");
         assert_contiguous(&s, "far consumer");
+        // The chunk progress boards a killed forwarder left in /dev/shm.
+        for s in [&b, &c] {
+            let _ = std::fs::remove_file(pipeline_relay::chunks::board_path(s));
+        }
         let _ = std::fs::remove_dir_all(&dir);
     });
     watchdog(120, move |procs| {
@@ -485,6 +489,10 @@ fn chain_with(
             t.elapsed()
         );
         ring_goes_on(p, other, &a, &dir.join("other.seq"));
+        // The chunk progress boards a killed forwarder left in /dev/shm.
+        for s in [&b, &c] {
+            let _ = std::fs::remove_file(pipeline_relay::chunks::board_path(s));
+        }
         let _ = std::fs::remove_dir_all(&dir);
     });
 }
@@ -600,6 +608,10 @@ fn host_in_consumer_chunked_forwarders_and_a_killed_consumer_fail_downstream_onl
         assert!(s.len() > 100 && s[0] == 0, "{} batches", s.len());
         assert_contiguous(&s, "far consumer");
         ring_goes_on(p, other, &a, &dir.join("other.seq"));
+        // The chunk progress boards a killed forwarder left in /dev/shm.
+        for s in [&b, &c] {
+            let _ = std::fs::remove_file(pipeline_relay::chunks::board_path(s));
+        }
         let _ = std::fs::remove_dir_all(&dir);
     });
 }

@@ -50,6 +50,11 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
 ) -> Result<BenchReport, String> {
     let dir = temp_dir()?;
     let result = run_in(&dir, args, options, fill);
+    // The forwarders' chunk progress boards (in /dev/shm), which a forwarder that failed or
+    // was killed leaves behind.
+    for r in 1..args.plan().rings.len() {
+        let _ = std::fs::remove_file(pipeline_relay::chunks::board_path(&ring_sock(&dir, r)));
+    }
     let _ = std::fs::remove_dir_all(&dir);
     result
 }
