@@ -101,6 +101,9 @@ pub fn run_forwarder(
     let config = ProducerConfig {
         batch_bytes: layout.slot_bytes,
         mode: layout.mode,
+        // A look for a free slot downstream that finds none comes back as soon, for the same
+        // reason.
+        wait,
         ..config
     };
     let mut report = RelayReport {
