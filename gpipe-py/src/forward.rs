@@ -53,6 +53,10 @@ pub fn forward<'py>(
         wait_for_consumers,
         wait_timeout: None,
         sync: None,
+        // Whole batches: chunked forwarding is not offered to Python yet (issue #34).
+        chunk_bytes: None,
+        depth: None,
+        memory: None,
     };
     let stop = Arc::new(AtomicBool::new(false));
     let (tx, rx) = crossbeam_channel::bounded(1);
@@ -96,9 +100,11 @@ pub fn forward<'py>(
 /// How ``shape`` (``"direct"``, ``"chain"``, ``"tree"`` or ``"auto"``) reaches one consumer
 /// per entry of ``consumer_devices`` (its GPU) from a producer on ``producer_device``, for
 /// batches of ``batch_bytes`` bytes (what ``"auto"`` weighs):
-/// ``{"shape", "rings": [{"device", "parent"}], "consumer_ring": [...], "depth"}``. Ring 0 is
-/// the producer's; start one :func:`forward` per other ring, from its parent's socket, on its
-/// device, and attach each consumer to its ring.
+/// ``{"shape", "rings": [{"device", "parent"}], "consumer_ring": [...], "depth",
+/// "chunk_bytes"}``. Ring 0 is the producer's; start one :func:`forward` per other ring, from
+/// its parent's socket, on its device, and attach each consumer to its ring. ``chunk_bytes``
+/// is the chunk size gpipe's own forwarders would use for such batches (None: whole batches;
+/// ``gpipe relay forward --chunk``); :func:`forward` copies whole batches.
 #[pyfunction]
 // 67108864: 64 MiB, written out so that the signature shows it.
 #[pyo3(signature = (consumer_devices, shape="auto", batch_bytes=67108864, producer_device=0))]
@@ -126,5 +132,6 @@ pub fn fanout_plan<'py>(
     d.set_item("rings", rings)?;
     d.set_item("consumer_ring", plan.consumer_ring.clone())?;
     d.set_item("depth", plan.depth())?;
+    d.set_item("chunk_bytes", plan.chunk_bytes)?;
     Ok(d)
 }

@@ -363,7 +363,13 @@ struct HostMirror {
 }
 
 impl HostConsumer {
-    fn slot_ptr(&self, slot: u32) -> *const u8 {
+    /// The first byte of `slot` in the producer's memory (read-only). What a forwarder that
+    /// chunks copies from before the batch in it is published (pipeline-relay's `chunks`);
+    /// reading it is right only once something orders the read after the producer's writes.
+    ///
+    /// # Panics
+    /// If `slot` is not a slot of the ring.
+    pub fn slot_ptr(&self, slot: u32) -> *const u8 {
         assert!(slot < self.slot_count);
         // SAFETY: slot < slot_count keeps the offset inside the mapping of
         // slot_count * slot_bytes bytes.

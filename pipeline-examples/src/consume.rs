@@ -55,6 +55,9 @@ pub struct ConsumeCmd {
     /// the verify of batches FROM..FROM+COUNT (CUDA, with --verify).
     #[arg(long, hide = true, value_parser = parse_window)]
     gpu_timeline: Option<(u64, u64)>,
+    /// Internal (`gpipe bench`): this consumer's number in the bench (in its report).
+    #[arg(long, hide = true)]
+    bench_index: Option<u32>,
     /// Internal (`gpipe bench`): host times per batch count from this sequence number on.
     #[arg(long, hide = true, default_value_t = 0)]
     timed_from: u64,
@@ -77,6 +80,83 @@ pub struct ConsumeCmd {
     /// calls; auto: on for slots of 16 MiB and more (measured: docs/benchmarks.md).
     #[arg(long, value_enum, default_value = "auto")]
     side_signals: SideSignalsArg,
+    /// Also forward the ring at this socket into a ring of this process's at --socket, on
+    /// --device, and consume that one: the forwarder of a chain or tree in the consumer's
+    /// own process, so that the GPU is not time-sliced between two processes without MPS
+    /// (`gpipe relay forward` in-process; `gpipe bench --forwarders in-consumer`).
+    #[arg(long, value_name = "UPSTREAM")]
+    forward_from: Option<PathBuf>,
+    /// With --forward-from: the new ring's slots.
+    #[arg(long, default_value_t = 8, requires = "forward_from")]
+    forward_slots: u32,
+    /// With --forward-from: take no batch until this many consumers (this one included)
+    /// attached to the new ring.
+    #[arg(long, default_value_t = 1, requires = "forward_from")]
+    forward_wait: u32,
+    /// With --forward-from: chunked forwarding, as `gpipe relay forward --chunk`.
+    #[arg(long, default_value = "off", value_parser = crate::relay::parse_chunk, requires = "forward_from")]
+    forward_chunk: crate::relay::ChunkSize,
+    /// With --forward-from, CUDA: the new ring's memory path (pool, vmm, legacy). This
+    /// process imports the memory it exports itself: legacy IPC handles cannot be opened by
+    /// their exporter; VMM (the default) shares each slot as an fd, which any process may
+    /// import (not yet run on a GPU in one process: `scripts/gpu/fanout.sh` tries pool too).
+    #[arg(long, default_value = "vmm", requires = "forward_from")]
+    forward_memory: pipeline_cuda::memory::MemoryPath,
+    /// With --forward-from: CUDA copies in flight at once (default 3).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64), requires = "forward_from")]
+    forward_depth: Option<u32>,
+}
+
+/// The forwarder running in this process (`--forward-from`), on a thread of its own.
+type Forwarder =
+    std::thread::JoinHandle<Result<pipeline_relay::RelayReport, pipeline_relay::RelayError>>;
+
+/// Starts the in-process forwarder of `--forward-from` and waits until its ring is up (or it
+/// failed).
+fn start_forwarder(cmd: &ConsumeCmd, upstream: &std::path::Path) -> Result<Forwarder, String> {
+    pipeline_core::limits::check_slots(cmd.forward_slots)
+        .and_then(|()| pipeline_core::limits::check_max_consumers(cmd.forward_wait.max(1)))
+        .map_err(|e| crate::args::shape_error(&e, "--forward-slots"))?;
+    let config = pipeline_core::ProducerConfig {
+        slots: cmd.forward_slots,
+        max_consumers: cmd.forward_wait.max(1),
+        ..pipeline_core::ProducerConfig::default()
+    };
+    let opts = pipeline_relay::ForwardOptions {
+        device: cmd.device,
+        wait_for_consumers: cmd.forward_wait,
+        wait_timeout: None,
+        sync: None,
+        chunk_bytes: cmd.forward_chunk.0,
+        depth: cmd.forward_depth.map(|d| d as usize),
+        memory: Some(cmd.forward_memory),
+    };
+    let (up, down) = (upstream.to_path_buf(), cmd.socket.clone());
+    let handle = std::thread::Builder::new()
+        .name("forwarder".into())
+        .spawn(move || pipeline_relay::run_forwarder(&up, &down, config, &opts, &STOP))
+        .map_err(|e| format!("cannot start the forwarder thread: {e}"))?;
+    let t0 = std::time::Instant::now();
+    while std::os::unix::net::UnixStream::connect(&cmd.socket).is_err() {
+        if handle.is_finished() {
+            return Err(match handle.join() {
+                Ok(Err(e)) => format!("the forwarder from {}: {e}", upstream.display()),
+                _ => format!(
+                    "the forwarder from {} ended before its ring was up",
+                    upstream.display()
+                ),
+            });
+        }
+        if t0.elapsed() > Duration::from_secs(60) {
+            return Err(format!(
+                "the forwarder from {} did not make its ring at {} within 60 s",
+                upstream.display(),
+                cmd.socket.display()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    Ok(handle)
 }
 
 /// `FROM:COUNT`, two integers.
@@ -111,6 +191,10 @@ pub fn command(cmd: ConsumeCmd) -> Result<ExitCode, String> {
         }
         e
     };
+    let forwarder = match &cmd.forward_from {
+        Some(up) => Some(start_forwarder(&cmd, up).map_err(&failed)?),
+        None => None,
+    };
     let config = ConsumerConfig {
         allowed_producer_uids: cmd.allow_producer_uid.clone(),
         interrupted: Some(crate::signals::requested),
@@ -132,6 +216,8 @@ pub fn command(cmd: ConsumeCmd) -> Result<ExitCode, String> {
         quiet: cmd.bench_child,
         work_us: cmd.work_us,
         timed_from: cmd.timed_from,
+        bench_index: cmd.bench_index,
+        forwarder: std::cell::Cell::new(forwarder),
     };
     match pending.backend() {
         BackendKind::Host if cmd.device.is_some() => Err(failed(
@@ -190,6 +276,10 @@ struct Settings {
     quiet: bool,
     work_us: u64,
     timed_from: u64,
+    bench_index: Option<u32>,
+    /// The in-process forwarder feeding our ring (`--forward-from`): joined after the ring
+    /// closed, its report added to ours.
+    forwarder: std::cell::Cell<Option<Forwarder>>,
 }
 
 /// Consumes until the ring closes, `max_batches`, Ctrl-C or an error, then reports.
@@ -246,6 +336,21 @@ fn consume<B: ConsumerBackend, C: Check<B>>(
     };
     drop(consumer);
     let mut report = report;
+    report.bench_index = opts.bench_index;
+    if let Some(f) = opts.forwarder.take() {
+        // Our ring closed (or we stopped): the forwarder ends once its upstream closes.
+        report.forwarder = Some(match f.join() {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => pipeline_relay::RelayReport {
+                error: Some(e.to_string()),
+                ..Default::default()
+            },
+            Err(_) => pipeline_relay::RelayReport {
+                error: Some("the forwarder thread panicked".into()),
+                ..Default::default()
+            },
+        });
+    }
     report.attach = attach;
     report.device = placement.device;
     report.delivery = Some(placement.delivery_name().to_string());

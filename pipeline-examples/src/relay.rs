@@ -86,6 +86,15 @@ enum Side {
         /// consumers release themselves if this forwarder dies mid-copy) or events.
         #[arg(long, default_value = "semaphore")]
         sync: String,
+        /// Copy each batch in chunks of this size (`16MiB`, bytes) and publish the progress
+        /// per chunk, so that a next forwarder that chunks copies each chunk once it landed
+        /// (docs/multi-gpu.md, "Chunked forwarding"); `off`: whole batches. Batches are
+        /// published whole either way.
+        #[arg(long, default_value = "off", value_parser = parse_chunk)]
+        chunk: ChunkSize,
+        /// CUDA: copies in flight at once (default 3).
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
+        depth: Option<u32>,
         /// Print the final report as JSON.
         #[arg(long)]
         json: bool,
@@ -221,6 +230,8 @@ pub fn command(cmd: RelayCmd) -> Result<ExitCode, String> {
             max_consumers,
             wait_for_consumers,
             sync,
+            chunk,
+            depth,
             json,
         } => {
             // The new ring's slot size is the upstream ring's, checked when it is made.
@@ -258,6 +269,9 @@ pub fn command(cmd: RelayCmd) -> Result<ExitCode, String> {
                 wait_for_consumers,
                 wait_timeout: None,
                 sync: Some(sync),
+                chunk_bytes: chunk.0,
+                depth: depth.map(|d| d as usize),
+                memory: None,
             };
             let r = pipeline_relay::run_forwarder(&upstream, &socket, config, &opts, &STOP);
             finish(r, json)
@@ -338,5 +352,20 @@ fn finish(
             }
             Err(format!("relay: {e}"))
         }
+    }
+}
+
+/// A forwarder's `--chunk`: a size, or None for `off`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ChunkSize(pub(crate) Option<u64>);
+
+/// `--chunk`: `off` or a size.
+pub(crate) fn parse_chunk(s: &str) -> Result<ChunkSize, String> {
+    if s.trim().eq_ignore_ascii_case("off") {
+        return Ok(ChunkSize(None));
+    }
+    match crate::size::parse(s)? {
+        0 => Err("--chunk 0: give a size of at least 1 byte, or off".into()),
+        n => Ok(ChunkSize(Some(n))),
     }
 }

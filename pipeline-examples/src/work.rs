@@ -190,6 +190,12 @@ pub struct ConsumerReport {
     /// It never joined the ring: the attach itself failed (see `error`).
     #[serde(default)]
     pub attach_failed: bool,
+    /// Its number among a bench's consumers (`gpipe bench`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bench_index: Option<u32>,
+    /// The forwarder that ran in this process and fed its ring (`--forward-from`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forwarder: Option<pipeline_relay::RelayReport>,
 }
 
 /// Options of the consume loop.

@@ -315,8 +315,22 @@ fn four_gpu_every_fanout_shape_verifies_every_batch_on_every_gpu() {
 #[test]
 #[ignore = "needs 4 CUDA GPUs"]
 fn four_gpu_chain_with_its_middle_forwarder_killed_fails_downstream_only() {
+    chain4_middle_killed(&[]);
+}
+
+/// Issue #34: the same with chunked forwarders (8 MiB batches in 2 MiB chunks, each forwarder
+/// after the first copying chunks as they land upstream): the forwarder to GPU 2 SIGKILLed
+/// mid-batch costs GPUs 0 and 1 nothing, and GPUs 2 and 3 end with "producer died" having
+/// checked nothing wrong (no part-copied batch is ever published).
+#[test]
+#[ignore = "needs 4 CUDA GPUs"]
+fn four_gpu_chunked_chain_with_its_middle_forwarder_killed_fails_downstream_only() {
+    chain4_middle_killed(&["--chunk", "2MiB"]);
+}
+
+fn chain4_middle_killed(tuning: &'static [&'static str]) {
     need_gpus(4);
-    watchdog(180, |procs| {
+    watchdog(180, move |procs| {
         let dir = tmpdir("chain4-kill");
         let sock = |n: &str| dir.join(format!("{n}.sock"));
         let p = producer_on(
@@ -329,21 +343,20 @@ fn four_gpu_chain_with_its_middle_forwarder_killed_fails_downstream_only() {
         let c0 = consumer_with(&procs, &sock("r0"), &dir.join("c0.seq"), &on("0"), &[]);
         let forward = |up: &str, down: &str, device: &str, consumers: &str| {
             let (u, d) = (sock(up), sock(down));
-            let f = spawn(
-                &procs,
-                &[
-                    "relay",
-                    "forward",
-                    "--upstream",
-                    u.to_str().unwrap(),
-                    "--socket",
-                    d.to_str().unwrap(),
-                    "--device",
-                    device,
-                    "--wait-for-consumers",
-                    consumers,
-                ],
-            );
+            let mut args = vec![
+                "relay",
+                "forward",
+                "--upstream",
+                u.to_str().unwrap(),
+                "--socket",
+                d.to_str().unwrap(),
+                "--device",
+                device,
+                "--wait-for-consumers",
+                consumers,
+            ];
+            args.extend_from_slice(tuning);
+            let f = spawn(&procs, &args);
             wait_until(Duration::from_secs(60), "a forwarded ring", || {
                 std::os::unix::net::UnixStream::connect(&d).is_ok()
             });
@@ -393,4 +406,134 @@ fn four_gpu_chain_with_its_middle_forwarder_killed_fails_downstream_only() {
         }
         let _ = std::fs::remove_dir_all(&dir);
     });
+}
+
+/// Issue #34, one process per GPU: a chain GPU 0 → 1 → 2 → 3 whose forwarders run inside the
+/// consumer processes (`gpipe consume --forward-from`), chunked (8 MiB batches, 2 MiB chunks).
+/// SIGKILLing the consumer on GPU 2 takes its forwarder with it: the consumer on GPU 3 (and
+/// the forwarder in it) ends with "producer died" within seconds, having checked nothing
+/// wrong; GPUs 0 and 1 go on and get every batch until the producer closes.
+#[test]
+#[ignore = "needs 4 CUDA GPUs"]
+fn four_gpu_in_consumer_chunked_chain_with_a_consumer_killed_fails_downstream_only() {
+    need_gpus(4);
+    watchdog(180, |procs| {
+        let dir = tmpdir("chain4-in-consumer-kill");
+        let sock = |n: &str| dir.join(format!("{n}.sock"));
+        let p = producer_on(
+            &procs,
+            &sock("r0"),
+            "cuda",
+            &["--rate", "1000", "--batch-bytes", "8MiB"],
+        );
+        let c0 = consumer_with(
+            &procs,
+            &sock("r0"),
+            &dir.join("c0.seq"),
+            &["--device", "0"],
+            &[],
+        );
+        // Consumer k makes ring k from ring k - 1 and reads it; ring k waits for its consumer
+        // and the next one's forwarder (the last: its consumer only).
+        let hop = |k: usize| {
+            let (up, down) = (sock(&format!("r{}", k - 1)), sock(&format!("r{k}")));
+            let device = k.to_string();
+            let wait = if k == 3 { "1" } else { "2" };
+            let c = consumer_with(
+                &procs,
+                &down,
+                &dir.join(format!("c{k}.seq")),
+                &[
+                    "--device",
+                    &device,
+                    "--forward-from",
+                    up.to_str().unwrap(),
+                    "--forward-wait",
+                    wait,
+                    "--forward-chunk",
+                    "2MiB",
+                ],
+                &[],
+            );
+            wait_until(Duration::from_secs(60), "a forwarded ring", || {
+                std::os::unix::net::UnixStream::connect(&down).is_ok()
+            });
+            c
+        };
+        let c1 = hop(1);
+        let mut c2 = hop(2);
+        let c3 = hop(3);
+        let r3 = sock("r3");
+        wait_until(
+            Duration::from_secs(60),
+            "batches at the end of the chain",
+            || head(&r3) > 200,
+        );
+        c2.kill().unwrap();
+        let _ = c2.wait();
+        let t = Instant::now();
+        assert_producer_died(finish(c3, Duration::from_secs(10)), "on GPU 3");
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "took {:?}",
+            t.elapsed()
+        );
+        let r1 = sock("r1");
+        let h = head(&r1);
+        wait_until(Duration::from_secs(20), "ring 1 to go on", || {
+            head(&r1) > h + 200
+        });
+        signal(p.id(), libc::SIGINT);
+        assert_eq!(finish(p, Duration::from_secs(30)).code, Some(0));
+        for (name, c, log) in [("c0", c0, "c0.seq"), ("c1", c1, "c1.seq")] {
+            let e = finish(c, Duration::from_secs(30));
+            assert_eq!(e.code, Some(0), "{name}: {}", e.stderr);
+            assert_eq!(report(&e)["mismatches"], 0, "{name}");
+            assert_contiguous(&seqs(&dir.join(log)), name);
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}
+
+/// Issue #34 on 4 GPUs: the chunked chain and tree, forwarders in the consumers' processes
+/// and in processes of their own, every batch verified on every GPU, each forwarder carrying
+/// every batch, and the forwarders after the first copying batches ahead.
+#[test]
+#[ignore = "needs 4 CUDA GPUs"]
+fn four_gpu_chunked_shapes_verify_every_batch_on_every_gpu() {
+    need_gpus(4);
+    let g = cuda_devices() as u32;
+    let devices: Vec<u32> = (1..g).collect();
+    for shape in ["chain", "tree"] {
+        for forwarders in ["in-consumer", "process"] {
+            let extra = [
+                "--fanout",
+                shape,
+                "--batch-bytes",
+                "64MiB",
+                "--chunk",
+                "16MiB",
+                "--forwarders",
+                forwarders,
+            ];
+            let r = bench_checked("broadcast", &devices, &["in-place"], 300, &extra);
+            assert_eq!(r["fanout"]["chunk_bytes"], 16 << 20, "{r}");
+            assert_eq!(r["fanout"]["forwarders"], forwarders, "{r}");
+            let rings = r["fanout"]["rings"].as_array().unwrap();
+            assert_eq!(rings.len(), g as usize, "{shape}: one ring per GPU");
+            for ring in &rings[1..] {
+                assert_eq!(
+                    ring["forwarder"]["batches"], 300,
+                    "{shape} {forwarders}: {ring}"
+                );
+            }
+            if shape == "chain" {
+                let ahead: u64 = rings[2..]
+                    .iter()
+                    .map(|x| x["forwarder"]["copied_ahead"].as_u64().unwrap_or(0))
+                    .sum();
+                assert!(ahead > 0, "no batch copied ahead: {r}");
+            }
+        }
+    }
 }

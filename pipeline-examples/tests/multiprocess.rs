@@ -618,18 +618,28 @@ fn bench_repeat_keeps_every_repetition_and_reports_the_median() {
 }
 
 /// A fan-out on the host backend: each group of consumers (what a GPU is on a CUDA node)
-/// gets a ring of its own, fed by a forwarder process from its parent's ring; every batch
-/// reaches every consumer through one or more forwarders, verified, and the report shows the
-/// rings.
+/// gets a ring of its own, fed by a forwarder (in the process of the group's first consumer,
+/// the default, or a process of its own) from its parent's ring; every batch reaches every
+/// consumer through one or more forwarders, verified, and the report shows the rings.
 fn host_fanout(
     shape: &'static str,
     devices: &'static str,
     rings: &'static [(u64, Option<u64>)],
     depth: u64,
 ) {
+    host_fanout_with(shape, devices, rings, depth, &[]);
+}
+
+fn host_fanout_with(
+    shape: &'static str,
+    devices: &'static str,
+    rings: &'static [(u64, Option<u64>)],
+    depth: u64,
+    extra: &'static [&'static str],
+) {
     watchdog(120, move |_| {
         let n = devices.split(',').count().to_string();
-        let r = bench_json(&[
+        let mut args = vec![
             "bench",
             "--backend",
             "host",
@@ -646,7 +656,9 @@ fn host_fanout(
             "--batch-bytes",
             "64KiB",
             "--json",
-        ]);
+        ];
+        args.extend_from_slice(extra);
+        let r = bench_json(&args);
         assert_eq!(r["published"], 400);
         assert_eq!(
             (
@@ -690,6 +702,43 @@ fn bench_fanout_chain_forwards_every_batch_along_the_groups() {
         "0,1,2,2",
         &[(0, None), (1, Some(0)), (2, Some(1))],
         2,
+    );
+}
+
+/// Issue #34: chunked forwarders (16 KiB chunks of 64 KiB batches), in the consumers'
+/// processes and as processes of their own: every batch whole on every group, and the
+/// forwarders after the first copied batches ahead of their publication upstream.
+#[test]
+fn bench_fanout_chunked_chain_verifies_every_batch_in_consumer_and_process_forwarders() {
+    for forwarders in ["in-consumer", "process"] {
+        let extra: &'static [&'static str] = match forwarders {
+            "in-consumer" => &["--chunk", "16KiB", "--forwarders", "in-consumer"],
+            _ => &["--chunk", "16KiB", "--forwarders", "process"],
+        };
+        host_fanout_with(
+            "chain",
+            "1,2,3",
+            &[(0, None), (1, Some(0)), (2, Some(1)), (3, Some(2))],
+            3,
+            extra,
+        );
+    }
+}
+
+#[test]
+fn bench_fanout_chunked_tree_verifies_every_batch() {
+    host_fanout_with(
+        "tree",
+        "1,2,3,4",
+        &[
+            (0, None),
+            (1, Some(0)),
+            (2, Some(0)),
+            (3, Some(1)),
+            (4, Some(1)),
+        ],
+        2,
+        &["--chunk", "16KiB"],
     );
 }
 

@@ -353,6 +353,15 @@ fn two_gpu_relay_receiver_takes_back_a_restarted_sender() {
 /// intact and in order, A's close closing the chain; then the middle forwarder killed: the
 /// next one and C's consumer end with "producer died", and A goes on for its other consumer.
 fn chain(backend: &'static str, dev: &'static [&'static str]) {
+    chain_with(backend, dev, &[]);
+}
+
+/// As [`chain`], every forwarder started with `tuning` too (e.g. `--chunk 512KiB`).
+fn chain_with(
+    backend: &'static str,
+    dev: &'static [&'static str],
+    tuning: &'static [&'static str],
+) {
     watchdog(120, move |procs| {
         let dir = tmpdir(&format!("chain-{backend}"));
         let (a, b, c) = (dir.join("a.sock"), dir.join("b.sock"), dir.join("c.sock"));
@@ -372,6 +381,7 @@ fn chain(backend: &'static str, dev: &'static [&'static str]) {
                 "--json",
             ];
             args.extend_from_slice(dev);
+            args.extend_from_slice(tuning);
             let f = spawn(&procs, &args);
             let d = down.to_path_buf();
             wait_until(Duration::from_secs(30), "the forwarded ring", move || {
@@ -400,6 +410,10 @@ fn chain(backend: &'static str, dev: &'static [&'static str]) {
         assert!(s.len() > 200, "{} batches at the end of the chain", s.len());
         assert_eq!(s[0], 0, "the far consumer missed the first batches");
         assert_contiguous(&s, "far consumer");
+        // The chunk progress boards a killed forwarder left in /dev/shm.
+        for s in [&b, &c] {
+            let _ = std::fs::remove_file(pipeline_relay::chunks::board_path(s));
+        }
         let _ = std::fs::remove_dir_all(&dir);
     });
     watchdog(120, move |procs| {
@@ -418,7 +432,11 @@ fn chain(backend: &'static str, dev: &'static [&'static str]) {
                 b.to_str().unwrap(),
                 "--wait-for-consumers",
                 "1",
-            ],
+            ]
+            .iter()
+            .chain(tuning)
+            .copied()
+            .collect::<Vec<_>>(),
         );
         let bb = b.clone();
         wait_until(Duration::from_secs(30), "ring B", move || {
@@ -437,7 +455,11 @@ fn chain(backend: &'static str, dev: &'static [&'static str]) {
                 // killed mid-stream below, not mid-attach.
                 "--wait-for-consumers",
                 "1",
-            ],
+            ]
+            .iter()
+            .chain(tuning)
+            .copied()
+            .collect::<Vec<_>>(),
         );
         let cc = c.clone();
         wait_until(Duration::from_secs(30), "ring C", move || {
@@ -467,6 +489,10 @@ fn chain(backend: &'static str, dev: &'static [&'static str]) {
             t.elapsed()
         );
         ring_goes_on(p, other, &a, &dir.join("other.seq"));
+        // The chunk progress boards a killed forwarder left in /dev/shm.
+        for s in [&b, &c] {
+            let _ = std::fs::remove_file(pipeline_relay::chunks::board_path(s));
+        }
         let _ = std::fs::remove_dir_all(&dir);
     });
 }
@@ -474,6 +500,15 @@ fn chain(backend: &'static str, dev: &'static [&'static str]) {
 #[test]
 fn host_forwarders_chain_rings_and_a_killed_link_fails_clearly_downstream() {
     chain("host", &[]);
+}
+
+/// Issue #34: the same with chunked forwarders (the second copies each chunk once the first
+/// wrote it): every batch whole at the end of the chain; the first forwarder SIGKILLed, with
+/// batches part-copied, ends the second and the far consumer with "producer died", having
+/// checked nothing wrong.
+#[test]
+fn host_chunked_forwarders_chain_rings_and_a_killed_link_fails_clearly_downstream() {
+    chain_with("host", &[], &["--chunk", "256KiB"]);
 }
 
 /// GPU 0's ring forwarded to GPU 1, then along GPU 1.
@@ -512,5 +547,71 @@ fn host_relay_without_rejoin_ends_with_an_error_downstream() {
         signal(p.id(), libc::SIGINT);
         assert_eq!(finish(p, Duration::from_secs(20)).code, Some(0));
         let _ = std::fs::remove_dir_all(&r.dir);
+    });
+}
+
+/// Issue #34, one process per GPU (here: per group) on the host backend: each consumer runs the
+/// forwarder of its ring (`gpipe consume --forward-from`), chunked. The far consumer gets every
+/// batch whole; SIGKILLing the middle consumer takes its forwarder with it, and the far
+/// consumer (and the forwarder in it) ends with "producer died" within seconds, having checked
+/// nothing wrong, while ring A goes on for its other consumer.
+#[test]
+fn host_in_consumer_chunked_forwarders_and_a_killed_consumer_fail_downstream_only() {
+    watchdog(120, |procs| {
+        let dir = tmpdir("in-consumer-chain");
+        let (a, b, c) = (dir.join("a.sock"), dir.join("b.sock"), dir.join("c.sock"));
+        let p = producer_on(&procs, &a, "host", &["--rate", "1000"]);
+        let other = consumer_with(&procs, &a, &dir.join("other.seq"), &[], &[]);
+        let hop = |up: &Path, down: &Path, wait: &str, log: &str| {
+            let c = consumer_with(
+                &procs,
+                down,
+                &dir.join(log),
+                &[
+                    "--forward-from",
+                    up.to_str().unwrap(),
+                    "--forward-wait",
+                    wait,
+                    "--forward-chunk",
+                    "16KiB",
+                ],
+                &[],
+            );
+            let d = down.to_path_buf();
+            wait_until(Duration::from_secs(30), "a forwarded ring", move || {
+                std::os::unix::net::UnixStream::connect(&d).is_ok()
+            });
+            c
+        };
+        let mut mid = hop(&a, &b, "2", "mid.seq");
+        let far = hop(&b, &c, "1", "far.seq");
+        wait_until(
+            Duration::from_secs(30),
+            "batches at the end of the chain",
+            || head(&c) > 100,
+        );
+        mid.kill().unwrap();
+        let _ = mid.wait();
+        let t = Instant::now();
+        let fe = finish(far, Duration::from_secs(10));
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "took {:?}",
+            t.elapsed()
+        );
+        assert_ne!(fe.code, Some(0));
+        let r = report(&fe);
+        assert_eq!(r["mismatches"], 0, "{r}");
+        let err = format!("{} {}", r["error"], r["forwarder"]["error"]);
+        assert!(err.contains("producer died"), "{err}");
+        let s = seqs(&dir.join("far.seq"));
+        assert!(s.len() > 100 && s[0] == 0, "{} batches", s.len());
+        assert_contiguous(&s, "far consumer");
+        ring_goes_on(p, other, &a, &dir.join("other.seq"));
+        // The chunk progress boards a killed forwarder left in /dev/shm.
+        for s in [&b, &c] {
+            let _ = std::fs::remove_file(pipeline_relay::chunks::board_path(s));
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     });
 }

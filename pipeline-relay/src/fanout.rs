@@ -17,7 +17,7 @@
 //! [`plan`] turns a shape and the consumers' devices into rings (one per GPU that has
 //! consumers, each fed by its parent's ring) and says which ring each consumer reads.
 
-pub use pipeline_cuda::policy::fanout::{Fanout, LARGE_BATCH};
+pub use pipeline_cuda::policy::fanout::{Chunking, Fanout, LARGE_BATCH};
 
 /// One ring of a fan-out.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
@@ -38,6 +38,10 @@ pub struct FanoutPlan {
     pub rings: Vec<RingNode>,
     /// For each consumer, the ring it reads.
     pub consumer_ring: Vec<usize>,
+    /// Chain or tree: the chunk size `auto` gives the forwarders (`ForwardOptions::chunk_bytes`;
+    /// None: whole batches), from `pipeline_cuda::policy::fanout::chunk_bytes` with the links
+    /// taken as NVLink.
+    pub chunk_bytes: Option<u64>,
 }
 
 impl FanoutPlan {
@@ -117,10 +121,14 @@ pub fn plan(
         .iter()
         .map(|d| rings.iter().position(|r| r.device == *d).unwrap_or(0))
         .collect();
+    let chunk_bytes = (shape != Fanout::Direct)
+        .then(|| pipeline_cuda::policy::fanout::chunk_bytes(Chunking::Auto, batch_bytes, true))
+        .flatten();
     FanoutPlan {
         shape,
         rings,
         consumer_ring,
+        chunk_bytes,
     }
 }
 
@@ -188,7 +196,7 @@ mod tests {
     }
 
     #[test]
-    fn auto_is_direct_for_one_other_gpu_else_chain_or_tree_by_batch_size() {
+    fn auto_is_direct_for_one_other_gpu_or_small_batches_else_chain() {
         assert_eq!(
             plan(Fanout::Auto, 0, &[0, 1], 256 << 20).shape,
             Fanout::Direct
@@ -203,7 +211,23 @@ mod tests {
         );
         assert_eq!(
             plan(Fanout::Auto, 0, &[1, 2, 3], 2 << 20).shape,
-            Fanout::Tree
+            Fanout::Direct
+        );
+    }
+
+    #[test]
+    fn auto_chunks_a_chain_or_tree_of_large_batches_and_never_direct() {
+        assert_eq!(
+            plan(Fanout::Auto, 0, &[1, 2, 3], 64 << 20).chunk_bytes,
+            Some(16 << 20)
+        );
+        assert_eq!(
+            plan(Fanout::Chain, 0, &[1, 2, 3], 2 << 20).chunk_bytes,
+            None
+        );
+        assert_eq!(
+            plan(Fanout::Direct, 0, &[1, 2, 3], 256 << 20).chunk_bytes,
+            None
         );
     }
 

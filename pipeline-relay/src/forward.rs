@@ -6,29 +6,37 @@
 //!
 //! Per batch: the next slot of the downstream ring is acquired (so its consumers' back-pressure
 //! holds the upstream batch, and through it the upstream producer), the batch is copied into it
-//! (CUDA: on the downstream slot's stream, after the upstream `ready`; the upstream `finished` is
-//! written on that stream after the copy), and, once the copy is complete, it is published with
-//! the upstream header and tensor table; up to three copies are in flight at once, in slots
-//! taken ahead (`Producer::acquire_ahead`). A forwarded ring only ever holds whole batches: if the
-//! upstream producer dies with batches whose `ready` never came, they are not passed on. If the forwarder dies, its downstream consumers get `ProducerDied` and the
-//! upstream ring goes on without it (a departed consumer).
+//! (CUDA: on the downstream producer's stream, after the upstream `ready`; the upstream
+//! `finished` is written after the copy), and, once the copy is complete, it is published with
+//! the upstream header and tensor table (CUDA: its `ready` written on a stream of its own, not
+//! behind the copies queued after it); up to three copies (`ForwardOptions::depth`) are in
+//! flight at once, in slots taken ahead (`Producer::acquire_ahead`). The CUDA loop is in
+//! `forward_cuda.rs`, the host one here.
+//!
+//! Chunked (`ForwardOptions::chunk_bytes`, [`crate::chunks`]): the copy is made chunk by chunk
+//! with the ring's progress published after each, and a batch whose copy has begun upstream (the
+//! upstream forwarder's progress board says so) is copied as its chunks land, before it is
+//! published upstream; it is still published downstream only once received whole.
+//!
+//! A forwarded ring only ever holds whole batches: if the upstream producer dies with batches
+//! whose `ready` never came, or mid-way through a chunked copy, they are not passed on. If the
+//! forwarder dies, its downstream consumers get `ProducerDied` and the upstream ring goes on
+//! without it (a departed consumer).
 
-use std::collections::VecDeque;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use pipeline_core::{
     BackendKind, Consumer, ConsumerConfig, HostConsumer, HostOptions, HostProducer, PendingAttach,
-    Producer, ProducerConfig, SlotLoan,
+    Producer, ProducerConfig, WaitPolicy,
 };
-use pipeline_cuda::backend::{CudaConsumer, CudaOptions, CudaProducer};
-use pipeline_cuda::driver::{self, Event};
 use pipeline_cuda::sync::SyncMode;
 
+use crate::chunks::{self, Board, chunks, progress};
 use crate::relay::{RelayError, RelayReport, acquire_loan};
 
-fn err(e: impl std::fmt::Display) -> RelayError {
+pub(crate) fn err(e: impl std::fmt::Display) -> RelayError {
     RelayError(e.to_string())
 }
 
@@ -47,6 +55,20 @@ pub struct ForwardOptions {
     /// [`SyncMode::Semaphore`], which the downstream consumers release themselves if this
     /// forwarder dies with copies in flight; with IPC events, their streams could wait forever).
     pub sync: Option<SyncMode>,
+    /// Chunked forwarding (docs/multi-gpu.md, "Chunked forwarding"): copy each batch in
+    /// chunks of this many bytes and publish the progress per chunk on a board next to the
+    /// ring ([`crate::chunks`]), and, where the upstream ring is a forwarder's that chunks
+    /// with the same size, start copying a batch chunk by chunk as it lands upstream. Batches
+    /// are still published whole. None: whole batches (`pipeline_cuda::policy::fanout::chunk_bytes`
+    /// gives the size `auto` uses).
+    pub chunk_bytes: Option<u64>,
+    /// CUDA: copies in flight at once (default 3, at most the ring's slots and lead).
+    pub depth: Option<usize>,
+    /// CUDA: the downstream ring's memory path (default: the pool). A forwarder whose
+    /// downstream ring is read by a consumer in its own process needs a path that the process
+    /// that exported the memory can import too: legacy IPC handles cannot be opened by their
+    /// exporter; `gpipe consume --forward-from` uses VMM.
+    pub memory: Option<pipeline_cuda::memory::MemoryPath>,
 }
 
 /// Consumes the ring at `upstream` and re-publishes every batch in a ring of its own at
@@ -60,12 +82,28 @@ pub fn run_forwarder(
     opts: &ForwardOptions,
     stop: &AtomicBool,
 ) -> Result<RelayReport, RelayError> {
-    let device = opts.device;
-    let pending = PendingAttach::connect(upstream, ConsumerConfig::default()).map_err(err)?;
+    // A receive that finds nothing must come back within microseconds, not at the upstream's
+    // next publish: meanwhile copies in flight complete and wait to be published (issue #34;
+    // the default policy sleeps up to 100 ms between looks at the clock).
+    let wait = WaitPolicy {
+        spin: Duration::from_micros(20),
+        tick: Duration::from_micros(50),
+    };
+    let pending = PendingAttach::connect(
+        upstream,
+        ConsumerConfig {
+            wait,
+            ..ConsumerConfig::default()
+        },
+    )
+    .map_err(err)?;
     let layout = pending.layout();
     let config = ProducerConfig {
         batch_bytes: layout.slot_bytes,
         mode: layout.mode,
+        // A look for a free slot downstream that finds none comes back as soon, for the same
+        // reason.
+        wait,
         ..config
     };
     let mut report = RelayReport {
@@ -73,301 +111,222 @@ pub fn run_forwarder(
         sessions: 1,
         ..RelayReport::default()
     };
-    let tick = Duration::from_millis(100);
-    let mut started: Option<Instant> = None;
+    // A forwarder that chunks makes its ring's progress board before the ring, so that the
+    // next hop, which connects to the ring, finds it.
+    let board_out = match opts.chunk_bytes {
+        Some(c) => Some(
+            Board::create(downstream, config.slots, layout.slot_bytes, c)
+                .map_err(|e| RelayError(format!("making the chunk progress board: {e}")))?,
+        ),
+        None => None,
+    };
+    let board_in = opts.chunk_bytes.and_then(|c| {
+        Board::open(upstream, layout.slot_count, layout.slot_bytes).filter(|b| b.chunk_bytes() == c)
+    });
+    let boards = Boards {
+        out: board_out,
+        up: board_in,
+    };
     match pending.backend() {
         BackendKind::Host => {
-            let mut consumer: Consumer<HostConsumer> =
+            let consumer: Consumer<HostConsumer> =
                 pending.finish(HostOptions::default()).map_err(err)?;
-            let mut producer: Producer<HostProducer> =
+            let producer: Producer<HostProducer> =
                 Producer::bind(downstream, config, HostOptions::default()).map_err(err)?;
-            if let Err(e) = wait_downstream(&producer, opts, stop) {
-                return Err(abandon(producer, e));
-            }
-            while !stop.load(Ordering::Relaxed) {
-                let batch = match consumer.recv_timeout(tick) {
-                    Ok(Some(b)) => b,
-                    Ok(None) => break,
-                    Err(pipeline_core::Error::Timeout(_)) => continue,
-                    Err(e) => return Err(abandon(producer, err(e))),
-                };
-                started.get_or_insert_with(Instant::now);
-                // While we wait for room downstream, the upstream producer may die: then
-                // our consumers' GPU work waits on batches that never come, and so would we.
-                let loan = match acquire_loan(&mut producer, stop, tick, || {
-                    consumer.check_producer().map_err(err)
-                }) {
-                    Ok(Some(l)) => l,
-                    Ok(None) => break,
-                    Err(e) => return Err(abandon(producer, e)),
-                };
-                let published = producer.resume(loan).and_then(|mut slot| {
-                    let n = batch.len() as usize;
-                    slot.memory()[..n].copy_from_slice(batch.data());
-                    slot.publish_with(batch.len(), batch.header(), batch.tensors())
-                });
-                if let Err(e) = published {
-                    return Err(abandon(producer, err(e)));
-                }
-                report.batches += 1;
-                report.bytes += batch.len();
-            }
-            finish(producer, stop, &mut report);
+            forward_host(consumer, producer, &boards, opts, stop, &mut report)?;
         }
         BackendKind::Cuda => {
-            let mut consumer: Consumer<CudaConsumer> = pending
-                .finish(CudaOptions {
-                    device,
-                    delivery: pipeline_core::Delivery::InPlace,
-                    ..CudaOptions::default()
-                })
-                .map_err(err)?;
-            let here = consumer.backend().device_ordinal();
-            let mut producer: Producer<CudaProducer> = Producer::bind(
+            if let Err(e) = crate::forward_cuda::forward(
+                pending,
                 downstream,
                 config,
-                CudaOptions {
-                    device: Some(here),
-                    sync: opts.sync.unwrap_or(SyncMode::Semaphore),
-                    ..CudaOptions::default()
-                },
-            )
-            .map_err(err)?;
-            if let Err(e) = wait_downstream(&producer, opts, stop) {
-                return Err(abandon(producer, e));
+                opts,
+                &boards,
+                stop,
+                &mut report,
+            ) {
+                // Left to the process's exit with the abandoned ring's stream, which may still
+                // write them (see `forward_cuda::forward`).
+                std::mem::forget(boards);
+                return Err(e);
             }
-            // Copies in flight at once: each batch is published once its copy is complete
-            // (whole batches only), while the next ones are already copying.
-            let layout = producer.layout();
-            let depth = (DEPTH as u32)
-                .min(layout.slot_count)
-                .min(producer.max_lead().unwrap_or(u32::MAX)) as usize;
-            let ctx = producer.backend().context().clone();
-            let events = Event::new_plain(&ctx).and_then(|j| {
-                (0..depth)
-                    .map(|_| Event::new_plain(&ctx))
-                    .collect::<Result<Vec<_>, _>>()
-                    .map(|c| (j, c))
-            });
-            let (joined, copied) = match events {
-                Ok(e) => e,
-                Err(e) => return Err(abandon(producer, err(e))),
-            };
-            let mut inflight: VecDeque<InFlight> = VecDeque::new();
-            let mut next_event = 0usize;
-            let outcome = (|| -> Result<(), RelayError> {
-                let mut out = Out {
-                    producer: &mut producer,
-                    inflight: &mut inflight,
-                    copied: &copied,
-                    report: &mut report,
-                };
-                loop {
-                    if stop.load(Ordering::Relaxed) {
-                        return Ok(());
-                    }
-                    // Publish, without waiting, what is whole already.
-                    out.settle(&consumer, Settle::Whole, stop)?;
-                    let wait = if out.inflight.is_empty() {
-                        tick
-                    } else {
-                        Duration::ZERO
-                    };
-                    let batch = match consumer.recv_timeout(wait) {
-                        Ok(Some(b)) => b,
-                        Ok(None) => {
-                            // The upstream ring closed: publish what is in flight, then end.
-                            out.settle(&consumer, Settle::All, stop)?;
-                            return Ok(());
-                        }
-                        Err(pipeline_core::Error::Timeout(_)) => {
-                            // Nothing new: the oldest copy is what there is to wait for.
-                            if !out.settle(&consumer, Settle::Oldest, stop)? {
-                                return Ok(());
-                            }
-                            continue;
-                        }
-                        Err(e) => return Err(err(e)),
-                    };
-                    started.get_or_insert_with(Instant::now);
-                    if out.inflight.len() == depth
-                        && !out.settle(&consumer, Settle::Oldest, stop)?
-                    {
-                        return Ok(());
-                    }
-                    // While we wait for room downstream, the upstream producer may die: then
-                    // our consumers' GPU work waits on batches that never come, and so would
-                    // we.
-                    let loan = loop {
-                        if stop.load(Ordering::Relaxed) {
-                            return Ok(());
-                        }
-                        consumer.check_producer().map_err(err)?;
-                        // Publish what is whole while we wait: a consumer may hold its
-                        // batches until it gets the next one, which would otherwise wait
-                        // here for a slot that consumer holds.
-                        out.settle(&consumer, Settle::Whole, stop)?;
-                        let wait = if out.inflight.is_empty() {
-                            tick
-                        } else {
-                            Duration::from_millis(1)
-                        };
-                        match out.producer.acquire_ahead(wait) {
-                            Ok(l) => break l,
-                            Err(pipeline_core::Error::Timeout(_)) => continue,
-                            Err(e) => return Err(err(e)),
-                        }
-                    };
-                    let mem = out.producer.loan_memory(&loan).map_err(err)?;
-                    let view = batch.data();
-                    // The slot's stream waits for the upstream batch's `ready` (which the
-                    // consumer's stream waits for), then copies it.
-                    joined.record(view.stream).map_err(err)?;
-                    mem.stream.wait_event(&joined).map_err(err)?;
-                    if view.len > 0 {
-                        // The upstream batch is published and held until after the
-                        // `finished` written below on this stream, after the copy; the slot
-                        // is ours (taken ahead, unpublished) and its stream waits for its
-                        // previous consumers.
-                        // SAFETY: both are `view.len <= slot_bytes` bytes (same slot size),
-                        // unshared.
-                        unsafe {
-                            driver::memcpy_async(mem.ptr, view.ptr, view.len as usize, mem.stream)
-                        }
-                        .map_err(err)?;
-                    }
-                    // SAFETY: the slot's stream is a live stream of the same (primary)
-                    // context as the consumer's; it holds every use of the upstream batch
-                    // (the copy).
-                    unsafe {
-                        batch.backend().signal_finished_on(
-                            mem.stream.raw(),
-                            batch.slot(),
-                            batch.seq(),
-                        )
-                    }
-                    .map_err(err)?;
-                    copied[next_event].record(mem.stream).map_err(err)?;
-                    out.inflight.push_back(InFlight {
-                        loan,
-                        event: next_event,
-                        len: batch.len(),
-                        header: *batch.header(),
-                        tensors: batch.tensors().to_vec(),
-                    });
-                    next_event = (next_event + 1) % depth;
-                    drop(batch);
-                }
-            })();
-            if let Err(e) = outcome {
-                return Err(abandon(producer, e));
-            }
-            finish(producer, stop, &mut report);
         }
-    }
-    if let Some(t) = started {
-        report.elapsed_s = t.elapsed().as_secs_f64();
     }
     Ok(report)
 }
 
-/// Copies in flight at once in a CUDA forwarder.
-const DEPTH: usize = 3;
-
-/// A batch being copied into a slot taken ahead, published once the copy is complete.
-struct InFlight {
-    loan: SlotLoan,
-    event: usize,
-    len: u64,
-    header: [u64; pipeline_core::USER_HEADER_WORDS],
-    tensors: Vec<pipeline_core::TensorInfo>,
+/// A forwarder's chunk progress boards: its own ring's (None: it copies whole batches) and
+/// its upstream ring's, when the upstream forwarder chunks with the same chunk size (None:
+/// it starts a copy once the upstream batch is published).
+pub(crate) struct Boards {
+    pub(crate) out: Option<Board>,
+    pub(crate) up: Option<Board>,
 }
 
-/// Where a CUDA forwarder publishes its copies: the downstream producer, the copies in flight
-/// and their events.
-struct Out<'a> {
-    producer: &'a mut Producer<CudaProducer>,
-    inflight: &'a mut VecDeque<InFlight>,
-    copied: &'a [Event],
-    report: &'a mut RelayReport,
-}
-
-/// What [`Out::settle`] waits for.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Settle {
-    /// Nothing: publish the oldest copies that are already complete.
-    Whole,
-    /// The oldest copy, then the ones after it that are already complete.
-    Oldest,
-    /// Every copy in flight.
-    All,
-}
-
-impl Out<'_> {
-    /// Publishes copies in flight, oldest first, as `how` says; `consumer` is the upstream
-    /// one (checked before each publish). `Ok(false)`: stopped while waiting.
-    fn settle(
-        &mut self,
-        consumer: &Consumer<CudaConsumer>,
-        how: Settle,
-        stop: &AtomicBool,
-    ) -> Result<bool, RelayError> {
-        let mut waited = false;
-        while let Some(f) = self.inflight.front() {
-            let wait = how == Settle::All || (how == Settle::Oldest && !waited);
-            if wait {
-                if !wait_whole(&self.copied[f.event], consumer, stop)? {
-                    return Ok(false);
+/// The host backend's forwarding loop. With chunking, a batch whose upstream copy has begun
+/// (its progress board says so) is copied chunk by chunk as each chunk lands, then published
+/// once the upstream published it whole; without, each batch is copied once received.
+fn forward_host(
+    mut consumer: Consumer<HostConsumer>,
+    mut producer: Producer<HostProducer>,
+    boards: &Boards,
+    opts: &ForwardOptions,
+    stop: &AtomicBool,
+    report: &mut RelayReport,
+) -> Result<(), RelayError> {
+    let tick = Duration::from_millis(100);
+    if let Err(e) = wait_downstream(&producer, opts, stop) {
+        return Err(abandon(producer, e));
+    }
+    let up_slots = consumer.layout().slot_count;
+    let slot_bytes = consumer.layout().slot_bytes;
+    let mut started: Option<Instant> = None;
+    // The upstream batch expected next, once one came.
+    let mut next: Option<u64> = None;
+    let outcome = (|| -> Result<(), RelayError> {
+        while !stop.load(Ordering::Relaxed) {
+            // Chunked: the next upstream batch, if its copy began upstream.
+            if let (Some(up), Some(x)) = (&boards.up, next) {
+                let k = (x % u64::from(up_slots)) as u32;
+                if up.load(k) >= progress(x, 0) {
+                    let Some(loan) = acquire_loan(&mut producer, stop, tick, || {
+                        consumer.check_producer().map_err(err)
+                    })?
+                    else {
+                        return Ok(());
+                    };
+                    let mut slot = producer.resume(loan).map_err(err)?;
+                    let seq_out = slot.seq();
+                    let k_out = slot.index();
+                    let src = consumer.backend().slot_ptr(k);
+                    let out = boards.out.as_ref();
+                    if let Some(o) = out {
+                        o.store(k_out, progress(seq_out, 0));
+                    }
+                    for (c, (off, n)) in chunks(slot_bytes, up.chunk_bytes()).enumerate() {
+                        if !wait_progress(up, k, progress(x, c as u32 + 1), &consumer, stop)? {
+                            return Ok(());
+                        }
+                        let dst = &mut slot.memory()[off as usize..(off + n) as usize];
+                        // SAFETY: `src` is the upstream slot `k`, slot_bytes long, mapped while
+                        // the consumer lives; chunk c of batch x in it landed (the acquiring
+                        // load above saw its progress, stored after the bytes), and the
+                        // upstream producer rewrites the slot only after we release batch x.
+                        let from = unsafe {
+                            std::slice::from_raw_parts(src.add(off as usize), n as usize)
+                        };
+                        dst.copy_from_slice(from);
+                        if let Some(o) = out {
+                            o.store(k_out, progress(seq_out, c as u32 + 1));
+                        }
+                    }
+                    // Published only once the upstream published batch x whole.
+                    let batch = loop {
+                        if stop.load(Ordering::Relaxed) {
+                            return Ok(());
+                        }
+                        match consumer.recv_timeout(tick) {
+                            Ok(Some(b)) => break b,
+                            Ok(None) => return Ok(()),
+                            Err(pipeline_core::Error::Timeout(_)) => continue,
+                            Err(e) => return Err(err(e)),
+                        }
+                    };
+                    check_expected(batch.seq(), x)?;
+                    started.get_or_insert_with(Instant::now);
+                    slot.publish_with(batch.len(), batch.header(), batch.tensors())
+                        .map_err(err)?;
+                    report.batches += 1;
+                    report.bytes += batch.len();
+                    report.copied_ahead += 1;
+                    next = Some(x + 1);
+                    continue;
                 }
-            } else if !self.copied[f.event].query().map_err(err)? {
-                break;
             }
-            waited = true;
-            self.publish_front(consumer)?;
+            let wait = if boards.up.is_some() && next.is_some() {
+                Duration::from_micros(50)
+            } else {
+                tick
+            };
+            let batch = match consumer.recv_timeout(wait) {
+                Ok(Some(b)) => b,
+                Ok(None) => return Ok(()),
+                Err(pipeline_core::Error::Timeout(_)) => continue,
+                Err(e) => return Err(err(e)),
+            };
+            started.get_or_insert_with(Instant::now);
+            next = Some(batch.seq() + 1);
+            // While we wait for room downstream, the upstream producer may die: then our
+            // consumers' GPU work waits on batches that never come, and so would we.
+            let Some(loan) = acquire_loan(&mut producer, stop, tick, || {
+                consumer.check_producer().map_err(err)
+            })?
+            else {
+                return Ok(());
+            };
+            let mut slot = producer.resume(loan).map_err(err)?;
+            let (seq_out, k_out) = (slot.seq(), slot.index());
+            let n = batch.len();
+            match &boards.out {
+                Some(o) => {
+                    o.store(k_out, progress(seq_out, 0));
+                    for (c, (off, len)) in chunks(n, o.chunk_bytes()).enumerate() {
+                        let (a, b) = (off as usize, (off + len) as usize);
+                        slot.memory()[a..b].copy_from_slice(&batch.data()[a..b]);
+                        o.store(k_out, progress(seq_out, c as u32 + 1));
+                    }
+                    // A short batch: every chunk of the slot counts as landed.
+                    o.store(k_out, progress(seq_out, o.chunk_count()));
+                }
+                None => slot.memory()[..n as usize].copy_from_slice(batch.data()),
+            }
+            slot.publish_with(n, batch.header(), batch.tensors())
+                .map_err(err)?;
+            report.batches += 1;
+            report.bytes += n;
         }
-        Ok(true)
-    }
-
-    /// Publishes the oldest batch in flight (its copy is complete). The upstream producer is
-    /// checked first: if it died, a consumer of its ring may have released the waits on its
-    /// `ready` (they are shared), and a copy that completed may hold a half-written batch.
-    fn publish_front(&mut self, consumer: &Consumer<CudaConsumer>) -> Result<(), RelayError> {
-        consumer.check_producer().map_err(err)?;
-        let Some(f) = self.inflight.pop_front() else {
-            return Ok(());
-        };
-        self.producer
-            .resume(f.loan)
-            .map_err(err)?
-            .publish_with(f.len, &f.header, &f.tensors)
-            .map_err(err)?;
-        self.report.batches += 1;
-        self.report.bytes += f.len;
         Ok(())
+    })();
+    if let Some(t) = started {
+        report.elapsed_s = t.elapsed().as_secs_f64();
+    }
+    match outcome {
+        Ok(()) => {
+            finish(producer, stop, report);
+            Ok(())
+        }
+        Err(e) => Err(abandon(producer, e)),
     }
 }
 
-/// Waits until `copied` completed (`Ok(true)`), `stop` is set (`Ok(false)`), or the upstream
-/// producer died (an error; the consumer then releases what waits on its signals). Spins for
-/// a short while first: a copy of a few MiB takes microseconds. Copies in flight behind it
-/// keep the copy engine busy meanwhile.
-fn wait_whole(
-    copied: &Event,
-    consumer: &Consumer<CudaConsumer>,
+/// Waits on the host until `slot` of the upstream board reaches `target` (`Ok(true)`), `stop`
+/// is set (`Ok(false)`), or the upstream producer died (an error: the batch is never
+/// published downstream).
+fn wait_progress(
+    board: &Board,
+    slot: u32,
+    target: u64,
+    consumer: &Consumer<HostConsumer>,
     stop: &AtomicBool,
 ) -> Result<bool, RelayError> {
     let t0 = Instant::now();
     let mut checked = t0;
     loop {
-        if copied.query().map_err(err)? {
+        let v = board.load(slot);
+        if v >= target && v != chunks::RELEASED {
             return Ok(true);
         }
         if stop.load(Ordering::Relaxed) {
             return Ok(false);
         }
         let now = Instant::now();
-        if now.duration_since(checked) >= Duration::from_millis(1) {
+        if v == chunks::RELEASED || now.duration_since(checked) >= Duration::from_millis(1) {
             consumer.check_producer().map_err(err)?;
+            if v == chunks::RELEASED {
+                return Err(RelayError(
+                    "the upstream ring's chunk progress was released: its writer died".into(),
+                ));
+            }
             checked = now;
         }
         if now.duration_since(t0) < Duration::from_micros(200) {
@@ -378,9 +337,23 @@ fn wait_whole(
     }
 }
 
+/// A chunked forwarder copies the upstream batch it expects next; the upstream must then
+/// publish exactly that one.
+pub(crate) fn check_expected(got: u64, expected: u64) -> Result<(), RelayError> {
+    if got == expected {
+        Ok(())
+    } else {
+        Err(RelayError(format!(
+            "the upstream ring published batch {got} where the chunked copy expected batch \
+             {expected} (a lag policy that skips batches?): chunked forwarding needs every \
+             batch; forward whole batches (chunking off) on this ring"
+        )))
+    }
+}
+
 /// Waits for `opts.wait_for_consumers` downstream, or until `stop` (the forwarding loop then
 /// sees it and ends).
-fn wait_downstream<B: pipeline_core::ProducerBackend>(
+pub(crate) fn wait_downstream<B: pipeline_core::ProducerBackend>(
     producer: &Producer<B>,
     opts: &ForwardOptions,
     stop: &AtomicBool,
@@ -406,7 +379,7 @@ fn wait_downstream<B: pipeline_core::ProducerBackend>(
 /// The upstream ring closed (or we were stopped): wait until the downstream consumers are
 /// done with the last batch, note when that was (a wall-clock time, so that a fan-out's
 /// runner can find when its last ring drained), and close.
-fn finish<B: pipeline_core::ProducerBackend>(
+pub(crate) fn finish<B: pipeline_core::ProducerBackend>(
     mut producer: Producer<B>,
     stop: &AtomicBool,
     report: &mut RelayReport,
@@ -428,7 +401,10 @@ fn finish<B: pipeline_core::ProducerBackend>(
 /// The upstream ring failed (its producer died, we were detached): leave the downstream ring
 /// as a crashed producer would ([`Producer::abandon`]), so that its consumers get
 /// `ProducerDied` at once, not a clean end that would hide the batches that never came.
-fn abandon<B: pipeline_core::ProducerBackend>(producer: Producer<B>, e: RelayError) -> RelayError {
+pub(crate) fn abandon<B: pipeline_core::ProducerBackend>(
+    producer: Producer<B>,
+    e: RelayError,
+) -> RelayError {
     producer.abandon();
     RelayError(format!(
         "the upstream ring: {e}; the downstream ring is abandoned (its consumers see the \

@@ -51,9 +51,11 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+pub mod chunks;
 pub mod endpoint;
 pub mod fanout;
 pub mod forward;
+mod forward_cuda;
 pub mod relay;
 pub mod rendezvous;
 pub mod secret;

@@ -436,8 +436,10 @@ def fanout_plan(
     """How `shape` ("direct", "chain", "tree" or "auto") reaches one consumer per entry of
     `consumer_devices` (its GPU) from a producer on `producer_device`, for batches of
     `batch_bytes` bytes (what "auto" weighs): {"shape", "rings": [{"device", "parent"}],
-    "consumer_ring", "depth"}. Ring 0 is the producer's; run one forward() per other ring,
-    from its parent's socket, on its device."""
+    "consumer_ring", "depth", "chunk_bytes"}. Ring 0 is the producer's; run one forward() per
+    other ring, from its parent's socket, on its device. "chunk_bytes": the chunk size gpipe's
+    own forwarders use for such batches (None: whole batches; `gpipe relay forward --chunk`);
+    forward() copies whole batches."""
 
 
 def resolve(

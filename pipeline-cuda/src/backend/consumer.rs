@@ -162,6 +162,18 @@ impl CudaConsumer {
         unsafe { self.wait_ready_raw(stream, slot, seq) }
     }
 
+    /// The device address of the producer's `slot` as this consumer mapped it (by peer
+    /// access from another GPU): what a forwarder that chunks copies from, by the progress
+    /// its upstream writer publishes, before the batch in it is published (see
+    /// `pipeline_relay::chunks`). Reading it is right only once something orders the read
+    /// after the producer's writes; the address stays valid while the consumer lives.
+    ///
+    /// # Panics
+    /// If `slot` is not a slot of the ring.
+    pub fn slot_ptr(&self, slot: u32) -> driver::CUdeviceptr {
+        self.slots.ptr(slot as usize)
+    }
+
     /// Makes the consumer's own stream wait for batch `seq` in `slot` to be ready.
     fn own_wait_ready(&self, slot: u32, seq: u64) -> Result<(), BackendError> {
         if self

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use pipeline_core::{Delivery, Mode};
+use pipeline_cuda::policy::fanout::{CHUNK_ENV, Chunking, chunk_bytes};
 use pipeline_relay::{Fanout, FanoutPlan};
 
 use crate::args::{BackendArg, CudaArgs, RingArgs, SideSignalsArg};
@@ -64,6 +65,26 @@ pub struct BenchCmd {
     /// host backend, --consumer-devices then names groups of consumers, each with its own ring.
     #[arg(long, default_value = "direct")]
     pub(super) fanout: Fanout,
+    /// Chain or tree: how a forwarder moves each batch: in chunks of this size (`16MiB`), the
+    /// next forwarder copying each chunk once it landed; `off`: whole batches; `auto`: the
+    /// rule in pipeline_cuda::policy::fanout (docs/multi-gpu.md, "Chunked forwarding"), or
+    /// GPIPE_FANOUT_CHUNK (off or a size) where that is set.
+    #[arg(long, default_value = "auto", value_parser = parse_chunking)]
+    pub(super) chunk: Chunking,
+    /// Chain or tree: where each GPU's forwarder runs: in-consumer (in the process of the
+    /// first consumer on that GPU, so that without MPS the GPU is not time-sliced between
+    /// two processes), process (a `gpipe relay forward` process of its own), or auto
+    /// (in-consumer).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub(super) forwarders: ForwardersArg,
+    /// Chain or tree, CUDA: copies each forwarder keeps in flight (default 3).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub(super) forward_depth: Option<u32>,
+    /// Chain or tree, CUDA, forwarders in the consumers: the memory path of their rings
+    /// (`gpipe consume --forward-memory`; default vmm, which the consumer in the same process
+    /// can import).
+    #[arg(long)]
+    pub(super) forward_memory: Option<pipeline_cuda::memory::MemoryPath>,
     /// Times each consumer reads every batch (the first read verifies it): a stand-in for a
     /// model that reads its input more than once. One value for all, or one per consumer
     /// (16,1). The fair ceiling does the same reads.
@@ -79,6 +100,39 @@ pub struct BenchCmd {
     /// repetition's).
     #[arg(long, requires = "gpu_timeline")]
     pub(super) gpu_timeline_out: Option<std::path::PathBuf>,
+}
+
+/// `--forwarders`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ForwardersArg {
+    /// In-consumer.
+    Auto,
+    /// In the process of the first consumer on the forwarder's GPU.
+    InConsumer,
+    /// A `gpipe relay forward` process each.
+    Process,
+}
+
+/// `--chunk`: auto, off or a size.
+fn parse_chunking(s: &str) -> Result<Chunking, String> {
+    match s.trim() {
+        "auto" => Ok(Chunking::Auto),
+        "off" => Ok(Chunking::Off),
+        size => match crate::size::parse(size)? {
+            0 => Err("--chunk 0: give a size of at least 1 byte, off or auto".into()),
+            n => Ok(Chunking::Bytes(n)),
+        },
+    }
+}
+
+/// The chunking `--chunk` asks for, with GPIPE_FANOUT_CHUNK standing in for `auto` where set.
+fn chunking_of(asked: Chunking) -> Result<Chunking, String> {
+    match (asked, std::env::var(CHUNK_ENV)) {
+        (Chunking::Auto, Ok(v)) if !v.trim().is_empty() && v.trim() != "auto" => {
+            parse_chunking(&v).map_err(|e| format!("{CHUNK_ENV}={v}: {e}"))
+        }
+        (c, _) => Ok(c),
+    }
 }
 
 /// The backend a run uses (`--backend auto` resolved).
@@ -131,6 +185,14 @@ pub struct BenchArgs {
     pub delivery: Vec<Delivery>,
     /// How batches reach the other GPUs.
     pub fanout: Fanout,
+    /// Chain or tree: the chunking asked for (resolved per run by [`BenchArgs::chunk_bytes`]).
+    pub chunking: Chunking,
+    /// Chain or tree: each forwarder runs in its GPU's first consumer's process.
+    pub forwarders_in_consumers: bool,
+    /// Chain or tree, CUDA: copies in flight per forwarder.
+    pub forward_depth: Option<u32>,
+    /// Chain or tree, CUDA, forwarders in the consumers: their rings' memory path.
+    pub forward_memory: Option<pipeline_cuda::memory::MemoryPath>,
     /// Reads of every batch by each consumer (one entry: all of them).
     pub passes: Vec<u32>,
     /// CUDA: record the GPU start and end of this many timed batches' fill and verify.
@@ -172,6 +234,10 @@ impl BenchArgs {
             consumer_devices: cmd.consumer_devices.clone(),
             delivery: cmd.delivery.clone(),
             fanout: cmd.fanout,
+            chunking: cmd.chunk,
+            forwarders_in_consumers: cmd.forwarders != ForwardersArg::Process,
+            forward_depth: cmd.forward_depth,
+            forward_memory: cmd.forward_memory,
             passes: cmd.passes.clone(),
             gpu_timeline: cmd.gpu_timeline,
             gpu_timeline_out: cmd.gpu_timeline_out.clone(),
@@ -195,6 +261,17 @@ impl BenchArgs {
         } else {
             self.consumer_devices.clone()
         }
+    }
+
+    /// Chain or tree: the chunk size each forwarder uses (None: whole batches), from
+    /// `--chunk` (or GPIPE_FANOUT_CHUNK) and the rule in pipeline_cuda::policy::fanout. The
+    /// links count as NVLink: the rule's only measured kind (`gpipe probe` shows them).
+    pub fn chunk_bytes(&self) -> Result<Option<u64>, String> {
+        Ok(chunk_bytes(
+            chunking_of(self.chunking)?,
+            self.batch_bytes,
+            true,
+        ))
     }
 
     /// The rings of the run and which one each consumer reads.

@@ -82,6 +82,11 @@ pub struct FanoutReport {
     pub shape: Fanout,
     /// The most forwarders between the producer and a consumer.
     pub depth: usize,
+    /// The forwarders' chunk size (None: whole batches).
+    pub chunk_bytes: Option<u64>,
+    /// Where the forwarders ran: "in-consumer" (each in its GPU's first consumer's process)
+    /// or "process" (a process each).
+    pub forwarders: &'static str,
     /// Ring 0 is the producer's; each other is fed by a forwarder from its parent.
     pub rings: Vec<RingReport>,
 }
@@ -193,9 +198,13 @@ impl std::fmt::Display for BenchReport {
             };
             writeln!(
                 f,
-                "  fan-out {} (depth {}): {}",
+                "  fan-out {} (depth {}; forwarders {}, {}): {}",
                 fan.shape,
                 fan.depth,
+                fan.forwarders,
+                fan.chunk_bytes
+                    .map(|c| format!("chunks of {}", crate::size::format(c)))
+                    .unwrap_or_else(|| "whole batches".into()),
                 fan.rings
                     .iter()
                     .enumerate()
@@ -208,14 +217,18 @@ impl std::fmt::Display for BenchReport {
                             )
                         }
                         (Some(p), fw) => format!(
-                            "ring {i} on {unit} {} from ring {p} ({}, {} forwarded)",
+                            "ring {i} on {unit} {} from ring {p} ({}, {} forwarded{})",
                             r.device,
                             duration::plural(r.consumers as u64, "consumer", "consumers"),
                             duration::plural(
                                 fw.as_ref().map(|f| f.batches).unwrap_or(0),
                                 "batch",
                                 "batches"
-                            )
+                            ),
+                            match fw.as_ref().map(|f| f.copied_ahead).unwrap_or(0) {
+                                0 => String::new(),
+                                n => format!(", {n} copied ahead"),
+                            }
                         ),
                     })
                     .collect::<Vec<_>>()

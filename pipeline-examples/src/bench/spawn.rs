@@ -50,6 +50,11 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
 ) -> Result<BenchReport, String> {
     let dir = temp_dir()?;
     let result = run_in(&dir, args, options, fill);
+    // The forwarders' chunk progress boards (in /dev/shm), which a forwarder that failed or
+    // was killed leaves behind.
+    for r in 1..args.plan().rings.len() {
+        let _ = std::fs::remove_file(pipeline_relay::chunks::board_path(&ring_sock(&dir, r)));
+    }
     let _ = std::fs::remove_dir_all(&dir);
     result
 }
@@ -90,12 +95,19 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
         Producer::bind(ring_sock(dir, 0), config, options).map_err(|e| e.to_string())?;
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut children = Children(Vec::new());
-    let mut forwarders = start_forwarders(&exe, dir, args, &plan, deadline)?;
+    let chunk = args.chunk_bytes()?;
+    let hosts = forwarder_hosts(args, &plan);
+    let shape = Shape {
+        plan: &plan,
+        hosts: &hosts,
+        chunk,
+    };
+    let mut forwarders = start_forwarders(&exe, dir, args, &shape, deadline)?;
     start_consumers(
         &exe,
         dir,
         args,
-        &plan,
+        &shape,
         &mut children,
         &mut forwarders,
         deadline,
@@ -158,7 +170,35 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
     flushed?;
     // A fan-out's run ends when the last ring drained: each forwarder says when its own did.
     let mut problems = Vec::new();
-    let forwarded = collect_forwarders(&mut forwarders, deadline, &mut problems);
+    let mut forwarded = collect_forwarders(&mut forwarders, &hosts, deadline, &mut problems);
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    let published = published?;
+    let per_consumer = collect_consumers(&mut children, deadline, &mut problems);
+    // The forwarders that ran in consumers' processes report through them.
+    for (r, host) in hosts.iter().enumerate() {
+        let Some(i) = host else { continue };
+        let report = per_consumer
+            .iter()
+            .find(|c| c.bench_index == Some(*i as u32))
+            .and_then(|c| c.forwarder.clone());
+        match &report {
+            None => problems.push(format!(
+                "the forwarder of ring {r} (in consumer {i}'s process) gave no report"
+            )),
+            Some(f) => {
+                if let Some(e) = &f.error {
+                    problems.push(format!(
+                        "the forwarder of ring {r} (in consumer {i}'s process): {e}"
+                    ));
+                }
+            }
+        }
+        if let Some(slot) = r.checked_sub(1).and_then(|k| forwarded.get_mut(k)) {
+            *slot = report;
+        }
+    }
     if let Ok(start) = timed_from_wall.duration_since(std::time::UNIX_EPOCH) {
         for f in forwarded.iter().flatten() {
             if let Some(t) = f.drained_at_unix_s {
@@ -166,11 +206,6 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
             }
         }
     }
-    if let Some(b) = bar {
-        b.finish_and_clear();
-    }
-    let published = published?;
-    let per_consumer = collect_consumers(&mut children, deadline, &mut problems);
     // Exact loss/duplication check from the sequence logs.
     let logs: Vec<Vec<u64>> = (0..args.consumers)
         .map(|i| seq_log::read_seq_log(&seq_log_path(dir, i)))
@@ -221,23 +256,67 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
         round_trip_p50_us: pct(0.5),
         round_trip_p99_us: pct(0.99),
         problems,
-        fanout: fanout_report(&plan, &forwarded),
+        fanout: fanout_report(&plan, &forwarded, chunk, hosts.iter().any(Option::is_some)),
         cuda: None,
         repetitions: None,
     })
 }
 
-/// Starts the forwarders of a chain or tree fan-out, a parent's ring before its children's,
-/// each waiting for everything that reads its ring before it takes a batch.
+/// A fan-out as the processes of a run carry it out: the plan, where each forwarder runs
+/// ([`forwarder_hosts`]) and the forwarders' chunk size.
+#[derive(Clone, Copy)]
+struct Shape<'a> {
+    plan: &'a FanoutPlan,
+    hosts: &'a [Option<usize>],
+    chunk: Option<u64>,
+}
+
+/// For each ring, the consumer whose process runs its forwarder (`--forwarders
+/// in-consumer`: the first consumer reading it); None: a forwarder process of its own (and
+/// ring 0, the producer's).
+fn forwarder_hosts(args: &BenchArgs, plan: &FanoutPlan) -> Vec<Option<usize>> {
+    (0..plan.rings.len())
+        .map(|r| {
+            (r > 0 && args.forwarders_in_consumers)
+                .then(|| plan.consumer_ring.iter().position(|&c| c == r))
+                .flatten()
+        })
+        .collect()
+}
+
+/// The forwarder's settings beyond its rings: chunking and copies in flight.
+fn forward_tuning(
+    args: &BenchArgs,
+    chunk: Option<u64>,
+    chunk_flag: &str,
+    depth_flag: &str,
+) -> Vec<String> {
+    let mut v = Vec::new();
+    if let Some(c) = chunk {
+        v.extend([chunk_flag.to_string(), c.to_string()]);
+    }
+    if let Some(d) = args.forward_depth {
+        v.extend([depth_flag.to_string(), d.to_string()]);
+    }
+    v
+}
+
+/// Starts the forwarder processes of a chain or tree fan-out (those not in a consumer's
+/// process), a parent's ring before its children's, each waiting for everything that reads
+/// its ring before it takes a batch.
 fn start_forwarders(
     exe: &Path,
     dir: &Path,
     args: &BenchArgs,
-    plan: &FanoutPlan,
+    shape: &Shape<'_>,
     deadline: Instant,
 ) -> Result<Children, String> {
+    let Shape { plan, hosts, chunk } = *shape;
     let mut forwarders = Children(Vec::new());
     for (r, node) in plan.rings.iter().enumerate().skip(1) {
+        if hosts[r].is_some() {
+            continue;
+        }
         let parent = ring_sock(dir, node.parent.unwrap_or(0));
         wait_for_socket(&parent, &mut forwarders, deadline)?;
         let n = plan.attachments(r);
@@ -248,7 +327,8 @@ fn start_forwarders(
             .arg(ring_sock(dir, r))
             .args(["--slots", &args.slots.to_string()])
             .args(["--max-consumers", &n.max(1).to_string()])
-            .args(["--wait-for-consumers", &n.to_string()]);
+            .args(["--wait-for-consumers", &n.to_string()])
+            .args(forward_tuning(args, chunk, "--chunk", "--depth"));
         if args.backend == Backend::Cuda {
             cmd.args(["--device", &node.device.to_string()]);
         }
@@ -270,20 +350,53 @@ fn start_consumers(
     exe: &Path,
     dir: &Path,
     args: &BenchArgs,
-    plan: &FanoutPlan,
+    shape: &Shape<'_>,
     children: &mut Children,
     forwarders: &mut Children,
     deadline: Instant,
 ) -> Result<(), String> {
+    let Shape { plan, hosts, chunk } = *shape;
     let cuda = args.backend == Backend::Cuda;
     for i in 0..args.consumers {
         let ring = plan.consumer_ring.get(i as usize).copied().unwrap_or(0);
-        wait_for_socket(&ring_sock(dir, ring), forwarders, deadline)?;
         let device = cuda
             .then(|| args.consumer_devices.get(i as usize))
             .flatten();
+        // The consumer that runs its ring's forwarder waits for the ring before (it makes
+        // its own); every other waits for its ring.
+        let forward: Vec<String> = if hosts[ring] == Some(i as usize) {
+            let parent = ring_sock(dir, plan.rings[ring].parent.unwrap_or(0));
+            wait_for_socket(&parent, forwarders, deadline)?;
+            let n = plan.attachments(ring);
+            let mut v = vec![
+                "--forward-from".to_string(),
+                parent.to_string_lossy().into_owned(),
+                "--forward-slots".into(),
+                args.slots.to_string(),
+                "--forward-wait".into(),
+                n.to_string(),
+            ];
+            v.extend(forward_tuning(
+                args,
+                chunk,
+                "--forward-chunk",
+                "--forward-depth",
+            ));
+            if let (true, Some(m)) = (cuda, args.forward_memory) {
+                v.extend(["--forward-memory".to_string(), m.to_string()]);
+            }
+            if cuda && device.is_none() {
+                v.extend(["--device".to_string(), plan.rings[ring].device.to_string()]);
+            }
+            v
+        } else {
+            wait_for_socket(&ring_sock(dir, ring), forwarders, deadline)?;
+            Vec::new()
+        };
         let child = Command::new(exe)
             .arg("consume")
+            .args(&forward)
+            .args(["--bench-index", &i.to_string()])
             .arg("--socket")
             .arg(ring_sock(dir, ring))
             .arg("--verify")
@@ -413,14 +526,20 @@ struct ForwarderFailure {
 
 /// Waits for the forwarders to end (the producer's ring closed, so each closes its own once
 /// its consumers are done) and reads their reports.
+/// Returns one entry per forwarded ring (ring r at r - 1); those whose forwarder runs in a
+/// consumer's process are None here.
 fn collect_forwarders(
     forwarders: &mut Children,
+    hosts: &[Option<usize>],
     deadline: Instant,
     problems: &mut Vec<String>,
 ) -> Vec<Option<RelayReport>> {
     let mut out = Vec::new();
     let ended = wait_all_with_output(std::mem::take(&mut forwarders.0), deadline);
-    for (i, (status, text)) in ended.into_iter().enumerate() {
+    // The rings whose forwarder is a process, in the order they were started.
+    let rings: Vec<usize> = (1..hosts.len()).filter(|&r| hosts[r].is_none()).collect();
+    let mut by_ring: Vec<Option<RelayReport>> = vec![None; hosts.len().saturating_sub(1)];
+    for (k, (status, text)) in ended.into_iter().enumerate() {
         let report = text
             .lines()
             .rev()
@@ -432,7 +551,7 @@ fn collect_forwarders(
             .find_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
             .and_then(|v| serde_json::from_value::<ForwarderFailure>(v).ok())
             .map(|f| f.error);
-        let ring = i + 1;
+        let ring = rings.get(k).copied().unwrap_or(k + 1);
         match (&status, &report) {
             (None, _) => problems.push(format!("the forwarder of ring {ring} hung and was killed")),
             (Some(st), None) => problems.push(format!(
@@ -447,16 +566,30 @@ fn collect_forwarders(
                 }
             }
         }
-        out.push(report);
+        if let Some(slot) = by_ring.get_mut(ring - 1) {
+            *slot = report;
+        }
     }
+    out.extend(by_ring);
     out
 }
 
 /// A chain or tree fan-out's rings and what each forwarder reported (None: direct).
-fn fanout_report(plan: &FanoutPlan, forwarded: &[Option<RelayReport>]) -> Option<FanoutReport> {
+fn fanout_report(
+    plan: &FanoutPlan,
+    forwarded: &[Option<RelayReport>],
+    chunk: Option<u64>,
+    in_consumers: bool,
+) -> Option<FanoutReport> {
     (plan.shape != Fanout::Direct).then(|| FanoutReport {
         shape: plan.shape,
         depth: plan.depth(),
+        chunk_bytes: chunk,
+        forwarders: if in_consumers {
+            "in-consumer"
+        } else {
+            "process"
+        },
         rings: plan
             .rings
             .iter()

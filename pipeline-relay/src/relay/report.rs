@@ -21,6 +21,10 @@ pub struct RelayReport {
     /// epoch), if it got that far.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub drained_at_unix_s: Option<f64>,
+    /// Chunked forwarder: batches whose copy began before the upstream published them (from
+    /// the upstream ring's chunk progress).
+    #[serde(default)]
+    pub copied_ahead: u64,
 }
 
 impl RelayReport {
