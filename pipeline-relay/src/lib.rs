@@ -55,7 +55,6 @@ pub mod chunks;
 pub mod endpoint;
 pub mod fanout;
 pub mod forward;
-mod forward_cuda;
 pub mod relay;
 pub mod rendezvous;
 pub mod secret;

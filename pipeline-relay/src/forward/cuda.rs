@@ -25,10 +25,9 @@ use pipeline_cuda::driver::{self, CUdeviceptr, Event, HostRegistration, Stream, 
 use pipeline_cuda::ordering::PublishAfter;
 use pipeline_cuda::sync::SyncMode;
 
+use super::options::ForwardOptions;
+use super::steps::{Boards, abandon, check_expected, err, finish, wait_downstream};
 use crate::chunks::{Board, chunks, progress};
-use crate::forward::{
-    Boards, ForwardOptions, abandon, check_expected, err, finish, wait_downstream,
-};
 use crate::relay::{RelayError, RelayReport};
 
 /// Copies in flight at once by default.
