@@ -901,6 +901,7 @@ fn bench_refuses_passes_that_do_not_fit_the_consumers_or_the_mode() {
             &["--consumers", "2", "--mode", "shared", "--passes", "2,1"][..],
             "one value in shared mode",
         ),
+        (&["--consumers", "0"][..], "give 1 consumer or more"),
     ] {
         let mut all = vec!["bench", "--backend", "host", "--batches", "10"];
         all.extend_from_slice(args);

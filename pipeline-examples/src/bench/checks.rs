@@ -14,6 +14,12 @@ pub(super) fn arguments(cmd: &BenchCmd, args: &BenchArgs) -> Result<(), String> 
     if cmd.round_trip && cmd.ring.slots != SlotsArg::Count(1) {
         return Err("--round-trip measures a single-slot round trip: add --slots 1".into());
     }
+    if cmd.consumers == 0 {
+        return Err(
+            "--consumers 0: a benchmark measures what consumers receive; give 1 consumer or more"
+                .into(),
+        );
+    }
     let consumers = || duration::plural(u64::from(cmd.consumers), "consumer", "consumers");
     if cmd.delivery.len() != 1 && cmd.delivery.len() != cmd.consumers as usize {
         return Err(format!(
