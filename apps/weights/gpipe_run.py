@@ -193,7 +193,8 @@ def main() -> int:
         t_host = state.now_ns()
         if a.die_at and v == a.die_at:
             os.kill(os.getpid(), signal.SIGKILL)
-        state.sync(device)
+        if cuda:  # this stream only: gpipe's own stream may hold waits for the receivers
+            torch.cuda.current_stream(device).synchronize()
         t_pack = state.now_ns()
         if got != v:
             problems.append(f"publish returned version {got} for update {v}")

@@ -208,10 +208,9 @@ class WeightPublisher:
             raise ValueError(f"tensors on {dev} cannot be published: use CUDA or CPU tensors")
         self.layout = Layout.of(sd)
         self.device = dev
-        self._names = list(sd)
-        self._src = self._sources(sd)
         avg = sum(e[4] for e in self.layout.entries) / len(self.layout.entries)
         self.copy = copy if copy != "auto" else ("foreach" if avg < (1 << 20) else "each")
+        self._src = self._sources(sd)
         self._layout_cpu = torch.frombuffer(bytearray(self.layout.json), dtype=torch.uint8)
         if backend == "cuda":
             self._layout_cpu = self._layout_cpu.pin_memory()
@@ -238,11 +237,13 @@ class WeightPublisher:
 
     def _sources(self, sd: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, bool]]:
         """What publish() copies from, in layout order: (tensor, True) for a byte view of a
-        contiguous tensor, (tensor, False) for one copied by its own dtype and shape."""
+        contiguous tensor (copy="each": one memcpy, a single view of the slot), (tensor,
+        False) for one copied by its own dtype and shape (non-contiguous, or copy="foreach",
+        whose kernels work on typed tensors)."""
         out = []
         for name, *_ in self.layout.entries:
             t = sd[name].detach()
-            b = _bytes_view(t)
+            b = _bytes_view(t) if self.copy == "each" else None
             out.append((b, True) if b is not None else (t, False))
         return out
 
@@ -283,7 +284,7 @@ class WeightPublisher:
         if len(user) > 2:
             raise ValueError(f"user takes at most 2 words; got {len(user)}")
         src = self._src
-        if state_dict is not None:
+        if state_dict is not None:  # (the slot's cached views follow self._src's layouts)
             sd = _state_dict_of(state_dict)
             bad = self.layout.mismatches(sd)
             if bad:
@@ -298,6 +299,10 @@ class WeightPublisher:
             lay = slot.tensor("layout", torch.uint8, (len(self.layout.json),))
             lay.copy_(self._layout_dev)
             views = self._slot_views(flat)
+            if src is not self._src:
+                views = [v if mine[1] == theirs[1] else _region_view(flat, e, theirs[1])
+                         for v, mine, theirs, e in zip(views, self._src, src, self.layout.entries)
+                         ] + views[-1:]
             if self.copy == "foreach":
                 torch._foreach_copy_(views[:-1], [t for t, _ in src])
             else:
@@ -403,22 +408,22 @@ class WeightReceiver:
     # -- receiving -------------------------------------------------------------------------
 
     def _next(self, timeout: Optional[float], latest: bool) -> Any:
-        try:
-            batch = self.consumer.recv(timeout=timeout)
-            while latest:
-                try:
-                    newer = self.consumer.recv(timeout=0.0)
-                except Timeout:
-                    break
-                batch.release()
-                batch = newer
-            return batch
-        except ProducerDied as e:
-            raise ProducerDied(
-                f"the trainer publishing weights at {self.socket} died; the last update received "
-                f"here is version {self.version}, and nothing of a later one was loaded "
-                f"({e})"
-            ) from e
+        batch = self.consumer.recv(timeout=timeout)
+        while latest:
+            try:
+                newer = self.consumer.recv(timeout=0.0)
+            except Timeout:
+                break
+            batch.release()
+            batch = newer
+        return batch
+
+    def _died(self, e: ProducerDied) -> ProducerDied:
+        """The trainer's death, said with what this receiver holds."""
+        return ProducerDied(
+            f"the trainer publishing weights at {self.socket} died; the last update received "
+            f"here is version {self.version}, and nothing of a later one was loaded ({e})"
+        )
 
     def _check(self, batch: Any) -> tuple[int, Layout, torch.Tensor]:
         meta = batch.meta
@@ -440,7 +445,7 @@ class WeightReceiver:
                 "before: versions must grow"
             )
         if self.layout is None or self.layout.hash != lhash:
-            raw = bytes(_as_tensor(batch["layout"]).cpu().numpy().tobytes())
+            raw = bytes(_as_tensor(batch["layout"]).cpu().tolist())
             if len(raw) != lbytes:
                 raise WeightError(f"update version {version}: its layout is {len(raw)} bytes, "
                                   f"its header says {lbytes}")
@@ -467,13 +472,16 @@ class WeightReceiver:
         """The next update, in place (see :class:`WeightUpdate`). `latest`: skip to the
         newest update already published, releasing older ones. Raises gpipe.Timeout after
         `timeout` seconds (None: waits)."""
-        batch = self._next(timeout, latest)
         try:
-            version, layout, flat = self._check(batch)
-            sd = {e[0]: _region_view(flat, e, False) for e in layout.entries}
-        except BaseException:
-            batch.release()
-            raise
+            batch = self._next(timeout, latest)
+            try:
+                version, layout, flat = self._check(batch)
+                sd = {e[0]: _region_view(flat, e, False) for e in layout.entries}
+            except BaseException:
+                batch.release()
+                raise
+        except ProducerDied as e:
+            raise self._died(e) from e
         self.version = version
         return WeightUpdate(batch, version, tuple(batch.meta[6:8]), sd)
 
@@ -520,14 +528,16 @@ class WeightReceiver:
         current stream; returns its version. `latest`: skip to the newest update already
         published. `strict=False` loads the tensors whose name, dtype and shape match and
         leaves the others. Nothing is copied unless the whole update checks out."""
-        batch = self._next(timeout, latest)
-        with batch:
-            version, layout, flat = self._check(batch)
-            dsts = self._plan(target, layout, strict)
-            for d, e in zip(dsts, layout.entries):
-                if d is not None:
-                    d[0].copy_(_region_view(flat, e, d[1]))
-            del flat
+        try:
+            with self._next(timeout, latest) as batch:
+                version, layout, flat = self._check(batch)
+                dsts = self._plan(target, layout, strict)
+                for d, e in zip(dsts, layout.entries):
+                    if d is not None:
+                        d[0].copy_(_region_view(flat, e, d[1]))
+                del flat
+        except ProducerDied as e:
+            raise self._died(e) from e
         self.version = version
         return version
 
