@@ -43,8 +43,10 @@ def receiver(idx: int, mode: str, dev: str, sock: str, args: dict[str, Any], ack
     if device.type == "cuda":
         torch.cuda.set_device(device)
     names = [n for n, _, _ in state.shapes(args["size"])]
-    sd = state.make_state(args["size"], device, fill="zeros")
-    marks = state.Marks(list(sd.values()))
+    # in place, the receiver has no tensors of its own: only their shapes, for the marks
+    sd = state.make_state(args["size"], device if mode == "load" else torch.device("meta"),
+                          fill="zeros")
+    marks = state.Marks(list(sd.values()), device=device)
     mem = state.Memory(device)
     out: dict[str, Any] = {"idx": idx, "mode": mode, "device": dev, "pid": os.getpid(),
                            "versions": [], "bad": [], "error": None}

@@ -2,7 +2,8 @@
 host). Each update, the trainer sends every tensor's ``reduce_tensor`` (the handle torch's
 queues send) through a pipe; the receiver rebuilds each tensor, copies it into its own
 tensors, synchronises, checks the marks and acks. Timed from the trainer's first
-``reduce_tensor`` to the receiver's copies being done.
+``reduce_tensor`` to the receiver's copies being done, and split at the moment the receiver
+had rebuilt every tensor (``handles_ms``, then ``copies_ms``).
 
   python3 ipc.py --size tiny --device cpu --receivers 1 --out ipc.json
 """
@@ -33,7 +34,7 @@ def receiver(idx: int, dev: str, conn: Any, args: dict[str, Any], acks: Any) -> 
     marks = state.Marks(dst)
     mem = state.Memory(device)
     out: dict[str, Any] = {"idx": idx, "versions": [], "bad": [], "error": None}
-    acks.put(("attached", idx, 0, 0, None))
+    acks.put(("attached", idx, 0, 0, None, 0))
     try:
         while True:
             msg = conn.recv()
@@ -41,6 +42,7 @@ def receiver(idx: int, dev: str, conn: Any, args: dict[str, Any], acks: Any) -> 
                 break
             v, handles = msg
             src = [fn(*fargs) for fn, fargs in handles]
+            t_rebuilt = state.now_ns()
             for d, s in zip(dst, src):
                 d.copy_(s)
             state.sync(device)
@@ -51,7 +53,7 @@ def receiver(idx: int, dev: str, conn: Any, args: dict[str, Any], acks: Any) -> 
             if bad:
                 out["bad"].append([v, bad])
             mem.sample()
-            acks.put(("ack", idx, v, t1, bad))
+            acks.put(("ack", idx, v, t1, bad, t_rebuilt))
     except BaseException as e:
         out["error"] = {"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}
     out["memory"] = mem.summary(args["warmup"])
@@ -88,7 +90,7 @@ def main() -> int:
     for _ in range(a.receivers):
         acks.get(timeout=180.0)
     problems: list[str] = []
-    update_ns, send_ns = [], []
+    update_ns, send_ns, rebuild_ns, copy_ns = [], [], [], []
     for v in range(1, a.updates + 1):
         marks.write(v)
         state.sync(device)
@@ -101,7 +103,7 @@ def main() -> int:
         last, waiting = t0, set(range(a.receivers))
         while waiting:
             try:
-                kind, i, rv, t1, bad = acks.get(timeout=a.ack_timeout)
+                kind, i, rv, t1, bad, t_rebuilt = acks.get(timeout=a.ack_timeout)
             except queue.Empty:
                 problems.append(f"update {v}: no ack from {sorted(waiting)} in {a.ack_timeout} s")
                 break
@@ -109,6 +111,9 @@ def main() -> int:
                 problems.append(f"receiver {i} update {v}: version {rv}, {bad}")
             waiting.discard(i)
             last = max(last, t1)
+            if i == 0:
+                rebuild_ns.append(t_rebuilt - t0)
+                copy_ns.append(t1 - t_rebuilt)
         if waiting:
             break
         update_ns.append(last - t0)
@@ -128,6 +133,9 @@ def main() -> int:
         "warmup": a.warmup, "receivers": a.receivers,
         "update_ms": state.stats_ms(update_ns[a.warmup:]),
         "send_ms": state.stats_ms(send_ns[a.warmup:]),
+        # receiver 0: from the first reduce_tensor to its tensors rebuilt, then its copies
+        "handles_ms": state.stats_ms(rebuild_ns[a.warmup:]),
+        "copies_ms": state.stats_ms(copy_ns[a.warmup:]),
         "memory": {"trainer": mem.summary(a.warmup)},
     }
     verified = 0

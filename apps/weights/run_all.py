@@ -251,6 +251,9 @@ def summary(r: Runner, gpus: int) -> str:
                 f"{(f'<= {target}' if target is not None else ''):>8} "
                 f"{(f'{grew / MiB:.1f}M' if grew is not None else ''):>9} "
                 f"{x.get('verified_updates', ''):>8}  {verdict}")
+            if x.get("run") == "ipc" and x.get("handles_ms"):
+                lines.append(f"{'':4}handles sent and rebuilt p50 {_f(x['handles_ms'].get('p50'))} ms, "
+                             f"then the copies p50 {_f(x['copies_ms'].get('p50'))} ms")
             if x.get("run", "").startswith("gpipe") and x.get("pack_ms"):
                 lines.append(f"{'':4}trainer: publish() call p50 {_f(x['publish_call_ms'].get('p50'))} ms, "
                              f"packed on the GPU p50 {_f(x['pack_ms'].get('p50'))} ms; copies: {x.get('copy')}"

@@ -92,10 +92,12 @@ def mark_of(version: int, index: int) -> int:
 class Marks:
     """Writes (trainer) and reads (receiver) the three marked elements of every tensor."""
 
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
+    def __init__(self, tensors: list[torch.Tensor], device: Optional[torch.device] = None) -> None:
+        """`tensors`: those to mark or read (meta tensors for a receiver that reads an update
+        in place: only their shapes count; then `device` is where the updates are)."""
         self.flat = [t.detach().view(-1) for t in tensors]
         self.idx = [
-            torch.tensor(sorted({0, f.numel() // 2, f.numel() - 1}), device=f.device)
+            torch.tensor(sorted({0, f.numel() // 2, f.numel() - 1}), device=device or f.device)
             for f in self.flat
         ]
 
