@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Weight updates (apps/weights, docs/examples.md) on every GPU of the machine, from the
 # repository root after scripts/gpu/build: the library's tests on the GPU
-# (gpipe-py/tests/test_weights.py), then apps/weights/run_all.py: for the 3.2 GB (192 tensors)
+# (gpipe-py/tests/test_weight_updates.py), then apps/weights/run_all.py: for the 3.2 GB (192 tensors)
 # and 8.6 GB (128 tensors) bf16 state dicts, the in-process copy, torch.mp CUDA IPC and gpipe
 # on GPU 0, and with 2 or more GPUs NCCL broadcast and gpipe (direct, and the fan-out plan) to
 # the other GPUs, 100 updates each; a receiver SIGKILLed and the trainer SIGKILLed. MPS off.
@@ -21,8 +21,8 @@ nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,nohea
 python3 -c 'import torch; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version())' | tee -a "$O/gpus.txt"
 sizes=3.2GB,8.6GB; budget=340
 if [ "${1:-}" = quick ]; then sizes=tiny; budget=150; fi
-echo "== gpipe-py/tests/test_weights.py (the library, GPU tests included)"
-limit 90 python3 -m pytest -q -rs -p no:cacheprovider gpipe-py/tests/test_weights.py > "$O/pytest.log" 2>&1
+echo "== gpipe-py/tests/test_weight_updates.py (the library, GPU tests included)"
+limit 90 python3 -m pytest -q -rs -p no:cacheprovider gpipe-py/tests/test_weight_updates.py > "$O/pytest.log" 2>&1
 echo "pytest rc=$?"; tail -3 "$O/pytest.log"
 echo "== apps/weights/run_all.py on $G GPUs, sizes $sizes"
 limit $((budget + 40)) python3 apps/weights/run_all.py --out "$O/run" --sizes "$sizes" \

@@ -195,7 +195,7 @@ def test_arguments_are_checked(sock):
 TRAINER = """
 import sys, torch, gpipe.torch
 sys.path.insert(0, {here!r})
-from test_weights import model_like, bump
+from test_weight_updates import model_like, bump
 m = model_like()
 if {backend!r} == "cuda":
     m = m.cuda()
