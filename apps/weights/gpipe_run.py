@@ -87,7 +87,9 @@ def receiver(idx: int, mode: str, dev: str, sock: str, args: dict[str, Any], ack
         rx.close()
 
 
-def forwarder(ring: int, dev: int, up: str, sock: str, consumers: int, rundir: str) -> None:
+def forwarder(ring: int, dev: Optional[int], up: str, sock: str, consumers: int, rundir: str) -> None:
+    """One ring of the fan-out plan: the parent ring re-published on GPU `dev` (None: a host
+    ring, where the plan's GPU numbers only shape the tree)."""
     import gpipe
 
     try:
@@ -137,7 +139,7 @@ def main() -> int:
     rx_socks = [sock] * len(specs)
     rings = [{"device": 0, "parent": None}]
     others = [i for i, (_, g) in enumerate(specs) if g != 0]
-    if cuda and others and a.shape != "direct":
+    if others and a.shape != "direct":  # on the host too: the same rings, in host memory
         plan = gpipe.fanout_plan([specs[i][1] for i in others], shape=a.shape,
                                  batch_bytes=pub.producer.slot_bytes)
         rings = plan["rings"]
@@ -154,7 +156,7 @@ def main() -> int:
     cfg = {"size": a.size, "updates": a.updates, "warmup": a.warmup, "dir": a.dir}
     fwds = []
     for r, ring in enumerate(rings[1:], start=1):
-        p = ctx.Process(target=forwarder, args=(r, ring["device"], os.path.join(a.dir, f"w{ring['parent']}.sock"),
+        p = ctx.Process(target=forwarder, args=(r, ring["device"] if cuda else None, os.path.join(a.dir, f"w{ring['parent']}.sock"),
                                                 os.path.join(a.dir, f"w{r}.sock"), ring_consumers[r], a.dir))
         p.start()
         fwds.append(p)

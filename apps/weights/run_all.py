@@ -139,16 +139,18 @@ def gpu_count(device: str) -> int:
 
 
 def fault_runs(r: Runner, size: str, gpus: int) -> None:
-    """A receiver SIGKILLed mid-run; the trainer SIGKILLed right after a publish."""
+    """A receiver SIGKILLed mid-run; the trainer SIGKILLed right after a publish. Receivers on
+    the trainer's GPU (loading and in place) and, where there is another GPU (or on the host),
+    one there: read directly in the first run, behind a forwarder in the second."""
     a = r.a
-    other = ",load@1" if gpus >= 2 else ""
+    another = gpus >= 2 or a.device == "cpu"
     upd = ["--updates", str(a.fault_updates)]
     r.run("fault-kill-receiver", "gpipe_run.py",
-          ["--receivers", "load@0,inplace@0,load@0" + other,
+          ["--receivers", "load@0,inplace@0,load@0" + (",load@1" if another else ""),
            "--kill-receiver-at", str(a.fault_at), *upd], size=size)
-    specs = ["load@0", "inplace@0", "load@0"] + (["load@1"] if gpus >= 2 else [])
+    specs = ["load@0", "inplace@0", "load@0"] + (["load@1"] if another else [])
     rec = r.run("fault-kill-trainer", "gpipe_run.py",
-                ["--receivers", ",".join(specs), "--die-at", str(a.fault_at), *upd],
+                ["--receivers", ",".join(specs), "--shape", "chain", "--die-at", str(a.fault_at), *upd],
                 size=size, wait_files=[f"rx{i}.json" for i in range(len(specs))])
     if "skipped" in rec:
         return
@@ -190,8 +192,11 @@ def size_runs(r: Runner, size: str, gpus: int) -> None:
           ["--receivers", "load@0", "--name", "gpipe-same-load"], size=size)
     r.run(f"gpipe-same-inplace-{size}", "gpipe_run.py",
           ["--receivers", "inplace@0", "--name", "gpipe-same-inplace"], size=size)
-    if r.a.device == "cpu":
+    if r.a.device == "cpu":  # gloo for NCCL; forwarders in host memory for the plan
         r.run(f"nccl-{size}", "nccl.py", ["--ranks", "2"], size=size)
+        r.run(f"gpipe-others-plan-{size}", "gpipe_run.py",
+              ["--receivers", "load@1,inplace@2", "--shape", "chain", "--name", "gpipe-others-plan"],
+              size=size)
         return
     if gpus < 2:
         print(f"-- {size}: one GPU, so no NCCL broadcast and no gpipe to other GPUs", flush=True)
@@ -222,6 +227,7 @@ def summary(r: Runner, gpus: int) -> str:
              f"{'mem grew':>9} {'verified':>8}  status"]
     for size in r.a.sizes.split(","):
         ipc = by.get(f"ipc-{size}", {}).get("update_ms", {}).get("p50")
+        ceiling = by.get(f"ceiling-{size}", {}).get("update_ms", {}).get("p50")
         nccl = by.get(f"nccl-{size}", {}).get("update_ms", {}).get("p50")
         for tag in (f"ceiling-{size}", f"ipc-{size}", f"gpipe-same-load-{size}",
                     f"gpipe-same-inplace-{size}", f"nccl-{size}", f"gpipe-others-direct-{size}",
@@ -255,6 +261,8 @@ def summary(r: Runner, gpus: int) -> str:
                 lines.append(f"{'':4}handles sent and rebuilt p50 {_f(x['handles_ms'].get('p50'))} ms, "
                              f"then the copies p50 {_f(x['copies_ms'].get('p50'))} ms")
             if x.get("run", "").startswith("gpipe") and x.get("pack_ms"):
+                if ceiling and u.get("p50"):
+                    lines.append(f"{'':4}{u['p50'] / ceiling:.2f}x the in-process copy's p50")
                 lines.append(f"{'':4}trainer: publish() call p50 {_f(x['publish_call_ms'].get('p50'))} ms, "
                              f"packed on the GPU p50 {_f(x['pack_ms'].get('p50'))} ms; copies: {x.get('copy')}"
                              + (f"; rings {len(x['rings'])} ({x.get('shape')})" if x.get("shape") not in (None, "same-gpu") else ""))

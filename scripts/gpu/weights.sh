@@ -11,6 +11,7 @@
 #   scripts/gpu/weights.sh                 # everything
 #   scripts/gpu/weights.sh quick           # the tiny size and the faults (~1 minute)
 #   UPDATES=40 scripts/gpu/weights.sh      # fewer updates per run
+#   SIZES=8.6GB BUDGET=200 scripts/gpu/weights.sh   # one size (the budget is run_all's, s)
 set -u
 . "$(dirname "$0")/lib.sh"
 O=${OUT:-/tmp/gpipe-weights}; mkdir -p "$O"
@@ -19,8 +20,8 @@ G=$(gpu_count)
 [ "$G" -ge 1 ] || { echo "scripts/gpu/weights.sh: no GPU (nvidia-smi -L)"; exit 2; }
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | tee "$O/gpus.txt"
 python3 -c 'import torch; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version())' | tee -a "$O/gpus.txt"
-sizes=3.2GB,8.6GB; budget=340
-if [ "${1:-}" = quick ]; then sizes=tiny; budget=150; fi
+sizes=${SIZES:-3.2GB,8.6GB}; budget=${BUDGET:-340}
+if [ "${1:-}" = quick ]; then sizes=tiny; budget=${BUDGET:-150}; fi
 echo "== gpipe-py/tests/test_weight_updates.py (the library, GPU tests included)"
 limit 90 python3 -m pytest -q -rs -p no:cacheprovider gpipe-py/tests/test_weight_updates.py > "$O/pytest.log" 2>&1
 echo "pytest rc=$?"; tail -3 "$O/pytest.log"

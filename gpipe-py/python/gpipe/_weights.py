@@ -421,8 +421,9 @@ class WeightReceiver:
     def _died(self, e: ProducerDied) -> ProducerDied:
         """The trainer's death, said with what this receiver holds."""
         return ProducerDied(
-            f"the trainer publishing weights at {self.socket} died; the last update received "
-            f"here is version {self.version}, and nothing of a later one was loaded ({e})"
+            f"the trainer publishing weights at {self.socket} (or a forwarder between it and "
+            f"this receiver) died; the last update received here is version {self.version}, "
+            f"and nothing of a later one was loaded ({e})"
         )
 
     def _check(self, batch: Any) -> tuple[int, Layout, torch.Tensor]:
