@@ -105,7 +105,7 @@ def check_faults(recs: dict) -> None:
 def test_every_peer_and_the_faults_on_the_host_backend(tmp_path):
     recs, text = run_all(tmp_path, "cpu", timeout=260)
     check_runs(recs, ["ceiling-tiny", "ipc-tiny", "gpipe-same-load-tiny", "gpipe-same-inplace-tiny",
-                      "nccl-tiny", "gpipe-others-plan-tiny"])
+                      "gpipe-same-load-inslot-tiny", "nccl-tiny", "gpipe-others-plan-tiny"])
     check_faults(recs)
     plan = recs["gpipe-others-plan-tiny"]  # two forwarders in host memory, one after the other
     assert len(plan["rings"]) == 3 and [f["batches"] for f in plan["forwarders"]] == [UPDATES] * 2
@@ -119,7 +119,8 @@ def test_every_peer_and_the_faults_on_the_host_backend(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_every_peer_and_the_faults_on_the_gpu(tmp_path):
     recs, _ = run_all(tmp_path, "cuda", timeout=270)
-    expect = ["ceiling-tiny", "ipc-tiny", "gpipe-same-load-tiny", "gpipe-same-inplace-tiny"]
+    expect = ["ceiling-tiny", "ipc-tiny", "gpipe-same-load-tiny", "gpipe-same-inplace-tiny",
+              "gpipe-same-load-inslot-tiny"]
     if torch.cuda.device_count() >= 2:
         expect += ["nccl-tiny", "gpipe-others-direct-tiny", "gpipe-others-plan-tiny"]
     check_runs(recs, expect)

@@ -92,6 +92,7 @@ def forwarder(ring: int, dev: Optional[int], up: str, sock: str, consumers: int,
     ring, where the plan's GPU numbers only shape the tree)."""
     import gpipe
 
+    _wait_for(up)  # the parent ring: the trainer's, or a forwarder's that is starting too
     try:
         rep = gpipe.forward(up, sock, device=dev, slots=2, wait_for_consumers=consumers)
     except BaseException as e:
@@ -108,6 +109,8 @@ def main() -> int:
     ap.add_argument("--updates", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--copy", default="auto", help="WeightPublisher copy=")
+    ap.add_argument("--in-slot", action="store_true",
+                    help="WeightPublisher in_slot=True: the trainer's tensors live in the ring's one slot")
     ap.add_argument("--kill-receiver-at", type=int, default=0)
     ap.add_argument("--die-at", type=int, default=0)
     ap.add_argument("--ack-timeout", type=float, default=60.0)
@@ -130,10 +133,11 @@ def main() -> int:
             raise SystemExit(f"--receivers: mode {mode!r} is not load or inplace")
         specs.append((mode, int(g or 0)))
     sd = state.make_state(a.size, device)
-    marks = state.Marks(list(sd.values()))
     mem = state.Memory(device)
     sock = os.path.join(a.dir, "w0.sock")
-    pub = gpipe.torch.WeightPublisher(sock, sd, slots=2, copy=a.copy, drain_timeout=30.0)
+    pub = gpipe.torch.WeightPublisher(sock, sd, slots=2, copy=a.copy, in_slot=a.in_slot,
+                                      drain_timeout=30.0)
+    marks = state.Marks(list(sd.values()))  # after: with --in-slot the tensors moved
 
     # Which ring each receiver reads: ring 0 (the trainer's) directly, or a forwarder's.
     rx_socks = [sock] * len(specs)
@@ -172,14 +176,23 @@ def main() -> int:
         "run": a.name, "size": a.size, "backend": "cuda" if cuda else "host",
         "device": state.device_name(device), "tensors": len(sd), "bytes": pub.layout.nbytes,
         "receivers": [f"{m}@{g}" for m, g in specs], "shape": a.shape if others else "same-gpu",
-        "rings": rings, "updates": a.updates, "warmup": a.warmup, "copy": pub.copy,
+        "rings": rings, "updates": a.updates, "warmup": a.warmup,
+        "copy": "none (in slot)" if a.in_slot else pub.copy,
         "slot_bytes": pub.producer.slot_bytes, "memory_path": pub.producer.memory,
     }
-    pub.wait_for_receivers(ring_consumers[0], timeout=180.0)
-    attached = 0
-    while attached < len(specs):
-        kind, *_ = acks.get(timeout=180.0)
-        attached += kind == "attached"
+    attached, deadline = 0, state.now_ns() + 180e9
+    while attached < len(specs):  # every receiver attached, or one that gave up says why
+        try:
+            kind, *_ = acks.get(timeout=1.0)
+            attached += kind == "attached"
+        except queue.Empty:
+            gone = [(i, p.exitcode) for i, p in enumerate(procs) if not p.is_alive()]
+            gone += [(f"forwarder {r}", p.exitcode) for r, p in enumerate(fwds, 1) if not p.is_alive()]
+            if gone or state.now_ns() > deadline:
+                raise SystemExit(f"gpipe_run: {attached} of {len(specs)} receivers attached; ended "
+                                 f"before attaching: {gone}; see {a.dir}/rx*.json, fwd*.json: "
+                                 + _errors(a.dir))
+    pub.wait_for_receivers(ring_consumers[0], timeout=60.0)
     alive = set(range(len(specs)))
     latency: dict[int, list[int]] = {i: [] for i in alive}
     update_ns, publish_ns, pack_ns = [], [], []
@@ -285,12 +298,29 @@ def main() -> int:
     return 0 if record["ok"] else 1
 
 
-def _receiver_when_ready(idx: int, mode: str, dev: str, sock: str, cfg: dict[str, Any], acks: Any) -> None:
+def _errors(rundir: str) -> str:
+    """The errors the receivers and forwarders of a run wrote, in one line."""
+    out = []
+    for name in sorted(os.listdir(rundir)):
+        if name.endswith(".json") and (name.startswith("rx") or name.startswith("fwd")):
+            with open(os.path.join(rundir, name)) as f:
+                err = json.load(f).get("error")
+            if err:
+                out.append(f"{name}: {err if isinstance(err, str) else err.get('message')}")
+    return "; ".join(out) or "none written"
+
+
+def _wait_for(sock: str, seconds: float = 120.0) -> None:
+    """Waits until a ring's socket exists: a forwarder's appears once it started."""
     import time
 
-    deadline = time.monotonic() + 120.0
+    deadline = time.monotonic() + seconds
     while not os.path.exists(sock) and time.monotonic() < deadline:
         time.sleep(0.02)
+
+
+def _receiver_when_ready(idx: int, mode: str, dev: str, sock: str, cfg: dict[str, Any], acks: Any) -> None:
+    _wait_for(sock)
     receiver(idx, mode, dev, sock, cfg, acks)
 
 

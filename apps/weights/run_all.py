@@ -192,6 +192,8 @@ def size_runs(r: Runner, size: str, gpus: int) -> None:
           ["--receivers", "load@0", "--name", "gpipe-same-load"], size=size)
     r.run(f"gpipe-same-inplace-{size}", "gpipe_run.py",
           ["--receivers", "inplace@0", "--name", "gpipe-same-inplace"], size=size)
+    r.run(f"gpipe-same-load-inslot-{size}", "gpipe_run.py",
+          ["--receivers", "load@0", "--in-slot", "--name", "gpipe-same-load-inslot"], size=size)
     if r.a.device == "cpu":  # gloo for NCCL; forwarders in host memory for the plan
         r.run(f"nccl-{size}", "nccl.py", ["--ranks", "2"], size=size)
         r.run(f"gpipe-others-plan-{size}", "gpipe_run.py",
@@ -230,7 +232,7 @@ def summary(r: Runner, gpus: int) -> str:
         ceiling = by.get(f"ceiling-{size}", {}).get("update_ms", {}).get("p50")
         nccl = by.get(f"nccl-{size}", {}).get("update_ms", {}).get("p50")
         for tag in (f"ceiling-{size}", f"ipc-{size}", f"gpipe-same-load-{size}",
-                    f"gpipe-same-inplace-{size}", f"nccl-{size}", f"gpipe-others-direct-{size}",
+                    f"gpipe-same-inplace-{size}", f"gpipe-same-load-inslot-{size}", f"nccl-{size}", f"gpipe-others-direct-{size}",
                     f"gpipe-others-plan-{size}"):
             x = by.get(tag)
             if x is None:

@@ -183,6 +183,47 @@ def test_publish_of_another_state_dict_must_match_the_layout(pair):
         assert torch.equal(t, replaced[k]), k
 
 
+def test_in_slot_publishes_the_models_own_memory_without_a_copy(pair):
+    src = model_like()
+    before = {k: t.clone() for k, t in src.state_dict().items()}
+    opt = torch.optim.SGD([p for p in src.parameters() if p.is_floating_point()], lr=0.5)
+    _, pub, rx = pair(model=src, in_slot=True)
+    assert pub.producer.slots == 1
+    for k, t in src.state_dict().items():  # the same values, now in the slot
+        assert torch.equal(t, before[k]), k
+    flat = pub._flat_ptr
+    assert all(flat <= p.data_ptr() < flat + pub.layout.nbytes for p in src.parameters())
+    dst = model_like(seed=1)
+    import threading
+
+    for v in (1, 2, 3):
+        for p in opt.param_groups[0]["params"]:
+            p.grad = torch.ones_like(p)
+        opt.step()  # writes the slot: the publisher holds it again
+        # publish() returns once the receiver released the update: receive on another thread
+        got: list[int] = []
+        t = threading.Thread(target=lambda: got.append(rx.load_into(dst, timeout=5)))
+        t.start()
+        assert pub.publish(timeout=5) == v
+        t.join(timeout=10)
+        assert got == [v]
+        assert_same(src, dst)
+    with pytest.raises(gpipe.Timeout, match="version 4 was published, but receivers still hold it"):
+        pub.publish(timeout=0.3)  # nobody receives it
+    assert rx.load_into(dst, timeout=5) == 4
+    pub.wait_writable(timeout=5)
+    rx.close()
+    pub.close()
+    assert torch.equal(src[0].weight, dst[0].weight)  # the model outlives the ring
+
+
+def test_in_slot_refuses_tied_weights(sock):
+    m = model_like()
+    m[1].weight = m[2].weight
+    with pytest.raises(ValueError, match="share their memory"):
+        WeightPublisher(sock, m, in_slot=True)
+
+
 def test_arguments_are_checked(sock):
     with pytest.raises(ValueError, match="state dict is empty"):
         WeightPublisher(sock, {})

@@ -176,6 +176,13 @@ class WeightPublisher:
     for many small tensors) or ``"auto"`` (``"foreach"`` when tensors average under 1 MiB).
     The other arguments go to :class:`gpipe.Producer` (``max_receivers`` is its
     ``max_consumers``); a receiver that dies is let go at once.
+
+    ``in_slot=True``: no copy at all. The ring has one slot and the model's tensors are moved
+    into it (each parameter's and buffer's ``.data`` becomes a view of the slot), so
+    ``publish()`` only seals and publishes, then waits until every receiver released the
+    update before it returns, because the next optimizer step writes the same memory (your
+    stream is also ordered after the receivers' work on the GPU). Receivers see the same
+    updates as in the copying mode. Tied tensors (two names, one memory) are refused.
     """
 
     def __init__(
@@ -185,6 +192,7 @@ class WeightPublisher:
         *,
         slots: int = 2,
         copy: str = "auto",
+        in_slot: bool = False,
         max_receivers: int = 16,
         drain_timeout: float = 5.0,
         detach_after_ms: Optional[int] = None,
@@ -222,9 +230,12 @@ class WeightPublisher:
         self._seal_step = torch.tensor([0, 1, 0, 0], dtype=torch.int64, device=dev)
         self._views: dict[int, list[torch.Tensor]] = {}  # region address -> slot views
         self.version = 0
+        self.in_slot = in_slot
+        if in_slot and slots != 2 and slots != 1:
+            raise ValueError(f"in_slot=True uses one slot (the model's own memory); slots={slots}")
         self.producer = Producer(
             socket,
-            slots=slots,
+            slots=1 if in_slot else slots,
             batch_bytes=self.layout.nbytes + _align(len(self.layout.json)) + ALIGN,
             mode="broadcast",
             backend=backend,
@@ -234,6 +245,10 @@ class WeightPublisher:
             detach_after_ms=detach_after_ms,
             **producer_args,
         )
+        self._slot: Any = None  # in_slot: the slot the model lives in, while this side holds it
+        self._flat_ptr = 0
+        if in_slot:
+            self._move_into_slot(model_or_state_dict, sd)
 
     def _sources(self, sd: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, bool]]:
         """What publish() copies from, in layout order: (tensor, True) for a byte view of a
@@ -258,6 +273,60 @@ class WeightPublisher:
             views.append(flat[self.layout.seal_offset : self.layout.nbytes].view(torch.int64))
             self._views[key] = views
         return views
+
+    def _move_into_slot(self, obj: Any, sd: Mapping[str, torch.Tensor]) -> None:
+        """in_slot: copies every tensor into the slot once and points the model at it."""
+        ptrs: dict[int, str] = {}
+        for name, t in sd.items():
+            if t.numel() and t.data_ptr() in ptrs:
+                raise ValueError(
+                    f"in_slot=True: {name!r} and {ptrs[t.data_ptr()]!r} share their memory (tied "
+                    "weights); publish with the copying mode (in_slot=False)"
+                )
+            ptrs[t.data_ptr()] = name
+        if isinstance(obj, torch.nn.Module):
+            holders: dict[str, torch.Tensor] = dict(obj.named_parameters(remove_duplicate=False))
+            holders.update(obj.named_buffers(remove_duplicate=False))
+        else:
+            holders = dict(obj)
+        missing = [n for n in sd if n not in holders]
+        if missing:
+            raise ValueError(
+                f"in_slot=True: the state dict's {missing[:3]} are neither parameters nor "
+                "buffers of the module, so they cannot be moved into the slot; use in_slot=False"
+            )
+        flat = self._take_slot(None)
+        with torch.no_grad():
+            for e in self.layout.entries:
+                view = _region_view(flat, e, False)
+                view.copy_(holders[e[0]])
+                holders[e[0]].data = view
+
+    def _take_slot(self, timeout: Optional[float]) -> torch.Tensor:
+        """in_slot: acquires the one slot again (once every receiver released it) and
+        declares the update's tensors, which come back at the same address."""
+        slot = self.producer.acquire(timeout=timeout)
+        flat = slot.tensor("weights", torch.uint8, (self.layout.nbytes,))
+        lay = slot.tensor("layout", torch.uint8, (len(self.layout.json),))
+        if self._flat_ptr == 0:
+            lay.copy_(self._layout_dev)
+            self._flat_ptr = flat.data_ptr()
+            self._seal_view = flat[self.layout.seal_offset : self.layout.nbytes].view(torch.int64)
+        elif flat.data_ptr() != self._flat_ptr:
+            slot.abandon()
+            raise Error(
+                f"the slot came back at {flat.data_ptr():#x}, not at {self._flat_ptr:#x} where the "
+                "model's tensors live: this gpipe breaks the fixed-address rule"
+            )
+        self._slot = slot
+        return flat
+
+    def wait_writable(self, timeout: Optional[float] = None) -> None:
+        """in_slot: waits until every receiver released the last update, so the model's
+        tensors may be written again. publish() does it before it returns; call this after a
+        publish() that raised gpipe.Timeout, before the next optimizer step."""
+        if self.in_slot and self._slot is None:
+            self._take_slot(timeout)
 
     def wait_for_receivers(self, n: int = 1, timeout: Optional[float] = None) -> None:
         """Waits until `n` receivers (or forwarders) are attached. A receiver gets the
@@ -294,6 +363,8 @@ class WeightPublisher:
                 )
             src = self._sources(sd)
         version = self.version + 1
+        if self.in_slot:
+            return self._publish_in_slot(state_dict, user, timeout, version)
         with self.producer.acquire(timeout=timeout) as slot:
             flat = slot.tensor("weights", torch.uint8, (self.layout.nbytes,))
             lay = slot.tensor("layout", torch.uint8, (len(self.layout.json),))
@@ -317,9 +388,33 @@ class WeightPublisher:
         self.version = version
         return version
 
+    def _publish_in_slot(self, state_dict: Any, user: Sequence[int], timeout: Optional[float],
+                         version: int) -> int:
+        if state_dict is not None:
+            raise ValueError("in_slot=True publishes the model's own tensors: call publish()")
+        self.wait_writable(timeout)
+        torch.add(self._seal_base, self._seal_step, alpha=version, out=self._seal_view)
+        meta = [MAGIC, version, self.layout.hash, self.layout.nbytes, len(self.layout.json),
+                self.nonce, *user]
+        self._slot.publish(meta=meta)
+        self._slot = None
+        self.version = version
+        try:
+            self._take_slot(timeout)
+        except Timeout as e:
+            raise Timeout(
+                f"version {version} was published, but receivers still hold it after {timeout} s: "
+                "do not write the model's tensors before wait_writable() returns"
+            ) from e
+        return version
+
     def close(self) -> dict[str, int]:
-        """Closes the ring: receivers get every update published, then gpipe.Closed."""
+        """Closes the ring: receivers get every update published, then gpipe.Closed. With
+        in_slot=True the model's tensors stay valid (they keep the slot's memory alive)."""
         self._views.clear()
+        if self._slot is not None:
+            self._slot.abandon()
+            self._slot = None
         return self.producer.close()
 
     def __enter__(self) -> WeightPublisher:
@@ -461,6 +556,7 @@ class WeightReceiver:
         seal = flat[self.layout.seal_offset : self.layout.nbytes].view(torch.int64).tolist()
         want = [SEAL_MAGIC, version, lhash, nonce]
         if seal != want:
+            del flat  # a traceback kept by the caller must not hold the slot
             raise WeightError(
                 f"update version {version} is not completely written: its seal says version "
                 f"{seal[1]} (words {seal}, expected {want}); the trainer died or was stopped "
@@ -532,11 +628,13 @@ class WeightReceiver:
         try:
             with self._next(timeout, latest) as batch:
                 version, layout, flat = self._check(batch)
-                dsts = self._plan(target, layout, strict)
-                for d, e in zip(dsts, layout.entries):
-                    if d is not None:
-                        d[0].copy_(_region_view(flat, e, d[1]))
-                del flat
+                try:
+                    dsts = self._plan(target, layout, strict)
+                    for d, e in zip(dsts, layout.entries):
+                        if d is not None:
+                            d[0].copy_(_region_view(flat, e, d[1]))
+                finally:
+                    del flat  # the slot goes back now, even when a kept traceback lives on
         except ProducerDied as e:
             raise self._died(e) from e
         self.version = version
