@@ -20,10 +20,10 @@ G=$(gpu_count)
 [ "$G" -ge 1 ] || { echo "scripts/gpu/weights.sh: no GPU (nvidia-smi -L)"; exit 2; }
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | tee "$O/gpus.txt"
 python3 -c 'import torch; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version())' | tee -a "$O/gpus.txt"
-sizes=${SIZES:-3.2GB,8.6GB}; budget=${BUDGET:-340}
+sizes=${SIZES:-3.2GB,8.6GB}; budget=${BUDGET:-380}
 if [ "${1:-}" = quick ]; then sizes=tiny; budget=${BUDGET:-150}; fi
 echo "== gpipe-py/tests/test_weight_updates.py (the library, GPU tests included)"
-limit 90 python3 -m pytest -q -rs -p no:cacheprovider gpipe-py/tests/test_weight_updates.py > "$O/pytest.log" 2>&1
+limit 60 python3 -m pytest -q -rs -p no:cacheprovider gpipe-py/tests/test_weight_updates.py > "$O/pytest.log" 2>&1
 echo "pytest rc=$?"; tail -3 "$O/pytest.log"
 echo "== apps/weights/run_all.py on $G GPUs, sizes $sizes"
 limit $((budget + 40)) python3 apps/weights/run_all.py --out "$O/run" --sizes "$sizes" \
