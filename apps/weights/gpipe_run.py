@@ -160,8 +160,10 @@ def main() -> int:
     cfg = {"size": a.size, "updates": a.updates, "warmup": a.warmup, "dir": a.dir}
     fwds = []
     for r, ring in enumerate(rings[1:], start=1):
-        p = ctx.Process(target=forwarder, args=(r, ring["device"] if cuda else None, os.path.join(a.dir, f"w{ring['parent']}.sock"),
-                                                os.path.join(a.dir, f"w{r}.sock"), ring_consumers[r], a.dir))
+        up = os.path.join(a.dir, f"w{ring['parent']}.sock")
+        mine = os.path.join(a.dir, f"w{r}.sock")
+        fdev = ring["device"] if cuda else None
+        p = ctx.Process(target=forwarder, args=(r, fdev, up, mine, ring_consumers[r], a.dir))
         p.start()
         fwds.append(p)
     procs = []
@@ -288,7 +290,8 @@ def main() -> int:
                 record.setdefault("forwarders", []).append(json.load(f))
         except OSError:
             pass
-    record["receivers_detail"] = [{k: r.get(k) for k in ("idx", "mode", "device", "delivery", "error", "last_version", "model_whole")} for r in rxs]
+    keys = ("idx", "mode", "device", "delivery", "error", "last_version", "model_whole")
+    record["receivers_detail"] = [{k: r.get(k) for k in keys} for r in rxs]
     record["verified_updates"] = sum(len(r.get("versions", [])) - len(r.get("bad", [])) for r in rxs)
     record["ok"] = not problems
     text = json.dumps(record)

@@ -231,9 +231,9 @@ def summary(r: Runner, gpus: int) -> str:
         ipc = by.get(f"ipc-{size}", {}).get("update_ms", {}).get("p50")
         ceiling = by.get(f"ceiling-{size}", {}).get("update_ms", {}).get("p50")
         nccl = by.get(f"nccl-{size}", {}).get("update_ms", {}).get("p50")
-        for tag in (f"ceiling-{size}", f"ipc-{size}", f"gpipe-same-load-{size}",
-                    f"gpipe-same-inplace-{size}", f"gpipe-same-load-inslot-{size}", f"nccl-{size}", f"gpipe-others-direct-{size}",
-                    f"gpipe-others-plan-{size}"):
+        runs = ("ceiling", "ipc", "gpipe-same-load", "gpipe-same-inplace", "gpipe-same-load-inslot",
+                "nccl", "gpipe-others-direct", "gpipe-others-plan")
+        for tag in (f"{run}-{size}" for run in runs):
             x = by.get(tag)
             if x is None:
                 continue
@@ -267,7 +267,8 @@ def summary(r: Runner, gpus: int) -> str:
                     lines.append(f"{'':4}{u['p50'] / ceiling:.2f}x the in-process copy's p50")
                 lines.append(f"{'':4}trainer: publish() call p50 {_f(x['publish_call_ms'].get('p50'))} ms, "
                              f"packed on the GPU p50 {_f(x['pack_ms'].get('p50'))} ms; copies: {x.get('copy')}"
-                             + (f"; rings {len(x['rings'])} ({x.get('shape')})" if x.get("shape") not in (None, "same-gpu") else ""))
+                             + (f"; rings {len(x['rings'])} ({x.get('shape')})"
+                                if x.get("shape") not in (None, "same-gpu") else ""))
     lines.append("")
     for tag in ("fault-kill-receiver", "fault-kill-trainer"):
         x = by.get(tag)
