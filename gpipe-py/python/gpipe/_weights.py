@@ -30,7 +30,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from . import Closed, Consumer, Error, ProducerDied, Timeout
+from . import Consumer, Error, ProducerDied, Timeout
 from ._producer import Producer
 
 MAGIC = 0x6770_6970_7774_7331  # "gpipwts1": the first header word of every update
@@ -182,7 +182,9 @@ class WeightPublisher:
     ``publish()`` only seals and publishes, then waits until every receiver released the
     update before it returns, because the next optimizer step writes the same memory (your
     stream is also ordered after the receivers' work on the GPU). Receivers see the same
-    updates as in the copying mode. Tied tensors (two names, one memory) are refused.
+    updates as in the copying mode. Tied tensors (two names, one memory) are refused. Pass
+    the module (or the very tensor objects your code updates): the tensors of a
+    ``model.state_dict()`` are other objects, and moving them would leave the model behind.
     """
 
     def __init__(
@@ -248,7 +250,11 @@ class WeightPublisher:
         self._slot: Any = None  # in_slot: the slot the model lives in, while this side holds it
         self._flat_ptr = 0
         if in_slot:
-            self._move_into_slot(model_or_state_dict, sd)
+            try:
+                self._move_into_slot(model_or_state_dict, sd)
+            except BaseException:
+                self.producer.close()
+                raise
 
     def _sources(self, sd: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, bool]]:
         """What publish() copies from, in layout order: (tensor, True) for a byte view of a
