@@ -66,6 +66,7 @@ class Runner:
             f.flush()
             p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
                                  env=dict(os.environ, NCCL_NVLS_ENABLE="0"))
+            _RUNNING.append(p.pid)
             timed_out = False
             try:
                 rc = p.wait(timeout=limit)
@@ -78,6 +79,7 @@ class Runner:
                         os.path.exists(os.path.join(rundir, w)) for w in wait_files):
                     time.sleep(0.1)
             _killpg(p.pid)
+            _RUNNING.remove(p.pid)
             if rc is None:
                 p.wait()
         rec: dict[str, Any]
@@ -111,6 +113,17 @@ class Runner:
               + (f", p50 {p50:.3f} ms" if p50 is not None else "")
               + (f"; {rec['problems'][:2]}" if rec.get("problems") else ""), flush=True)
         return rec
+
+
+# The process group of the run under way: each run has a session of its own, so a limit that
+# kills this script's group would miss it; SIGTERM (what `timeout` sends first) kills it here.
+_RUNNING: list[int] = []
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    for pgid in _RUNNING:
+        _killpg(pgid)
+    raise SystemExit(f"run_all.py: stopped by signal {signum}; the run under way was killed")
 
 
 def _killpg(pgid: int) -> None:
@@ -314,6 +327,7 @@ def main() -> int:
     ap.add_argument("--run-timeout", type=float, default=120.0)
     ap.add_argument("--budget", type=float, default=420.0, help="seconds for all the runs")
     a = ap.parse_args()
+    signal.signal(signal.SIGTERM, _on_sigterm)
     r = Runner(a)
     gpus = gpu_count(a.device)
     if a.device == "cuda" and gpus == 0:
