@@ -95,3 +95,15 @@ class BatchDataset(torch.utils.data.IterableDataset):
                         out = {n: as_tensor(batch[n]) for n in names}
                     item = (out, batch.meta) if self.with_meta else out
                 yield item
+
+
+from ._weights import WeightError, WeightPublisher, WeightReceiver, WeightUpdate  # noqa: E402
+
+__all__ = [
+    "BatchDataset",
+    "WeightError",
+    "WeightPublisher",
+    "WeightReceiver",
+    "WeightUpdate",
+    "as_tensor",
+]

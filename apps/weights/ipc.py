@@ -1,0 +1,161 @@
+"""The torch.multiprocessing peer: CUDA IPC on the trainer's GPU (shared memory on the
+host). Each update, the trainer sends every tensor's ``reduce_tensor`` (the handle torch's
+queues send) through a pipe; the receiver rebuilds each tensor, copies it into its own
+tensors, synchronises, checks the marks and acks. Timed from the trainer's first
+``reduce_tensor`` to the receiver's copies being done, and split at the moment the receiver
+had rebuilt every tensor (``handles_ms``, then ``copies_ms``).
+
+  python3 ipc.py --size tiny --device cpu --receivers 1 --out ipc.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import sys
+import traceback
+from typing import Any
+
+import torch
+import torch.multiprocessing as tmp
+from torch.multiprocessing.reductions import reduce_tensor
+
+import state
+
+
+def receiver(idx: int, dev: str, conn: Any, args: dict[str, Any], acks: Any) -> None:
+    torch.set_num_threads(1)
+    device = torch.device(dev)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dst = list(state.make_state(args["size"], device, fill="zeros").values())
+    marks = state.Marks(dst)
+    mem = state.Memory(device)
+    out: dict[str, Any] = {"idx": idx, "versions": [], "bad": [], "error": None}
+    acks.put(("attached", idx, 0, 0, None, 0))
+    try:
+        while True:
+            msg = conn.recv()
+            if msg is None:
+                break
+            v, handles = msg
+            src = [fn(*fargs) for fn, fargs in handles]
+            t_rebuilt = state.now_ns()
+            for d, s in zip(dst, src):
+                d.copy_(s)
+            state.sync(device)
+            t1 = state.now_ns()
+            del src, handles, msg
+            bad = marks.check(v)
+            out["versions"].append(v)
+            if bad:
+                out["bad"].append([v, bad])
+            mem.sample()
+            acks.put(("ack", idx, v, t1, bad, t_rebuilt))
+    except BaseException as e:
+        out["error"] = {"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}
+    out["memory"] = mem.summary(args["warmup"])
+    state.write_json(os.path.join(args["dir"], f"ipc-rx{idx}.json"), out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="tiny", choices=list(state.SIZES))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--receivers", type=int, default=1)
+    ap.add_argument("--updates", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--ack-timeout", type=float, default=60.0)
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    os.makedirs(a.dir, exist_ok=True)
+    device = torch.device("cuda:0" if a.device == "cuda" else "cpu")
+    src = list(state.make_state(a.size, device).values())
+    marks = state.Marks(src)
+    mem = state.Memory(device)
+    ctx = tmp.get_context("spawn")
+    acks = ctx.Queue()
+    cfg = {"size": a.size, "warmup": a.warmup, "dir": a.dir}
+    procs, conns = [], []
+    for i in range(a.receivers):
+        mine, theirs = ctx.Pipe()
+        p = ctx.Process(target=receiver, args=(i, str(device), theirs, cfg, acks))
+        p.start()
+        procs.append(p)
+        conns.append(mine)
+    for _ in range(a.receivers):
+        acks.get(timeout=180.0)
+    problems: list[str] = []
+    update_ns, send_ns, rebuild_ns, copy_ns = [], [], [], []
+    for v in range(1, a.updates + 1):
+        marks.write(v)
+        state.sync(device)
+        t0 = state.now_ns()
+        handles = [reduce_tensor(t) for t in src]
+        for c in conns:
+            c.send((v, handles))
+        t_sent = state.now_ns()
+        del handles
+        last, waiting = t0, set(range(a.receivers))
+        while waiting:
+            try:
+                kind, i, rv, t1, bad, t_rebuilt = acks.get(timeout=a.ack_timeout)
+            except queue.Empty:
+                problems.append(f"update {v}: no ack from {sorted(waiting)} in {a.ack_timeout} s")
+                break
+            if rv != v or bad:
+                problems.append(f"receiver {i} update {v}: version {rv}, {bad}")
+            waiting.discard(i)
+            last = max(last, t1)
+            if i == 0:
+                rebuild_ns.append(t_rebuilt - t0)
+                copy_ns.append(t1 - t_rebuilt)
+        if waiting:
+            break
+        update_ns.append(last - t0)
+        send_ns.append(t_sent - t0)
+        mem.sample()
+    for c in conns:
+        c.send(None)
+    for p in procs:
+        p.join(timeout=60.0)
+        if p.is_alive():
+            p.kill()
+            problems.append(f"receiver {p.pid} did not end")
+    record: dict[str, Any] = {
+        "run": "ipc", "size": a.size, "backend": "cuda" if device.type == "cuda" else "host",
+        "device": state.device_name(device), "tensors": len(src),
+        "bytes": sum(t.numel() * t.element_size() for t in src), "updates": a.updates,
+        "warmup": a.warmup, "receivers": a.receivers,
+        "update_ms": state.stats_ms(update_ns[a.warmup:]),
+        "send_ms": state.stats_ms(send_ns[a.warmup:]),
+        # receiver 0: from the first reduce_tensor to its tensors rebuilt, then its copies
+        "handles_ms": state.stats_ms(rebuild_ns[a.warmup:]),
+        "copies_ms": state.stats_ms(copy_ns[a.warmup:]),
+        "memory": {"trainer": mem.summary(a.warmup)},
+    }
+    verified = 0
+    for i in range(a.receivers):
+        try:
+            with open(os.path.join(a.dir, f"ipc-rx{i}.json")) as f:
+                r = json.load(f)
+        except OSError:
+            problems.append(f"receiver {i} wrote no result")
+            continue
+        record["memory"][f"rx{i}"] = r["memory"]
+        verified += len(r["versions"]) - len(r["bad"])
+        if r["error"]:
+            problems.append(f"receiver {i}: {r['error']['type']}: {r['error']['message']}")
+    record.update({"problems": problems, "verified_updates": verified, "ok": not problems})
+    if a.out:
+        state.write_json(a.out, record)
+    print(json.dumps(record))
+    return 0 if record["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
