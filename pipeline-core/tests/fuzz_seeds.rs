@@ -80,8 +80,16 @@ const REFUSALS: &[(&str, &str, &str)] = &[
     ("segment_consumer", "unknown_mode", "unknown mode"),
 ];
 
+/// The fuzz folder: beside this crate's manifest where it was built, else (a staged test
+/// executable run from the repository root of another copy, as on a GPU machine)
+/// `pipeline-core/fuzz` below the working directory.
 fn fuzz_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz")
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz");
+    if built.is_dir() {
+        built
+    } else {
+        PathBuf::from("pipeline-core/fuzz")
+    }
 }
 
 /// The files of `dir`, by name, sorted.

@@ -355,7 +355,10 @@ fn dumpable() -> bool {
 #[ignore = "a child role of producer_bind_makes_the_process_not_dumpable and \
             a_same_uid_process_cannot_open_the_producer_fds"]
 fn child_role() {
-    let role = std::env::var(ROLE).expect("run by another test, which sets the role");
+    // Run alone (`--include-ignored`, as the GPU test runner does), it has nothing to do.
+    let Ok(role) = std::env::var(ROLE) else {
+        return;
+    };
     match role.as_str() {
         "producer" | "producer-keep-dumpable" => {
             let before = dumpable();
