@@ -17,7 +17,7 @@
 //! [`plan`] turns a shape and the consumers' devices into rings (one per GPU that has
 //! consumers, each fed by its parent's ring) and says which ring each consumer reads.
 
-pub use pipeline_cuda::policy::fanout::{Chunking, Fanout, LARGE_BATCH};
+pub use pipeline_cuda::policy::fanout::{Chunking, Fanout};
 
 /// One ring of a fan-out.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
@@ -39,8 +39,8 @@ pub struct FanoutPlan {
     /// For each consumer, the ring it reads.
     pub consumer_ring: Vec<usize>,
     /// Chain or tree: the chunk size `auto` gives the forwarders (`ForwardOptions::chunk_bytes`;
-    /// None: whole batches), from `pipeline_cuda::policy::fanout::chunk_bytes` with the links
-    /// taken as NVLink.
+    /// None: whole batches, which `auto` gives since they moved the most), from
+    /// `pipeline_cuda::policy::fanout::chunk_bytes`.
     pub chunk_bytes: Option<u64>,
 }
 
@@ -122,7 +122,7 @@ pub fn plan(
         .map(|d| rings.iter().position(|r| r.device == *d).unwrap_or(0))
         .collect();
     let chunk_bytes = (shape != Fanout::Direct)
-        .then(|| pipeline_cuda::policy::fanout::chunk_bytes(Chunking::Auto, batch_bytes, true))
+        .then(|| pipeline_cuda::policy::fanout::chunk_bytes(Chunking::Auto, batch_bytes))
         .flatten();
     FanoutPlan {
         shape,
@@ -196,7 +196,7 @@ mod tests {
     }
 
     #[test]
-    fn auto_is_direct_for_one_other_gpu_or_small_batches_else_chain() {
+    fn auto_is_direct_for_one_other_gpu_else_chain() {
         assert_eq!(
             plan(Fanout::Auto, 0, &[0, 1], 256 << 20).shape,
             Fanout::Direct
@@ -211,15 +211,15 @@ mod tests {
         );
         assert_eq!(
             plan(Fanout::Auto, 0, &[1, 2, 3], 2 << 20).shape,
-            Fanout::Direct
+            Fanout::Chain
         );
     }
 
     #[test]
-    fn auto_chunks_a_chain_or_tree_of_large_batches_and_never_direct() {
+    fn auto_forwards_whole_batches() {
         assert_eq!(
             plan(Fanout::Auto, 0, &[1, 2, 3], 64 << 20).chunk_bytes,
-            Some(16 << 20)
+            None
         );
         assert_eq!(
             plan(Fanout::Chain, 0, &[1, 2, 3], 2 << 20).chunk_bytes,

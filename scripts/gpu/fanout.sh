@@ -3,13 +3,15 @@
 # from the repository root after scripts/gpu/build: one producer on GPU 0, a consumer on every
 # other GPU (every batch verified), against NCCL broadcast from GPU 0 to the same GPUs in the
 # same run and MPS setting. Shapes (issue #34; the tag in the summary, then what it runs):
+#   auto                   what `--fanout auto` picks (the shape and forwarders it resolves to)
 #   direct-mirror          every consumer mirrors GPU 0's ring (no forwarders)
 #   chain-whole-proc       chain, whole batches, a forwarder process per GPU (the shape measured
 #                          before #34, with `ready` now written on a stream of its own)
-#   chain-whole-inproc     the same, each forwarder in its GPU's consumer process
+#   chain-whole-inproc     the same, each forwarder in its GPU's consumer process (gpipe's `auto`)
 #   tree-whole-inproc      binary tree, whole batches, forwarders in the consumers (2 MiB only)
-#   chain-chunk-proc       chain, chunks (`--chunk auto`: the policy's size), forwarder processes
-#   chain-chunk-inproc     chain, chunks (auto), forwarders in the consumers (gpipe's default)
+#   chain-chunk-proc       chain, chunks of a quarter batch, forwarder processes (`auto` forwards
+#                          whole batches: measured faster; these rows keep the comparison)
+#   chain-chunk-inproc     chain, chunks of a quarter batch, forwarders in the consumers
 #   chain-chunk-<S>-inproc the same with chunks of S (the chunk-size rule's alternatives)
 #   chain-chunk-d6-inproc  the same as chain-chunk-inproc with 6 copies in flight per forwarder
 #   *-s16                  256 MiB only: chain-whole-proc and chain-chunk-inproc with 16 slots
@@ -17,9 +19,9 @@
 #   chain-chunk-inproc-pool the same as chain-chunk-inproc with the rings in a memory pool
 #                          (64 MiB only; in-consumer rings default to VMM, which the consumer
 #                          in the same process imports: does the pool import there too?)
-#   tree-chunk-inproc      binary tree, chunks (auto), forwarders in the consumers
-# The main shapes run at 64, 256 and 2 MiB (chunked ones at 64 and 256 MiB: `auto` keeps 2 MiB
-# whole), then the variants at 64 and 256 MiB. Every bench has a hard limit (60 s), and each
+#   tree-chunk-inproc      binary tree, chunks of a quarter batch, forwarders in the consumers
+# The main shapes run at 64, 256 and 2 MiB (chunked ones at 64 and 256 MiB only), then the
+# variants at 64 and 256 MiB. Every bench has a hard limit (60 s), and each
 # MPS setting stops starting benches past its half of the time budget (BUDGET seconds in all,
 # default 440), so that the run ends within 9 minutes.
 # DRY=1 prints the gpipe commands instead of running anything (no GPU needed; GPUS=N: as
@@ -82,11 +84,14 @@ bench() {
 
 # shapes MPS: the main shapes at every size, then the variants (so that, past the budget,
 # what is left out is a variant).
+# quarter SIZE: a quarter of 64MiB or 256MiB (the chunk the chunked rows use).
+quarter() { case $1 in 64MiB) echo 16MiB ;; 256MiB) echo 64MiB ;; *) echo off ;; esac; }
 shapes() {
-  local mps=$1 b k c
+  local mps=$1 b k c q
   for size in 64MiB:1000 256MiB:300 2MiB:5000; do
     b=${size%%:*}; k=${size##*:}
     local s=(--batch-bytes "$b" --batches "$k")
+    bench "$mps" "auto-$b" 60 --fanout auto "${s[@]}"
     bench "$mps" "direct-mirror-$b" 60 --delivery mirror --fanout direct "${s[@]}"
     bench "$mps" "chain-whole-proc-$b" 60 --fanout chain --chunk off --forwarders process "${s[@]}"
     bench "$mps" "chain-whole-inproc-$b" 60 --fanout chain --chunk off --forwarders in-consumer "${s[@]}"
@@ -94,9 +99,10 @@ shapes() {
       [ "$G" -gt 2 ] && bench "$mps" "tree-whole-inproc-$b" 60 --fanout tree --chunk off --forwarders in-consumer "${s[@]}"
       continue
     fi
-    bench "$mps" "chain-chunk-proc-$b" 60 --fanout chain --chunk auto --forwarders process "${s[@]}"
-    bench "$mps" "chain-chunk-inproc-$b" 60 --fanout chain --chunk auto --forwarders in-consumer "${s[@]}"
-    [ "$G" -gt 2 ] && bench "$mps" "tree-chunk-inproc-$b" 60 --fanout tree --chunk auto --forwarders in-consumer "${s[@]}"
+    q=$(quarter "$b")
+    bench "$mps" "chain-chunk-proc-$b" 60 --fanout chain --chunk "$q" --forwarders process "${s[@]}"
+    bench "$mps" "chain-chunk-inproc-$b" 60 --fanout chain --chunk "$q" --forwarders in-consumer "${s[@]}"
+    [ "$G" -gt 2 ] && bench "$mps" "tree-chunk-inproc-$b" 60 --fanout tree --chunk "$q" --forwarders in-consumer "${s[@]}"
   done
   for size in 64MiB:1000 256MiB:300; do
     b=${size%%:*}; k=${size##*:}
@@ -105,12 +111,13 @@ shapes() {
     for c in $alts; do
       bench "$mps" "chain-chunk-$c-inproc-$b" 60 --fanout chain --chunk "$c" --forwarders in-consumer "${s[@]}"
     done
-    bench "$mps" "chain-chunk-d6-inproc-$b" 60 --fanout chain --chunk auto --forwarders in-consumer --forward-depth 6 "${s[@]}"
+    q=$(quarter "$b")
+    bench "$mps" "chain-chunk-d6-inproc-$b" 60 --fanout chain --chunk "$q" --forwarders in-consumer --forward-depth 6 "${s[@]}"
     if [ "$b" = 64MiB ]; then
-      bench "$mps" "chain-chunk-inproc-pool-$b" 60 --fanout chain --chunk auto --forwarders in-consumer --forward-memory pool "${s[@]}"
+      bench "$mps" "chain-chunk-inproc-pool-$b" 60 --fanout chain --chunk "$q" --forwarders in-consumer --forward-memory pool "${s[@]}"
     else
       bench "$mps" "chain-whole-proc-s16-$b" 60 --fanout chain --chunk off --forwarders process --slots 16 "${s[@]}"
-      bench "$mps" "chain-chunk-inproc-s16-$b" 60 --fanout chain --chunk auto --forwarders in-consumer --slots 16 "${s[@]}"
+      bench "$mps" "chain-chunk-inproc-s16-$b" 60 --fanout chain --chunk "$q" --forwarders in-consumer --slots 16 "${s[@]}"
     fi
   done
 }

@@ -7,9 +7,9 @@
 //! * [`Fanout::Auto`]: [`Fanout::resolve`] picks one (docs/multi-gpu.md gives the rule and
 //!   what it rests on).
 //!
-//! And how a forwarder pipelines a batch through the shape ([`Chunking`], [`chunk_bytes`]):
-//! whole batches, or chunks whose progress the next hop waits for on its GPU (docs/multi-gpu.md,
-//! "Chunked forwarding").
+//! And how a forwarder moves a batch through the shape ([`Chunking`], [`chunk_bytes`]): whole
+//! batches (`auto`), or chunks whose progress the next hop waits for on its GPU when asked
+//! (docs/multi-gpu.md, "Chunked forwarding").
 
 use std::fmt;
 use std::str::FromStr;
@@ -55,29 +55,22 @@ impl FromStr for Fanout {
     }
 }
 
-/// Slots of at least this many bytes count as large for [`Fanout::resolve`].
-pub const LARGE_BATCH: u64 = 8 << 20;
-
 impl Fanout {
     /// The shape `auto` stands for, given how many GPUs other than the producer's have
-    /// consumers and the batch size; other shapes are returned as they are.
+    /// consumers (the batch size does not change it); other shapes are returned as they are.
     ///
     /// * One other GPU (or none): `direct`. Measured on 2×H200 (docs/multi-gpu.md): a
     ///   forwarder to GPU 1 moved up to 10% more than reading GPU 0's ring directly at 64 MiB
-    ///   and above, and less at 2 MiB; it costs a process and a ring of its own, which one
-    ///   other GPU does not need.
-    /// * Two or more, small batches (< [`LARGE_BATCH`]): `direct`. Measured on 4×H100
-    ///   (issue #34, 2026-11-27, whole-batch forwarders): at 2 MiB direct mirrored moved
-    ///   106 GB/s per GPU against 54 for the tree and 44 for the chain (about 2× NCCL
-    ///   broadcast), with MPS and without; every hop of a forwarder costs a batch's host
-    ///   round trip, which a small batch's copy does not hide.
-    /// * Two or more, large batches (≥ [`LARGE_BATCH`]): `chain`, so that no GPU's egress is
-    ///   split more than once; its forwarders copy in chunks from [`CHUNKED_FROM`] on
-    ///   ([`chunk_bytes`]), so that a hop's latency is a chunk's copy. TODO-MEASURE: the
-    ///   boundaries (8 and 16 MiB) lie between the sizes measured (2 and 64 MiB).
-    pub fn resolve(self, other_gpus: usize, batch_bytes: u64) -> Fanout {
+    ///   and above, and less at 2 MiB; it costs a ring of its own, which one other GPU does
+    ///   not need.
+    /// * Two or more: `chain`. Measured on 4×H100 (2026-11-27, `scripts/gpu/fanout.sh`, 3
+    ///   consumer GPUs, MPS off and on): the chain of whole-batch forwarders moved the most
+    ///   per GPU at every size measured: 118-137 GB/s at 2 MiB (direct mirrored: 105), 350 at
+    ///   64 MiB (direct: 119; the tree: 184) and 340 at 256 MiB (direct: 106), since each
+    ///   GPU's egress carries a batch once instead of once per consumer GPU.
+    pub fn resolve(self, other_gpus: usize, _batch_bytes: u64) -> Fanout {
         match self {
-            Fanout::Auto if other_gpus <= 1 || batch_bytes < LARGE_BATCH => Fanout::Direct,
+            Fanout::Auto if other_gpus <= 1 => Fanout::Direct,
             Fanout::Auto => Fanout::Chain,
             s => s,
         }
@@ -106,20 +99,6 @@ impl fmt::Display for Chunking {
     }
 }
 
-/// Batches of at least this many bytes are forwarded in chunks by `auto` on NVLink.
-/// TODO-MEASURE: the threshold comes from `scripts/gpu/fanout.sh` on 4 GPUs (chain vs chunked
-/// chain at 2, 64 and 256 MiB); until then it is link arithmetic: below it a batch's copy
-/// takes a few tens of µs, as long as the per-chunk stream operations would cost.
-pub const CHUNKED_FROM: u64 = 16 << 20;
-
-/// The chunk size `auto` uses: a quarter of the batch, between [`MIN_CHUNK`] and
-/// [`MAX_CHUNK`], so that a hop's latency is a quarter of a batch's copy while each chunk is
-/// still large enough to move near a link's full rate (TODO-MEASURE: the chunk-size variants
-/// of `scripts/gpu/fanout.sh`).
-pub const MIN_CHUNK: u64 = 8 << 20;
-/// See [`MIN_CHUNK`].
-pub const MAX_CHUNK: u64 = 64 << 20;
-
 /// The most chunks one batch is cut into (the progress words hold a chunk count in 16 bits).
 pub const MAX_CHUNKS: u64 = (1 << 16) - 1;
 
@@ -129,17 +108,17 @@ pub const CHUNK_ENV: &str = "GPIPE_FANOUT_CHUNK";
 
 /// The chunk size a forwarder uses for batches of `batch_bytes` (None: whole batches).
 ///
-/// * [`Chunking::Off`]: None. [`Chunking::Bytes`]: that size, raised so that a batch has at
-///   most [`MAX_CHUNKS`] chunks; None when one chunk would hold the whole batch.
-/// * [`Chunking::Auto`]: None below [`CHUNKED_FROM`] or when the hops are not all NVLink
-///   (`nvlink` false; unknown counts as NVLink, the only kind measured); else a quarter of
-///   the batch, clamped to [`MIN_CHUNK`]..=[`MAX_CHUNK`].
-pub fn chunk_bytes(chunking: Chunking, batch_bytes: u64, nvlink: bool) -> Option<u64> {
+/// * [`Chunking::Auto`] and [`Chunking::Off`]: None, whole batches. Measured on 4×H100
+///   (2026-11-27, a chain to 3 GPUs, MPS off and on): chunks of a quarter batch moved 300 GB/s
+///   per GPU at 64 MiB against 350 for whole batches, and 326 against 340 at 256 MiB; 32 MiB
+///   chunks at 64 MiB 322, 8 MiB chunks 268. A chain of whole batches already keeps every
+///   link busy with the next batch, and each chunk adds stream operations and a wait.
+/// * [`Chunking::Bytes`]: that size, raised so that a batch has at most [`MAX_CHUNKS`]
+///   chunks; None when one chunk would hold the whole batch.
+pub fn chunk_bytes(chunking: Chunking, batch_bytes: u64) -> Option<u64> {
     let c = match chunking {
-        Chunking::Off => return None,
+        Chunking::Off | Chunking::Auto => return None,
         Chunking::Bytes(b) => b.max(batch_bytes.div_ceil(MAX_CHUNKS)).max(1),
-        Chunking::Auto if batch_bytes < CHUNKED_FROM || !nvlink => return None,
-        Chunking::Auto => (batch_bytes / 4).clamp(MIN_CHUNK, MAX_CHUNK),
     };
     (c < batch_bytes).then_some(c)
 }
@@ -149,30 +128,29 @@ mod tests {
     use super::*;
 
     #[test]
-    fn chunks_are_off_for_small_batches_and_pcie_and_a_quarter_clamped_above() {
-        assert_eq!(chunk_bytes(Chunking::Auto, CHUNKED_FROM - 1, true), None);
-        assert_eq!(chunk_bytes(Chunking::Auto, 256 << 20, false), None);
-        assert_eq!(chunk_bytes(Chunking::Auto, 64 << 20, true), Some(16 << 20));
-        assert_eq!(chunk_bytes(Chunking::Auto, 1 << 30, true), Some(MAX_CHUNK));
-        assert_eq!(chunk_bytes(Chunking::Auto, 16 << 20, true), Some(MIN_CHUNK));
-        assert_eq!(chunk_bytes(Chunking::Off, 1 << 30, true), None);
+    fn chunks_only_when_asked_and_never_more_than_max_chunks() {
+        for b in [2 << 20, 64 << 20, 1 << 30] {
+            assert_eq!(chunk_bytes(Chunking::Auto, b), None, "{b}");
+            assert_eq!(chunk_bytes(Chunking::Off, b), None, "{b}");
+        }
         assert_eq!(
-            chunk_bytes(Chunking::Bytes(1 << 20), 2 << 20, false),
+            chunk_bytes(Chunking::Bytes(1 << 20), 2 << 20),
             Some(1 << 20)
         );
         // One chunk for the whole batch is no chunking; never more than MAX_CHUNKS chunks.
-        assert_eq!(chunk_bytes(Chunking::Bytes(8 << 20), 8 << 20, true), None);
+        assert_eq!(chunk_bytes(Chunking::Bytes(8 << 20), 8 << 20), None);
         assert_eq!(
-            chunk_bytes(Chunking::Bytes(1), 1 << 30, true),
+            chunk_bytes(Chunking::Bytes(1), 1 << 30),
             Some((1u64 << 30).div_ceil(MAX_CHUNKS))
         );
     }
 
     #[test]
-    fn auto_is_direct_for_one_other_gpu_or_small_batches_else_chain() {
-        assert_eq!(Fanout::Auto.resolve(1, LARGE_BATCH), Fanout::Direct);
-        assert_eq!(Fanout::Auto.resolve(2, LARGE_BATCH), Fanout::Chain);
-        assert_eq!(Fanout::Auto.resolve(7, LARGE_BATCH - 1), Fanout::Direct);
+    fn auto_is_direct_for_one_other_gpu_else_chain_at_every_size() {
+        assert_eq!(Fanout::Auto.resolve(1, 256 << 20), Fanout::Direct);
+        assert_eq!(Fanout::Auto.resolve(0, 2 << 20), Fanout::Direct);
+        assert_eq!(Fanout::Auto.resolve(2, 2 << 20), Fanout::Chain);
+        assert_eq!(Fanout::Auto.resolve(7, 256 << 20), Fanout::Chain);
         assert_eq!(Fanout::Tree.resolve(1, 0), Fanout::Tree);
     }
 }

@@ -264,14 +264,9 @@ impl BenchArgs {
     }
 
     /// Chain or tree: the chunk size each forwarder uses (None: whole batches), from
-    /// `--chunk` (or GPIPE_FANOUT_CHUNK) and the rule in pipeline_cuda::policy::fanout. The
-    /// links count as NVLink: the rule's only measured kind (`gpipe probe` shows them).
+    /// `--chunk` (or GPIPE_FANOUT_CHUNK) and the rule in pipeline_cuda::policy::fanout.
     pub fn chunk_bytes(&self) -> Result<Option<u64>, String> {
-        Ok(chunk_bytes(
-            chunking_of(self.chunking)?,
-            self.batch_bytes,
-            true,
-        ))
+        Ok(chunk_bytes(chunking_of(self.chunking)?, self.batch_bytes))
     }
 
     /// The rings of the run and which one each consumer reads.
