@@ -5,6 +5,7 @@
 //! Python run signal handlers, so Ctrl-C interrupts them.
 
 mod args;
+mod batch;
 mod blocking;
 mod consumer;
 mod dlpack;
@@ -40,7 +41,7 @@ fn _gpipe(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ProtocolError", py.get_type::<ProtocolError>())?;
     m.add("BackendError", py.get_type::<BackendError>())?;
     m.add_class::<consumer::PyConsumer>()?;
-    m.add_class::<consumer::PyBatch>()?;
+    m.add_class::<batch::PyBatch>()?;
     m.add_class::<producer::PyProducer>()?;
     m.add_class::<slot::PySlot>()?;
     m.add_class::<tensor::PyTensor>()?;
