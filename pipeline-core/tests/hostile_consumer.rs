@@ -8,6 +8,8 @@
 //! claims the honest consumer made, and claims to hold every slot in its own page. Meanwhile an
 //! honest consumer receives and verifies every batch, and must never be detached or stalled.
 
+mod support;
+
 use std::collections::BTreeSet;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
@@ -29,15 +31,11 @@ const WAIT: Duration = Duration::from_secs(5);
 const LEN: u64 = 64 << 10;
 
 fn watchdog(limit: Duration) {
-    std::thread::spawn(move || {
-        std::thread::sleep(limit);
-        eprintln!("hostile_consumer: a test took longer than {limit:?}; aborting");
-        std::process::exit(101);
-    });
+    support::watchdog("hostile_consumer", limit);
 }
 
 fn socket(name: &str) -> PathBuf {
-    std::env::temp_dir().join(format!("gpipe-hostile-{name}-{}.sock", std::process::id()))
+    support::socket("hostile", name)
 }
 
 fn bind(name: &str, mode: Mode, lag: LagPolicy) -> (Producer<HostProducer>, PathBuf) {

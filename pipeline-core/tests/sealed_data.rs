@@ -8,6 +8,8 @@
 //! punching a hole and truncating; it also tries to make an honest consumer's own mapping
 //! writable. An honest consumer holds the published batches meanwhile and checks them.
 
+mod support;
+
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
@@ -30,15 +32,11 @@ const EVIL: &[u8; 8] = b"EVILEVIL";
 
 /// Kills the whole test binary if a test hangs, instead of leaving CI waiting.
 fn watchdog(limit: Duration) {
-    std::thread::spawn(move || {
-        std::thread::sleep(limit);
-        eprintln!("sealed_data: a test took longer than {limit:?}; aborting");
-        std::process::exit(101);
-    });
+    support::watchdog("sealed_data", limit);
 }
 
 fn socket(name: &str) -> PathBuf {
-    std::env::temp_dir().join(format!("gpipe-sealed-{name}-{}.sock", std::process::id()))
+    support::socket("sealed", name)
 }
 
 /// The first half of the attach handshake, done by hand: Hello, then the Welcome with every
