@@ -89,6 +89,8 @@ pub struct FanoutReport {
     pub forwarders: &'static str,
     /// Ring 0 is the producer's; each other is fed by a forwarder from its parent.
     pub rings: Vec<RingReport>,
+    /// Why `--fanout auto` chose this shape (None: the shape was asked for).
+    pub why: Option<&'static str>,
 }
 
 /// One ring of a fan-out.
@@ -234,6 +236,9 @@ impl std::fmt::Display for BenchReport {
                     .collect::<Vec<_>>()
                     .join("; ")
             )?;
+            if let Some(why) = fan.why {
+                writeln!(f, "    ({why})")?;
+            }
         }
         // By index, whatever order they attached in (the lists below follow the same order).
         let mut consumers: Vec<&ConsumerReport> = self.per_consumer.iter().collect();

@@ -256,7 +256,12 @@ fn run_in<B: ProducerBackend, F: Fill<B>>(
         round_trip_p50_us: pct(0.5),
         round_trip_p99_us: pct(0.99),
         problems,
-        fanout: fanout_report(&plan, &forwarded, chunk, hosts.iter().any(Option::is_some)),
+        fanout: fanout_report(&plan, &forwarded, chunk, hosts.iter().any(Option::is_some)).map(
+            |f| FanoutReport {
+                why: args.fanout.why(plan.rings.len() - 1),
+                ..f
+            },
+        ),
         cuda: None,
         repetitions: None,
     })
@@ -603,6 +608,7 @@ fn fanout_report(
                     .and_then(|i| forwarded.get(i).cloned().flatten()),
             })
             .collect(),
+        why: None,
     })
 }
 
