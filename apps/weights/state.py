@@ -16,6 +16,7 @@ import json
 import os
 import statistics
 import time
+import traceback
 from typing import Any, Optional
 
 import torch
@@ -200,3 +201,68 @@ def write_json(path: str, obj: Any) -> None:
 
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def add_common_args(ap: Any) -> None:
+    """The options every program of the benchmark takes: the size, the device, how many
+    updates and how many of them are warm-up."""
+    ap.add_argument("--size", default="tiny", choices=list(SIZES))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--updates", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=3)
+
+
+def record_head(run: str, a: Any, device: torch.device, src: list[torch.Tensor]) -> dict[str, Any]:
+    """The first fields of a run's record: what ran, where, and on how much state."""
+    return {"run": run, "size": a.size, "backend": "cuda" if device.type == "cuda" else "host",
+            "device": device_name(device), "tensors": len(src),
+            "bytes": sum(t.numel() * t.element_size() for t in src), "updates": a.updates,
+            "warmup": a.warmup}
+
+
+def error_of(e: BaseException) -> dict[str, str]:
+    """What a receiving process records of the exception that ended it."""
+    return {"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}
+
+
+def note_check(out: dict[str, Any], version: int, bad: Optional[str]) -> None:
+    """Records in a receiver's results that it loaded `version`, and what its check found."""
+    out["versions"].append(version)
+    if bad:
+        out["bad"].append([version, bad])
+
+
+def join_all(procs: list[Any], what: str, problems: list[str]) -> None:
+    """Waits up to 60 s for each process; kills one that does not end and says so."""
+    for p in procs:
+        p.join(timeout=60.0)
+        if p.is_alive():
+            p.kill()
+            problems.append(f"{what} {p.pid} did not end")
+
+
+def gather(record: dict[str, Any], results: list[tuple[str, str, str]], problems: list[str]) -> int:
+    """Reads each receiver's results, (label, key, path): its memory into the record's
+    memory under `key`, its errors into `problems`; returns how many updates the receivers
+    verified."""
+    verified = 0
+    for label, key, path in results:
+        try:
+            with open(path) as f:
+                r = json.load(f)
+        except OSError:
+            problems.append(f"{label} wrote no result")
+            continue
+        record["memory"][key] = r["memory"]
+        verified += len(r["versions"]) - len(r["bad"])
+        if r["error"]:
+            problems.append(f"{label}: {r['error']['type']}: {r['error']['message']}")
+    return verified
+
+
+def finish(out: Optional[str], record: dict[str, Any]) -> int:
+    """Writes the record to `out` (when given) and stdout; the exit status of the run."""
+    if out:
+        write_json(out, record)
+    print(json.dumps(record))
+    return 0 if record["ok"] else 1
