@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use pipeline_core::layout::PROTOCOL_VERSION;
 use pipeline_core::pattern;
-use pipeline_core::wire::{self, Message, Role};
+use pipeline_core::wire::Message;
 use pipeline_core::{
     Consumer, ConsumerBackend, HostConsumer, HostOptions, HostProducer, Producer, ProducerConfig,
     RingLayout,
@@ -42,15 +42,7 @@ fn socket(name: &str) -> PathBuf {
 /// The first half of the attach handshake, done by hand: Hello, then the Welcome with every
 /// fd a consumer gets (the control segment first, then the backend's).
 fn welcome_fds(sock: &Path) -> (UnixStream, RingLayout, Vec<OwnedFd>) {
-    let conn = UnixStream::connect(sock).expect("connect to the producer");
-    conn.set_read_timeout(Some(WAIT)).unwrap();
-    let hello = Message::Hello {
-        version: PROTOCOL_VERSION,
-        role: Role::Consumer,
-        backend: 0,
-    };
-    wire::send(&conn, &hello, &[]).expect("send Hello");
-    let (msg, fds) = wire::recv(&conn).expect("receive the Welcome");
+    let (conn, msg, fds) = support::hello(sock, PROTOCOL_VERSION);
     let Message::Welcome {
         mode,
         slot_count,
