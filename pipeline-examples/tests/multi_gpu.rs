@@ -6,7 +6,8 @@
 
 mod common;
 
-use std::process::Command;
+use std::path::Path;
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -390,22 +391,33 @@ fn chain4_middle_killed(tuning: &'static [&'static str]) {
             t.elapsed()
         );
         // GPUs 0 and 1 go on.
-        let r1 = sock("r1");
-        let h = head(&r1);
-        wait_until(Duration::from_secs(20), "ring 1 to go on", || {
-            head(&r1) > h + 200
-        });
-        signal(p.id(), libc::SIGINT);
-        assert_eq!(finish(p, Duration::from_secs(30)).code, Some(0));
+        ring1_goes_on_then_the_producer_ends(&sock("r1"), p);
         assert_eq!(finish(f1, Duration::from_secs(30)).code, Some(0));
-        for (name, c, log) in [("c0", c0, "c0.seq"), ("c1", c1, "c1.seq")] {
-            let e = finish(c, Duration::from_secs(30));
-            assert_eq!(e.code, Some(0), "{name}: {}", e.stderr);
-            assert_eq!(report(&e)["mismatches"], 0, "{name}");
-            assert_contiguous(&seqs(&dir.join(log)), name);
-        }
+        consumers_0_and_1_got_every_batch(&dir, c0, c1);
         let _ = std::fs::remove_dir_all(&dir);
     });
+}
+
+/// After a kill further down a 4-GPU chain: ring 1 (at `r1`) goes on, and the producer `p`
+/// ends cleanly on SIGINT.
+fn ring1_goes_on_then_the_producer_ends(r1: &Path, p: Child) {
+    let h = head(r1);
+    wait_until(Duration::from_secs(20), "ring 1 to go on", || {
+        head(r1) > h + 200
+    });
+    signal(p.id(), libc::SIGINT);
+    assert_eq!(finish(p, Duration::from_secs(30)).code, Some(0));
+}
+
+/// The consumers on GPUs 0 and 1 (logging to `dir`'s c0.seq and c1.seq) end cleanly, having
+/// checked every batch and got them all in order.
+fn consumers_0_and_1_got_every_batch(dir: &Path, c0: Child, c1: Child) {
+    for (name, c, log) in [("c0", c0, "c0.seq"), ("c1", c1, "c1.seq")] {
+        let e = finish(c, Duration::from_secs(30));
+        assert_eq!(e.code, Some(0), "{name}: {}", e.stderr);
+        assert_eq!(report(&e)["mismatches"], 0, "{name}");
+        assert_contiguous(&seqs(&dir.join(log)), name);
+    }
 }
 
 /// Issue #34, one process per GPU: a chain GPU 0 → 1 → 2 → 3 whose forwarders run inside the
@@ -478,19 +490,8 @@ fn four_gpu_in_consumer_chunked_chain_with_a_consumer_killed_fails_downstream_on
             "took {:?}",
             t.elapsed()
         );
-        let r1 = sock("r1");
-        let h = head(&r1);
-        wait_until(Duration::from_secs(20), "ring 1 to go on", || {
-            head(&r1) > h + 200
-        });
-        signal(p.id(), libc::SIGINT);
-        assert_eq!(finish(p, Duration::from_secs(30)).code, Some(0));
-        for (name, c, log) in [("c0", c0, "c0.seq"), ("c1", c1, "c1.seq")] {
-            let e = finish(c, Duration::from_secs(30));
-            assert_eq!(e.code, Some(0), "{name}: {}", e.stderr);
-            assert_eq!(report(&e)["mismatches"], 0, "{name}");
-            assert_contiguous(&seqs(&dir.join(log)), name);
-        }
+        ring1_goes_on_then_the_producer_ends(&sock("r1"), p);
+        consumers_0_and_1_got_every_batch(&dir, c0, c1);
         let _ = std::fs::remove_dir_all(&dir);
     });
 }
