@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
 import sys
 from typing import Any
 
@@ -93,21 +92,13 @@ def main() -> int:
             c.send((v, handles))
         t_sent = state.now_ns()
         del handles
-        last, waiting = t0, set(range(a.receivers))
-        while waiting:
-            try:
-                kind, i, rv, t1, bad, t_rebuilt = acks.get(timeout=a.ack_timeout)
-            except queue.Empty:
-                problems.append(f"update {v}: no ack from {sorted(waiting)} in {a.ack_timeout} s")
-                break
-            if rv != v or bad:
-                problems.append(f"receiver {i} update {v}: version {rv}, {bad}")
-            waiting.discard(i)
-            last = max(last, t1)
-            if i == 0:
-                rebuild_ns.append(t_rebuilt - t0)
-                copy_ns.append(t1 - t_rebuilt)
-        if waiting:
+        last, got = state.wait_acks(acks, set(range(a.receivers)), v, a.ack_timeout, "receiver",
+                                    problems, t0)
+        if 0 in got:
+            *_, t1, _, t_rebuilt = got[0]
+            rebuild_ns.append(t_rebuilt - t0)
+            copy_ns.append(t1 - t_rebuilt)
+        if len(got) < a.receivers:
             break
         update_ns.append(last - t0)
         send_ns.append(t_sent - t0)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
 import sys
 from typing import Any
 
@@ -99,18 +98,9 @@ def main() -> int:
         for t in src:
             dist.broadcast(t, src=0)
         state.sync(device)
-        last, waiting = state.now_ns(), set(range(1, ranks))
-        while waiting:
-            try:
-                kind, r, rv, t1, bad = acks.get(timeout=a.ack_timeout)
-            except queue.Empty:
-                problems.append(f"update {v}: no ack from ranks {sorted(waiting)}")
-                break
-            if rv != v or bad:
-                problems.append(f"rank {r} update {v}: version {rv}, {bad}")
-            waiting.discard(r)
-            last = max(last, t1)
-        if waiting:
+        last, got = state.wait_acks(acks, set(range(1, ranks)), v, a.ack_timeout, "rank", problems,
+                                    state.now_ns())
+        if len(got) < ranks - 1:
             break
         update_ns.append(last - t0)
         mem.sample()

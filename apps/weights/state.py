@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import statistics
 import time
 import traceback
@@ -266,3 +267,25 @@ def finish(out: Optional[str], record: dict[str, Any]) -> int:
         write_json(out, record)
     print(json.dumps(record))
     return 0 if record["ok"] else 1
+
+
+def wait_acks(acks: Any, expect: set[int], v: int, timeout: float, who: str, problems: list[str],
+              last: int) -> tuple[int, dict[int, tuple]]:
+    """Waits for the ack of update `v` from each of `expect` (receiver or rank numbers, each
+    a `who`, which the ack tuple carries second), noting in `problems` a wrong version, a
+    failed check, or no ack within `timeout` s. Returns the latest ack time (`last` at least)
+    and each ack that came, by number: fewer than `expect` when one did not come."""
+    waiting, got = set(expect), {}
+    while waiting:
+        try:
+            ack = acks.get(timeout=timeout)
+        except queue.Empty:
+            problems.append(f"update {v}: no ack from {who}s {sorted(waiting)} in {timeout} s")
+            break
+        _, i, rv, t1, bad = ack[:5]
+        if rv != v or bad:
+            problems.append(f"{who} {i} update {v}: version {rv}, {bad}")
+        waiting.discard(i)
+        got[i] = ack
+        last = max(last, t1)
+    return last, got
