@@ -16,7 +16,7 @@ use pipeline_cuda::ordering::ReleaseAfter;
 use crate::dlpack::{DEVICE_CPU, DLDevice};
 use crate::errors::{BackendError, GpipeError, to_py};
 use crate::interop::stream_handle;
-use crate::tensor::{Keep, PyTensor, StreamUse, remember_stream};
+use crate::tensor::{Keep, PyTensor, StreamUse, remember_stream, stream_handles};
 
 /// A received batch on one of the backends. Dropping it releases it (the core's rule).
 pub(crate) enum AnyBatch {
@@ -56,11 +56,7 @@ impl BatchCell {
     /// CUDA: the streams the batch's tensors were made for, as handles; the release orders
     /// `finished` after their work.
     fn handles(&self) -> Vec<CUstream> {
-        self.streams
-            .lock()
-            .iter()
-            .map(|&s| s as usize as CUstream)
-            .collect()
+        stream_handles(&self.streams)
     }
 
     /// Releases now, reporting errors.

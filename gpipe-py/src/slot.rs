@@ -16,7 +16,7 @@ use crate::dlpack::{DEVICE_CPU, DLDevice};
 use crate::errors::{BackendError, Closed, GpipeError, to_py};
 use crate::interop::{current_stream, is_torch_dtype, parse_dtype, stream_handle, torch_tensor};
 use crate::producer_cell::{AnyProducer, ProducerCell};
-use crate::tensor::{PyTensor, StreamUse, remember_stream};
+use crate::tensor::{PyTensor, StreamUse, remember_stream, stream_handles};
 
 pub(crate) struct SlotState {
     pub(crate) plan: TensorPlan,
@@ -34,11 +34,7 @@ pub(crate) struct SlotStreams {
 impl SlotStreams {
     /// The streams used on the slot, as handles.
     fn handles(&self) -> Vec<CUstream> {
-        self.streams
-            .lock()
-            .iter()
-            .map(|&s| s as usize as CUstream)
-            .collect()
+        stream_handles(&self.streams)
     }
 }
 
