@@ -78,17 +78,7 @@ fn no_way_of_writing_the_control_segment_is_allowed() {
         }
     }
     // A writable shared mapping: EPERM.
-    // SAFETY: a fresh mapping chosen by the kernel; it aliases nothing of ours.
-    let rw = unsafe {
-        rustix::mm::mmap(
-            std::ptr::null_mut(),
-            len,
-            ProtFlags::READ | ProtFlags::WRITE,
-            MapFlags::SHARED,
-            fd,
-            0,
-        )
-    };
+    let rw = support::map_writable(fd, len);
     match rw {
         Ok(p) => {
             allowed.push("mmap(PROT_WRITE, MAP_SHARED)".into());

@@ -95,17 +95,7 @@ fn try_to_write(
     }
 
     // A new writable shared mapping.
-    // SAFETY: a fresh mapping chosen by the kernel; it aliases nothing of ours.
-    let rw = unsafe {
-        rustix::mm::mmap(
-            std::ptr::null_mut(),
-            len,
-            ProtFlags::READ | ProtFlags::WRITE,
-            MapFlags::SHARED,
-            fd,
-            0,
-        )
-    };
+    let rw = support::map_writable(fd, len);
     if let Ok(p) = rw {
         allowed.push(format!("mmap(PROT_WRITE, MAP_SHARED) of fd {fdn}"));
         // SAFETY: `p` is our writable mapping of `len` bytes; the offsets lie inside it.

@@ -1,6 +1,6 @@
 //! What several integration tests of this crate share (`mod support;` in each).
 
-use std::os::fd::OwnedFd;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -35,4 +35,20 @@ pub fn hello(sock: &Path, version: u32) -> (UnixStream, Message, Vec<OwnedFd>) {
     wire::send(&conn, &hello, &[]).expect("send Hello");
     let (msg, fds) = wire::recv(&conn).expect("receive the producer's answer to Hello");
     (conn, msg, fds)
+}
+
+/// A new writable shared mapping of the first `len` bytes of `fd`, as a hostile peer would
+/// try to make; the caller unmaps it.
+pub fn map_writable(fd: BorrowedFd<'_>, len: usize) -> rustix::io::Result<*mut std::ffi::c_void> {
+    // SAFETY: a fresh mapping chosen by the kernel; it aliases nothing of ours.
+    unsafe {
+        rustix::mm::mmap(
+            std::ptr::null_mut(),
+            len,
+            rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
+            rustix::mm::MapFlags::SHARED,
+            fd,
+            0,
+        )
+    }
 }
