@@ -371,15 +371,7 @@ fn chain4_middle_killed(tuning: &'static [&'static str]) {
         let c2 = consumer_with(&procs, &sock("r2"), &dir.join("c2.seq"), &on("2"), &[]);
         let f3 = forward("r2", "r3", "3", "1");
         let c3 = consumer_with(&procs, &sock("r3"), &dir.join("c3.seq"), &on("3"), &[]);
-        let r3 = sock("r3");
-        wait_until(
-            Duration::from_secs(60),
-            "batches at the end of the chain",
-            || head(&r3) > 200,
-        );
-        f2.kill().unwrap();
-        let _ = f2.wait();
-        let t = Instant::now();
+        let t = kill_once_the_chain_runs(&sock("r3"), &mut f2);
         let e3 = finish(f3, Duration::from_secs(10));
         assert_ne!(e3.code, Some(0), "the forwarder after the killed one");
         assert!(e3.stderr.contains("producer died"), "{}", e3.stderr);
@@ -396,6 +388,19 @@ fn chain4_middle_killed(tuning: &'static [&'static str]) {
         consumers_0_and_1_got_every_batch(&dir, c0, c1);
         let _ = std::fs::remove_dir_all(&dir);
     });
+}
+
+/// Once the end of a 4-GPU chain (ring `r3`) has had batches, SIGKILLs `victim` and reaps
+/// it; returns when it was dead.
+fn kill_once_the_chain_runs(r3: &Path, victim: &mut Child) -> Instant {
+    wait_until(
+        Duration::from_secs(60),
+        "batches at the end of the chain",
+        || head(r3) > 200,
+    );
+    victim.kill().unwrap();
+    let _ = victim.wait();
+    Instant::now()
 }
 
 /// After a kill further down a 4-GPU chain: ring 1 (at `r1`) goes on, and the producer `p`
@@ -475,15 +480,7 @@ fn four_gpu_in_consumer_chunked_chain_with_a_consumer_killed_fails_downstream_on
         let c1 = hop(1);
         let mut c2 = hop(2);
         let c3 = hop(3);
-        let r3 = sock("r3");
-        wait_until(
-            Duration::from_secs(60),
-            "batches at the end of the chain",
-            || head(&r3) > 200,
-        );
-        c2.kill().unwrap();
-        let _ = c2.wait();
-        let t = Instant::now();
+        let t = kill_once_the_chain_runs(&sock("r3"), &mut c2);
         assert_producer_died(finish(c3, Duration::from_secs(10)), "on GPU 3");
         assert!(
             t.elapsed() < Duration::from_secs(10),
