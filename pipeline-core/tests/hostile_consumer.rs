@@ -26,7 +26,7 @@ use pipeline_core::{
     ProducerConfig, pattern, ring,
 };
 use rustix::fs::{Mode as FileMode, OFlags};
-use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
+use rustix::mm::{MprotectFlags, ProtFlags};
 
 const WAIT: Duration = Duration::from_secs(5);
 const LEN: u64 = 64 << 10;
@@ -78,7 +78,7 @@ fn no_way_of_writing_the_control_segment_is_allowed() {
         }
     }
     // A writable shared mapping: EPERM.
-    let rw = support::map_writable(fd, len);
+    let rw = support::map_shared(fd, len, ProtFlags::READ | ProtFlags::WRITE);
     match rw {
         Ok(p) => {
             allowed.push("mmap(PROT_WRITE, MAP_SHARED)".into());
@@ -88,18 +88,8 @@ fn no_way_of_writing_the_control_segment_is_allowed() {
         Err(e) => assert_eq!(e, rustix::io::Errno::PERM, "mmap(PROT_WRITE)"),
     }
     // A read-only mapping made writable.
-    // SAFETY: as above.
-    let ro = unsafe {
-        rustix::mm::mmap(
-            std::ptr::null_mut(),
-            len,
-            ProtFlags::READ,
-            MapFlags::SHARED,
-            fd,
-            0,
-        )
-    }
-    .expect("a consumer maps the control segment read-only");
+    let ro = support::map_shared(fd, len, ProtFlags::READ)
+        .expect("a consumer maps the control segment read-only");
     // SAFETY: our own mapping of `len` bytes; nothing else refers to it.
     if unsafe { rustix::mm::mprotect(ro, len, MprotectFlags::READ | MprotectFlags::WRITE) }.is_ok()
     {

@@ -25,7 +25,7 @@ use pipeline_core::{
     RingLayout,
 };
 use rustix::fs::{FallocateFlags, Mode, OFlags};
-use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
+use rustix::mm::{MprotectFlags, ProtFlags};
 
 const WAIT: Duration = Duration::from_secs(5);
 const EVIL: &[u8; 8] = b"EVILEVIL";
@@ -95,7 +95,7 @@ fn try_to_write(
     }
 
     // A new writable shared mapping.
-    let rw = support::map_writable(fd, len);
+    let rw = support::map_shared(fd, len, ProtFlags::READ | ProtFlags::WRITE);
     if let Ok(p) = rw {
         allowed.push(format!("mmap(PROT_WRITE, MAP_SHARED) of fd {fdn}"));
         // SAFETY: `p` is our writable mapping of `len` bytes; the offsets lie inside it.
@@ -106,17 +106,7 @@ fn try_to_write(
     }
 
     // A read-only shared mapping made writable afterwards.
-    // SAFETY: as above, a fresh mapping that aliases nothing of ours.
-    let ro = unsafe {
-        rustix::mm::mmap(
-            std::ptr::null_mut(),
-            len,
-            ProtFlags::READ,
-            MapFlags::SHARED,
-            fd,
-            0,
-        )
-    };
+    let ro = support::map_shared(fd, len, ProtFlags::READ);
     match ro {
         Ok(p) => {
             let writable = MprotectFlags::READ | MprotectFlags::WRITE;
@@ -143,17 +133,7 @@ fn try_to_write(
                 allowed.push(format!("pwrite through {path} reopened read-write"));
             }
         }
-        // SAFETY: a fresh mapping chosen by the kernel; it aliases nothing of ours.
-        let rw = unsafe {
-            rustix::mm::mmap(
-                std::ptr::null_mut(),
-                len,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::SHARED,
-                &again,
-                0,
-            )
-        };
+        let rw = support::map_shared(again.as_fd(), len, ProtFlags::READ | ProtFlags::WRITE);
         if let Ok(p) = rw {
             allowed.push(format!("mmap(PROT_WRITE) of {path} reopened read-write"));
             // SAFETY: `p` is our writable mapping of `len` bytes; the offsets lie inside it.

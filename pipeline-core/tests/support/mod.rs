@@ -37,15 +37,19 @@ pub fn hello(sock: &Path, version: u32) -> (UnixStream, Message, Vec<OwnedFd>) {
     (conn, msg, fds)
 }
 
-/// A new writable shared mapping of the first `len` bytes of `fd`, as a hostile peer would
-/// try to make; the caller unmaps it.
-pub fn map_writable(fd: BorrowedFd<'_>, len: usize) -> rustix::io::Result<*mut std::ffi::c_void> {
+/// A new shared mapping of the first `len` bytes of `fd` with protection `prot`, as a
+/// hostile peer would try to make; the caller unmaps it.
+pub fn map_shared(
+    fd: BorrowedFd<'_>,
+    len: usize,
+    prot: rustix::mm::ProtFlags,
+) -> rustix::io::Result<*mut std::ffi::c_void> {
     // SAFETY: a fresh mapping chosen by the kernel; it aliases nothing of ours.
     unsafe {
         rustix::mm::mmap(
             std::ptr::null_mut(),
             len,
-            rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
+            prot,
             rustix::mm::MapFlags::SHARED,
             fd,
             0,
