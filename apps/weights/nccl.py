@@ -63,12 +63,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     state.add_common_args(ap)
     ap.add_argument("--ranks", type=int, default=0, help="0: one per GPU (2 on the host)")
-    ap.add_argument("--ack-timeout", type=float, default=60.0)
-    ap.add_argument("--dir", required=True)
-    ap.add_argument("--out")
-    a = ap.parse_args()
-    torch.set_num_threads(1)
-    os.makedirs(a.dir, exist_ok=True)
+    a = state.parse_peer_args(ap)
     cuda = a.device == "cuda"
     ranks = a.ranks or (torch.cuda.device_count() if cuda else 2)
     if ranks < 2:

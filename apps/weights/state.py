@@ -213,6 +213,19 @@ def add_common_args(ap: Any) -> None:
     ap.add_argument("--warmup", type=int, default=3)
 
 
+def parse_peer_args(ap: Any) -> Any:
+    """Adds the options of a peer run with processes of its own (how long to wait for an ack,
+    the run directory for their results, the record's path), parses the command line, and
+    prepares the run: one torch thread, the run directory made. Returns the options."""
+    ap.add_argument("--ack-timeout", type=float, default=60.0)
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    os.makedirs(a.dir, exist_ok=True)
+    return a
+
+
 def record_head(run: str, a: Any, device: torch.device, src: list[torch.Tensor]) -> dict[str, Any]:
     """The first fields of a run's record: what ran, where, and on how much state."""
     return {"run": run, "size": a.size, "backend": "cuda" if device.type == "cuda" else "host",
