@@ -334,12 +334,7 @@ fn chain4_middle_killed(tuning: &'static [&'static str]) {
     watchdog(180, move |procs| {
         let dir = tmpdir("chain4-kill");
         let sock = |n: &str| dir.join(format!("{n}.sock"));
-        let p = producer_on(
-            &procs,
-            &sock("r0"),
-            "cuda",
-            &["--rate", "1000", "--batch-bytes", "8MiB"],
-        );
+        let p = chain4_producer(&procs, &sock("r0"));
         let on = |d: &'static str| -> [&'static str; 2] { ["--device", d] };
         let c0 = consumer_with(&procs, &sock("r0"), &dir.join("c0.seq"), &on("0"), &[]);
         let forward = |up: &str, down: &str, device: &str, consumers: &str| {
@@ -390,6 +385,16 @@ fn chain4_middle_killed(tuning: &'static [&'static str]) {
     });
 }
 
+/// The producer at the head of a 4-GPU chain test: CUDA, 8 MiB batches at 1000 a second.
+fn chain4_producer(procs: &Procs, r0: &Path) -> Child {
+    producer_on(
+        procs,
+        r0,
+        "cuda",
+        &["--rate", "1000", "--batch-bytes", "8MiB"],
+    )
+}
+
 /// Once the end of a 4-GPU chain (ring `r3`) has had batches, SIGKILLs `victim` and reaps
 /// it; returns when it was dead.
 fn kill_once_the_chain_runs(r3: &Path, victim: &mut Child) -> Instant {
@@ -437,12 +442,7 @@ fn four_gpu_in_consumer_chunked_chain_with_a_consumer_killed_fails_downstream_on
     watchdog(180, |procs| {
         let dir = tmpdir("chain4-in-consumer-kill");
         let sock = |n: &str| dir.join(format!("{n}.sock"));
-        let p = producer_on(
-            &procs,
-            &sock("r0"),
-            "cuda",
-            &["--rate", "1000", "--batch-bytes", "8MiB"],
-        );
+        let p = chain4_producer(&procs, &sock("r0"));
         let c0 = consumer_with(
             &procs,
             &sock("r0"),
