@@ -1,6 +1,8 @@
 """What every run of the weights benchmark shares: the synthetic state dicts, the marks a
 trainer writes into its tensors at each version and the check of them on the receiving side,
-memory samples, and the statistics of a run.
+memory samples, the statistics of a run, and the plumbing of its programs (their common
+options, the head of a record, waiting for acks, gathering the receivers' results, and the
+record written at the end).
 
 A state dict here is transformer-like: layers of norms, attention and MLP matrices, in bf16
 (the tiny size for CI mixes float32 and an int64 buffer in, as real state dicts do). At
