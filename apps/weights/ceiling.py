@@ -9,8 +9,8 @@ checks the marks of the copy.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+from typing import Any
 
 import torch
 
@@ -19,10 +19,7 @@ import state
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", default="tiny", choices=list(state.SIZES))
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--updates", type=int, default=100)
-    ap.add_argument("--warmup", type=int, default=3)
+    state.add_common_args(ap)
     ap.add_argument("--dir", help="unused: every program of run_all.py takes it")
     ap.add_argument("--out")
     a = ap.parse_args()
@@ -32,10 +29,7 @@ def main() -> int:
     dst = list(state.make_state(a.size, device, fill="zeros").values())
     marks, dmarks = state.Marks(src), state.Marks(dst)
     mem = state.Memory(device)
-    record = {"run": "ceiling", "size": a.size, "backend": "cuda" if device.type == "cuda" else "host",
-              "device": state.device_name(device), "tensors": len(src),
-              "bytes": sum(t.numel() * t.element_size() for t in src), "updates": a.updates,
-              "warmup": a.warmup, "problems": []}
+    record: dict[str, Any] = {**state.record_head("ceiling", a, device, src), "problems": []}
     v = 0
     for how in ("each", "foreach"):
         times = []
@@ -61,10 +55,7 @@ def main() -> int:
     record["memory"] = {"trainer": mem.summary(a.warmup)}
     record["verified_updates"] = v - len(record["problems"])
     record["ok"] = not record["problems"]
-    if a.out:
-        state.write_json(a.out, record)
-    print(json.dumps(record))
-    return 0 if record["ok"] else 1
+    return state.finish(a.out, record)
 
 
 if __name__ == "__main__":

@@ -66,9 +66,7 @@ def receiver(idx: int, mode: str, dev: str, sock: str, args: dict[str, Any], ack
                     t1 = state.now_ns()
                     v = u.version
                     bad = marks.check(v, [u.state_dict[n] for n in names])
-            out["versions"].append(v)
-            if bad:
-                out["bad"].append([v, bad])
+            state.note_check(out, v, bad)
             mem.sample()
             acks.put(("ack", idx, v, t1, bad))
     except BaseException as e:  # a fault run ends here: record what the receiver saw
@@ -294,11 +292,7 @@ def main() -> int:
     record["receivers_detail"] = [{k: r.get(k) for k in keys} for r in rxs]
     record["verified_updates"] = sum(len(r.get("versions", [])) - len(r.get("bad", [])) for r in rxs)
     record["ok"] = not problems
-    text = json.dumps(record)
-    if a.out:
-        state.write_json(a.out, record)
-    print(text)
-    return 0 if record["ok"] else 1
+    return state.finish(a.out, record)
 
 
 def _errors(rundir: str) -> str:

@@ -11,11 +11,8 @@ had rebuilt every tensor (``handles_ms``, then ``copies_ms``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import queue
 import sys
-import traceback
 from typing import Any
 
 import torch
@@ -49,30 +46,20 @@ def receiver(idx: int, dev: str, conn: Any, args: dict[str, Any], acks: Any) -> 
             t1 = state.now_ns()
             del src, handles, msg
             bad = marks.check(v)
-            out["versions"].append(v)
-            if bad:
-                out["bad"].append([v, bad])
+            state.note_check(out, v, bad)
             mem.sample()
             acks.put(("ack", idx, v, t1, bad, t_rebuilt))
     except BaseException as e:
-        out["error"] = {"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}
+        out["error"] = state.error_of(e)
     out["memory"] = mem.summary(args["warmup"])
     state.write_json(os.path.join(args["dir"], f"ipc-rx{idx}.json"), out)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", default="tiny", choices=list(state.SIZES))
-    ap.add_argument("--device", default="cuda")
+    state.add_common_args(ap)
     ap.add_argument("--receivers", type=int, default=1)
-    ap.add_argument("--updates", type=int, default=100)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--ack-timeout", type=float, default=60.0)
-    ap.add_argument("--dir", required=True)
-    ap.add_argument("--out")
-    a = ap.parse_args()
-    torch.set_num_threads(1)
-    os.makedirs(a.dir, exist_ok=True)
+    a = state.parse_peer_args(ap)
     device = torch.device("cuda:0" if a.device == "cuda" else "cpu")
     src = list(state.make_state(a.size, device).values())
     marks = state.Marks(src)
@@ -100,37 +87,22 @@ def main() -> int:
             c.send((v, handles))
         t_sent = state.now_ns()
         del handles
-        last, waiting = t0, set(range(a.receivers))
-        while waiting:
-            try:
-                kind, i, rv, t1, bad, t_rebuilt = acks.get(timeout=a.ack_timeout)
-            except queue.Empty:
-                problems.append(f"update {v}: no ack from {sorted(waiting)} in {a.ack_timeout} s")
-                break
-            if rv != v or bad:
-                problems.append(f"receiver {i} update {v}: version {rv}, {bad}")
-            waiting.discard(i)
-            last = max(last, t1)
-            if i == 0:
-                rebuild_ns.append(t_rebuilt - t0)
-                copy_ns.append(t1 - t_rebuilt)
-        if waiting:
+        last, got = state.wait_acks(acks, set(range(a.receivers)), v, a.ack_timeout, "receiver",
+                                    problems, t0)
+        if 0 in got:
+            *_, t1, _, t_rebuilt = got[0]
+            rebuild_ns.append(t_rebuilt - t0)
+            copy_ns.append(t1 - t_rebuilt)
+        if len(got) < a.receivers:
             break
         update_ns.append(last - t0)
         send_ns.append(t_sent - t0)
         mem.sample()
     for c in conns:
         c.send(None)
-    for p in procs:
-        p.join(timeout=60.0)
-        if p.is_alive():
-            p.kill()
-            problems.append(f"receiver {p.pid} did not end")
+    state.join_all(procs, "receiver", problems)
     record: dict[str, Any] = {
-        "run": "ipc", "size": a.size, "backend": "cuda" if device.type == "cuda" else "host",
-        "device": state.device_name(device), "tensors": len(src),
-        "bytes": sum(t.numel() * t.element_size() for t in src), "updates": a.updates,
-        "warmup": a.warmup, "receivers": a.receivers,
+        **state.record_head("ipc", a, device, src), "receivers": a.receivers,
         "update_ms": state.stats_ms(update_ns[a.warmup:]),
         "send_ms": state.stats_ms(send_ns[a.warmup:]),
         # receiver 0: from the first reduce_tensor to its tensors rebuilt, then its copies
@@ -138,23 +110,11 @@ def main() -> int:
         "copies_ms": state.stats_ms(copy_ns[a.warmup:]),
         "memory": {"trainer": mem.summary(a.warmup)},
     }
-    verified = 0
-    for i in range(a.receivers):
-        try:
-            with open(os.path.join(a.dir, f"ipc-rx{i}.json")) as f:
-                r = json.load(f)
-        except OSError:
-            problems.append(f"receiver {i} wrote no result")
-            continue
-        record["memory"][f"rx{i}"] = r["memory"]
-        verified += len(r["versions"]) - len(r["bad"])
-        if r["error"]:
-            problems.append(f"receiver {i}: {r['error']['type']}: {r['error']['message']}")
+    results = [(f"receiver {i}", f"rx{i}", os.path.join(a.dir, f"ipc-rx{i}.json"))
+               for i in range(a.receivers)]
+    verified = state.gather(record, results, problems)
     record.update({"problems": problems, "verified_updates": verified, "ok": not problems})
-    if a.out:
-        state.write_json(a.out, record)
-    print(json.dumps(record))
-    return 0 if record["ok"] else 1
+    return state.finish(a.out, record)
 
 
 if __name__ == "__main__":

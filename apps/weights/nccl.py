@@ -9,11 +9,8 @@ last rank's tensors being done, and every rank checks the marks.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import queue
 import sys
-import traceback
 from typing import Any
 
 import torch
@@ -43,14 +40,12 @@ def rank_main(rank: int, args: dict[str, Any], acks: Any) -> None:
             state.sync(device)
             t1 = state.now_ns()
             bad = marks.check(v)
-            out["versions"].append(v)
-            if bad:
-                out["bad"].append([v, bad])
+            state.note_check(out, v, bad)
             mem.sample()
             acks.put(("ack", rank, v, t1, bad))
         dist.destroy_process_group()
     except BaseException as e:
-        out["error"] = {"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}
+        out["error"] = state.error_of(e)
     out["memory"] = mem.summary(args["warmup"])
     state.write_json(os.path.join(args["dir"], f"nccl-rank{rank}.json"), out)
 
@@ -66,17 +61,9 @@ def _init(rank: int, args: dict[str, Any]) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", default="tiny", choices=list(state.SIZES))
-    ap.add_argument("--device", default="cuda")
+    state.add_common_args(ap)
     ap.add_argument("--ranks", type=int, default=0, help="0: one per GPU (2 on the host)")
-    ap.add_argument("--updates", type=int, default=100)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--ack-timeout", type=float, default=60.0)
-    ap.add_argument("--dir", required=True)
-    ap.add_argument("--out")
-    a = ap.parse_args()
-    torch.set_num_threads(1)
-    os.makedirs(a.dir, exist_ok=True)
+    a = state.parse_peer_args(ap)
     cuda = a.device == "cuda"
     ranks = a.ranks or (torch.cuda.device_count() if cuda else 2)
     if ranks < 2:
@@ -106,53 +93,26 @@ def main() -> int:
         for t in src:
             dist.broadcast(t, src=0)
         state.sync(device)
-        last, waiting = state.now_ns(), set(range(1, ranks))
-        while waiting:
-            try:
-                kind, r, rv, t1, bad = acks.get(timeout=a.ack_timeout)
-            except queue.Empty:
-                problems.append(f"update {v}: no ack from ranks {sorted(waiting)}")
-                break
-            if rv != v or bad:
-                problems.append(f"rank {r} update {v}: version {rv}, {bad}")
-            waiting.discard(r)
-            last = max(last, t1)
-        if waiting:
+        last, got = state.wait_acks(acks, set(range(1, ranks)), v, a.ack_timeout, "rank", problems,
+                                    state.now_ns())
+        if len(got) < ranks - 1:
             break
         update_ns.append(last - t0)
         mem.sample()
     if not problems:
         dist.destroy_process_group()
-    for p in procs:
-        p.join(timeout=60.0)
-        if p.is_alive():
-            p.kill()
-            problems.append(f"rank process {p.pid} did not end")
+    state.join_all(procs, "rank process", problems)
     record: dict[str, Any] = {
-        "run": "nccl", "size": a.size, "backend": "cuda" if cuda else "host",
-        "device": state.device_name(device), "tensors": len(src),
-        "bytes": sum(t.numel() * t.element_size() for t in src), "updates": a.updates,
-        "warmup": a.warmup, "ranks": ranks, "collective": "nccl" if cuda else "gloo",
+        **state.record_head("nccl", a, device, src), "ranks": ranks,
+        "collective": "nccl" if cuda else "gloo",
         "update_ms": state.stats_ms(update_ns[a.warmup:]),
         "memory": {"trainer": mem.summary(a.warmup)},
     }
-    verified = 0
-    for r in range(1, ranks):
-        try:
-            with open(os.path.join(a.dir, f"nccl-rank{r}.json")) as f:
-                res = json.load(f)
-        except OSError:
-            problems.append(f"rank {r} wrote no result")
-            continue
-        record["memory"][f"rank{r}"] = res["memory"]
-        verified += len(res["versions"]) - len(res["bad"])
-        if res["error"]:
-            problems.append(f"rank {r}: {res['error']['type']}: {res['error']['message']}")
+    results = [(f"rank {r}", f"rank{r}", os.path.join(a.dir, f"nccl-rank{r}.json"))
+               for r in range(1, ranks)]
+    verified = state.gather(record, results, problems)
     record.update({"problems": problems, "verified_updates": verified, "ok": not problems})
-    if a.out:
-        state.write_json(a.out, record)
-    print(json.dumps(record))
-    return 0 if record["ok"] else 1
+    return state.finish(a.out, record)
 
 
 if __name__ == "__main__":

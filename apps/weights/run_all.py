@@ -234,6 +234,14 @@ def memory_growth(rec: dict[str, Any]) -> Optional[int]:
     return max(grows) if grows else None
 
 
+def _ran(x: Optional[dict], label: str, lines: list[str]) -> Optional[dict]:
+    """The record of a run that ran; None for one missing or skipped (a skip gets a line)."""
+    if x is not None and "skipped" in x:
+        lines.append(f"{label} skipped: {x['skipped']}")
+        return None
+    return x
+
+
 def summary(r: Runner, gpus: int) -> str:
     by = {x.get("tag", x["run"]): x for x in r.records}
     lines = [f"weights: device {r.a.device}, {gpus} GPUs, {r.a.updates} updates per run "
@@ -247,11 +255,8 @@ def summary(r: Runner, gpus: int) -> str:
         runs = ("ceiling", "ipc", "gpipe-same-load", "gpipe-same-inplace", "gpipe-same-load-inslot",
                 "nccl", "gpipe-others-direct", "gpipe-others-plan")
         for tag in (f"{run}-{size}" for run in runs):
-            x = by.get(tag)
+            x = _ran(by.get(tag), f"{tag:34}", lines)
             if x is None:
-                continue
-            if "skipped" in x:
-                lines.append(f"{tag:34} skipped: {x['skipped']}")
                 continue
             u = x.get("update_ms", {})
             peer, target = None, None
@@ -284,11 +289,8 @@ def summary(r: Runner, gpus: int) -> str:
                                 if x.get("shape") not in (None, "same-gpu") else ""))
     lines.append("")
     for tag in ("fault-kill-receiver", "fault-kill-trainer"):
-        x = by.get(tag)
+        x = _ran(by.get(tag), f"{tag}:", lines)
         if x is None:
-            continue
-        if "skipped" in x:
-            lines.append(f"{tag}: skipped: {x['skipped']}")
             continue
         lines.append(f"{tag}: {'PASS' if x.get('ok') else 'FAIL'}")
         if tag == "fault-kill-receiver" and x.get("before_kill_ms"):

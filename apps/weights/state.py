@@ -1,6 +1,8 @@
 """What every run of the weights benchmark shares: the synthetic state dicts, the marks a
 trainer writes into its tensors at each version and the check of them on the receiving side,
-memory samples, and the statistics of a run.
+memory samples, the statistics of a run, and the plumbing of its programs (their common
+options, the head of a record, waiting for acks, gathering the receivers' results, and the
+record written at the end).
 
 A state dict here is transformer-like: layers of norms, attention and MLP matrices, in bf16
 (the tiny size for CI mixes float32 and an int64 buffer in, as real state dicts do). At
@@ -14,8 +16,10 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import statistics
 import time
+import traceback
 from typing import Any, Optional
 
 import torch
@@ -200,3 +204,103 @@ def write_json(path: str, obj: Any) -> None:
 
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def add_common_args(ap: Any) -> None:
+    """The options every program of the benchmark takes: the size, the device, how many
+    updates and how many of them are warm-up."""
+    ap.add_argument("--size", default="tiny", choices=list(SIZES))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--updates", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=3)
+
+
+def parse_peer_args(ap: Any) -> Any:
+    """Adds the options of a peer run with processes of its own (how long to wait for an ack,
+    the run directory for their results, the record's path), parses the command line, and
+    prepares the run: one torch thread, the run directory made. Returns the options."""
+    ap.add_argument("--ack-timeout", type=float, default=60.0)
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    os.makedirs(a.dir, exist_ok=True)
+    return a
+
+
+def record_head(run: str, a: Any, device: torch.device, src: list[torch.Tensor]) -> dict[str, Any]:
+    """The first fields of a run's record: what ran, where, and on how much state."""
+    return {"run": run, "size": a.size, "backend": "cuda" if device.type == "cuda" else "host",
+            "device": device_name(device), "tensors": len(src),
+            "bytes": sum(t.numel() * t.element_size() for t in src), "updates": a.updates,
+            "warmup": a.warmup}
+
+
+def error_of(e: BaseException) -> dict[str, str]:
+    """What a receiving process records of the exception that ended it."""
+    return {"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}
+
+
+def note_check(out: dict[str, Any], version: int, bad: Optional[str]) -> None:
+    """Records in a receiver's results that it loaded `version`, and what its check found."""
+    out["versions"].append(version)
+    if bad:
+        out["bad"].append([version, bad])
+
+
+def join_all(procs: list[Any], what: str, problems: list[str]) -> None:
+    """Waits up to 60 s for each process; kills one that does not end and says so."""
+    for p in procs:
+        p.join(timeout=60.0)
+        if p.is_alive():
+            p.kill()
+            problems.append(f"{what} {p.pid} did not end")
+
+
+def gather(record: dict[str, Any], results: list[tuple[str, str, str]], problems: list[str]) -> int:
+    """Reads each receiver's results, (label, key, path): its memory into the record's
+    memory under `key`, its errors into `problems`; returns how many updates the receivers
+    verified."""
+    verified = 0
+    for label, key, path in results:
+        try:
+            with open(path) as f:
+                r = json.load(f)
+        except OSError:
+            problems.append(f"{label} wrote no result")
+            continue
+        record["memory"][key] = r["memory"]
+        verified += len(r["versions"]) - len(r["bad"])
+        if r["error"]:
+            problems.append(f"{label}: {r['error']['type']}: {r['error']['message']}")
+    return verified
+
+
+def finish(out: Optional[str], record: dict[str, Any]) -> int:
+    """Writes the record to `out` (when given) and stdout; the exit status of the run."""
+    if out:
+        write_json(out, record)
+    print(json.dumps(record))
+    return 0 if record["ok"] else 1
+
+
+def wait_acks(acks: Any, expect: set[int], v: int, timeout: float, who: str, problems: list[str],
+              last: int) -> tuple[int, dict[int, tuple]]:
+    """Waits for the ack of update `v` from each of `expect` (receiver or rank numbers, each
+    a `who`, which the ack tuple carries second), noting in `problems` a wrong version, a
+    failed check, or no ack within `timeout` s. Returns the latest ack time (`last` at least)
+    and each ack that came, by number: fewer than `expect` when one did not come."""
+    waiting, got = set(expect), {}
+    while waiting:
+        try:
+            ack = acks.get(timeout=timeout)
+        except queue.Empty:
+            problems.append(f"update {v}: no ack from {who}s {sorted(waiting)} in {timeout} s")
+            break
+        _, i, rv, t1, bad = ack[:5]
+        if rv != v or bad:
+            problems.append(f"{who} {i} update {v}: version {rv}, {bad}")
+        waiting.discard(i)
+        got[i] = ack
+        last = max(last, t1)
+    return last, got

@@ -16,7 +16,7 @@ use pipeline_cuda::ordering::ReleaseAfter;
 use crate::dlpack::{DEVICE_CPU, DLDevice};
 use crate::errors::{BackendError, GpipeError, to_py};
 use crate::interop::stream_handle;
-use crate::tensor::{Keep, PyTensor, StreamUse};
+use crate::tensor::{Keep, PyTensor, StreamUse, remember_stream, stream_handles};
 
 /// A received batch on one of the backends. Dropping it releases it (the core's rule).
 pub(crate) enum AnyBatch {
@@ -56,11 +56,7 @@ impl BatchCell {
     /// CUDA: the streams the batch's tensors were made for, as handles; the release orders
     /// `finished` after their work.
     fn handles(&self) -> Vec<CUstream> {
-        self.streams
-            .lock()
-            .iter()
-            .map(|&s| s as usize as CUstream)
-            .collect()
+        stream_handles(&self.streams)
     }
 
     /// Releases now, reporting errors.
@@ -99,10 +95,7 @@ impl StreamUse for BatchCell {
         };
         // SAFETY: `stream` is the handle a DLPack consumer named for this tensor (or 1/2).
         unsafe { b.order_reads_on(stream as usize as CUstream) }.map_err(|e| e.to_string())?;
-        let mut streams = self.streams.lock();
-        if !streams.contains(&stream) {
-            streams.push(stream);
-        }
+        remember_stream(&self.streams, stream);
         Ok(())
     }
 }

@@ -16,7 +16,7 @@ use crate::dlpack::{DEVICE_CPU, DLDevice};
 use crate::errors::{BackendError, Closed, GpipeError, to_py};
 use crate::interop::{current_stream, is_torch_dtype, parse_dtype, stream_handle, torch_tensor};
 use crate::producer_cell::{AnyProducer, ProducerCell};
-use crate::tensor::{PyTensor, StreamUse};
+use crate::tensor::{PyTensor, StreamUse, remember_stream, stream_handles};
 
 pub(crate) struct SlotState {
     pub(crate) plan: TensorPlan,
@@ -34,11 +34,7 @@ pub(crate) struct SlotStreams {
 impl SlotStreams {
     /// The streams used on the slot, as handles.
     fn handles(&self) -> Vec<CUstream> {
-        self.streams
-            .lock()
-            .iter()
-            .map(|&s| s as usize as CUstream)
-            .collect()
+        stream_handles(&self.streams)
     }
 }
 
@@ -52,10 +48,7 @@ impl StreamUse for SlotStreams {
             // SAFETY: the handle a DLPack consumer named for this slot's tensor (or 1/2).
             unsafe { p.order_writes_on(stream as usize as CUstream) }.map_err(|e| e.to_string())?;
         }
-        let mut streams = self.streams.lock();
-        if !streams.contains(&stream) {
-            streams.push(stream);
-        }
+        remember_stream(&self.streams, stream);
         Ok(())
     }
 }
@@ -265,10 +258,7 @@ impl PySlot {
                 Some(s) => stream_handle(s)?,
                 None => current_stream(py, self.device.device_id)?,
             };
-            let mut streams = self.streams.streams.lock();
-            if !streams.contains(&h) {
-                streams.push(h);
-            }
+            remember_stream(&self.streams.streams, h);
         }
         let mut st = self.state.lock();
         self.check_open(&st)?;

@@ -19,6 +19,26 @@ pub(crate) trait StreamUse: Send + Sync {
     fn use_on(&self, stream: u64) -> Result<(), String>;
 }
 
+/// Adds `stream` to `streams`, the streams whose work must end before the memory is handed
+/// back, unless it is there already.
+pub(crate) fn remember_stream(streams: &parking_lot::Mutex<Vec<u64>>, stream: u64) {
+    let mut streams = streams.lock();
+    if !streams.contains(&stream) {
+        streams.push(stream);
+    }
+}
+
+/// CUDA: the streams of `streams` as handles, for ordering a release or a publish after them.
+pub(crate) fn stream_handles(
+    streams: &parking_lot::Mutex<Vec<u64>>,
+) -> Vec<pipeline_cuda::driver::CUstream> {
+    streams
+        .lock()
+        .iter()
+        .map(|&s| s as usize as pipeline_cuda::driver::CUstream)
+        .collect()
+}
+
 /// The `stream` argument of `__dlpack__` for CUDA memory, as the array API standard defines
 /// it: None is the legacy default stream (1), -1 means "do not synchronise", 0 is refused as
 /// ambiguous, anything else is a stream handle.

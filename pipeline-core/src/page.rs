@@ -71,53 +71,63 @@ fn claim_bytes(layout: &RingLayout) -> u64 {
     (CLAIMS_OFFSET as u64 + CLAIM_STRIDE as u64 * layout.slot_count as u64).div_ceil(4096) * 4096
 }
 
-/// Maps `fd` writable after checking it is sealed against resizing and large enough.
-fn map_shared(fd: &OwnedFd, bytes: u64, what: &str) -> Result<MmapRaw, Error> {
-    sys::check_sealed_memfd(fd.as_fd(), bytes)
-        .map_err(|m| ProtocolError::Segment(format!("{what}: {m}")))?;
-    MmapOptions::new()
-        .len(bytes as usize)
-        .map_raw(fd)
-        .map_err(|e| Error::Os {
-            what: "mmap a consumer page or the claim segment",
-            source: e,
-        })
-}
-
-/// One consumer's own page (see the module's documentation).
-pub struct ConsumerPage {
+/// A sealed memfd mapped writable, for a ring of `slots` slots: what a consumer page and the
+/// claim segment are each made of.
+struct SharedWords {
     map: MmapRaw,
     fd: OwnedFd,
     slots: u32,
 }
 
-impl ConsumerPage {
-    /// Producer: a fresh page for one attach, all zero.
-    pub fn create(layout: &RingLayout) -> Result<Self, Error> {
-        let bytes = page_bytes(layout);
-        let fd =
-            sys::sealed_memfd("gpipe-consumer-page", bytes).map_err(Error::os("memfd_create"))?;
-        let map = map_shared(&fd, bytes, "consumer page")?;
+impl SharedWords {
+    /// Producer: a fresh sealed memfd of `bytes` (all zero), mapped.
+    fn create(name: &str, bytes: u64, what: &str, layout: &RingLayout) -> Result<Self, Error> {
+        let fd = sys::sealed_memfd(name, bytes).map_err(Error::os("memfd_create"))?;
+        Self::open(fd, bytes, what, layout)
+    }
+
+    /// Maps `fd` writable after checking it is sealed against resizing and large enough.
+    fn open(fd: OwnedFd, bytes: u64, what: &str, layout: &RingLayout) -> Result<Self, Error> {
+        sys::check_sealed_memfd(fd.as_fd(), bytes)
+            .map_err(|m| ProtocolError::Segment(format!("{what}: {m}")))?;
+        let map = MmapOptions::new()
+            .len(bytes as usize)
+            .map_raw(&fd)
+            .map_err(|e| Error::Os {
+                what: "mmap a consumer page or the claim segment",
+                source: e,
+            })?;
         Ok(Self {
             map,
             fd,
             slots: layout.slot_count,
         })
+    }
+}
+
+/// One consumer's own page (see the module's documentation).
+pub struct ConsumerPage(SharedWords);
+
+impl ConsumerPage {
+    /// Producer: a fresh page for one attach, all zero.
+    pub fn create(layout: &RingLayout) -> Result<Self, Error> {
+        SharedWords::create(
+            "gpipe-consumer-page",
+            page_bytes(layout),
+            "consumer page",
+            layout,
+        )
+        .map(Self)
     }
 
     /// Consumer: maps the page the producer sent us.
     pub fn open(fd: OwnedFd, layout: &RingLayout) -> Result<Self, Error> {
-        let map = map_shared(&fd, page_bytes(layout), "consumer page")?;
-        Ok(Self {
-            map,
-            fd,
-            slots: layout.slot_count,
-        })
+        SharedWords::open(fd, page_bytes(layout), "consumer page", layout).map(Self)
     }
 
     /// The memfd, to send to its consumer.
     pub fn fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
+        self.0.fd.as_fd()
     }
 
     /// The page's head.
@@ -126,39 +136,33 @@ impl ConsumerPage {
         // SAFETY: the mapping is at least PAGE_HEADER_BYTES long (page_bytes, checked at
         // map time), page-aligned, lives as long as `self`, and PageHeader is made of atomics
         // only, so the other process's concurrent stores are no data race on plain memory.
-        unsafe { &*(self.map.as_ptr() as *const PageHeader) }
+        unsafe { &*(self.0.map.as_ptr() as *const PageHeader) }
     }
 
     /// Slot `k`'s progress word. Panics if `k` is out of range (indices come from local
     /// state, never from shared memory).
     #[inline]
     pub fn slot(&self, k: u32) -> &AtomicU64 {
-        assert!(k < self.slots, "slot index {k} out of range");
+        assert!(k < self.0.slots, "slot index {k} out of range");
         let off = PAGE_HEADER_BYTES + 8 * k as usize;
         // SAFETY: k < slot_count, so [off, off + 8) lies within page_bytes(); off is a
         // multiple of 8 from a page-aligned base; the word is only accessed atomically.
-        unsafe { &*(self.map.as_ptr().add(off) as *const AtomicU64) }
+        unsafe { &*(self.0.map.as_ptr().add(off) as *const AtomicU64) }
     }
 }
 
 /// The claim segment every consumer of a ring maps writable (see the module's documentation).
-pub struct ClaimSegment {
-    map: MmapRaw,
-    fd: OwnedFd,
-    slots: u32,
-}
+pub struct ClaimSegment(SharedWords);
 
 impl ClaimSegment {
     /// Producer: creates it; every claim word starts as "nothing published" (`u64::MAX`).
     pub fn create(layout: &RingLayout) -> Result<Self, Error> {
-        let bytes = claim_bytes(layout);
-        let fd = sys::sealed_memfd("gpipe-claims", bytes).map_err(Error::os("memfd_create"))?;
-        let map = map_shared(&fd, bytes, "claim segment")?;
-        let seg = Self {
-            map,
-            fd,
-            slots: layout.slot_count,
-        };
+        let seg = Self(SharedWords::create(
+            "gpipe-claims",
+            claim_bytes(layout),
+            "claim segment",
+            layout,
+        )?);
         for k in 0..layout.slot_count {
             seg.claim(k)
                 .store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
@@ -168,17 +172,12 @@ impl ClaimSegment {
 
     /// Consumer: maps the segment the producer sent.
     pub fn open(fd: OwnedFd, layout: &RingLayout) -> Result<Self, Error> {
-        let map = map_shared(&fd, claim_bytes(layout), "claim segment")?;
-        Ok(Self {
-            map,
-            fd,
-            slots: layout.slot_count,
-        })
+        SharedWords::open(fd, claim_bytes(layout), "claim segment", layout).map(Self)
     }
 
     /// The memfd, to send to consumers.
     pub fn fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
+        self.0.fd.as_fd()
     }
 
     /// The futex word consumers bump to wake a sleeping producer.
@@ -186,16 +185,16 @@ impl ClaimSegment {
     pub fn space_wake(&self) -> &AtomicU32 {
         // SAFETY: offset 0 of a mapping of at least 4096 bytes, page-aligned, lives as long as
         // `self`; the word is only accessed atomically.
-        unsafe { &(*(self.map.as_ptr() as *const Line32)).value }
+        unsafe { &(*(self.0.map.as_ptr() as *const Line32)).value }
     }
 
     /// Slot `k`'s claim word. Panics if `k` is out of range (indices come from local state).
     #[inline]
     pub fn claim(&self, k: u32) -> &AtomicU64 {
-        assert!(k < self.slots, "slot index {k} out of range");
+        assert!(k < self.0.slots, "slot index {k} out of range");
         let off = CLAIMS_OFFSET + CLAIM_STRIDE * k as usize;
         // SAFETY: k < slot_count, so [off, off + 8) lies within claim_bytes(); off is a
         // multiple of 128 from a page-aligned base; the word is only accessed atomically.
-        unsafe { &*(self.map.as_ptr().add(off) as *const AtomicU64) }
+        unsafe { &*(self.0.map.as_ptr().add(off) as *const AtomicU64) }
     }
 }

@@ -16,16 +16,17 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, mpsc};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use pipeline_core::layout::PROTOCOL_VERSION;
-use pipeline_core::wire::{self, Message, Role};
+use pipeline_core::wire::Message;
 use pipeline_core::{
     Consumer, Error, HostConsumer, HostOptions, HostProducer, LagPolicy, Mode, Producer,
     ProducerConfig, pattern, ring,
 };
 use rustix::fs::{Mode as FileMode, OFlags};
-use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
+use rustix::mm::{MprotectFlags, ProtFlags};
 
 const WAIT: Duration = Duration::from_secs(5);
 const LEN: u64 = 64 << 10;
@@ -56,15 +57,7 @@ fn bind(name: &str, mode: Mode, lag: LagPolicy) -> (Producer<HostProducer>, Path
 
 /// The Welcome's fds, from a handshake done by hand (the control segment comes first).
 fn welcome_fds(sock: &Path) -> (UnixStream, Vec<OwnedFd>) {
-    let conn = UnixStream::connect(sock).expect("connect");
-    conn.set_read_timeout(Some(WAIT)).unwrap();
-    let hello = Message::Hello {
-        version: PROTOCOL_VERSION,
-        role: Role::Consumer,
-        backend: 0,
-    };
-    wire::send(&conn, &hello, &[]).expect("send Hello");
-    let (msg, fds) = wire::recv(&conn).expect("receive the Welcome");
+    let (conn, msg, fds) = support::hello(sock, PROTOCOL_VERSION);
     assert!(matches!(msg, Message::Welcome { .. }), "{}", msg.name());
     (conn, fds)
 }
@@ -85,17 +78,7 @@ fn no_way_of_writing_the_control_segment_is_allowed() {
         }
     }
     // A writable shared mapping: EPERM.
-    // SAFETY: a fresh mapping chosen by the kernel; it aliases nothing of ours.
-    let rw = unsafe {
-        rustix::mm::mmap(
-            std::ptr::null_mut(),
-            len,
-            ProtFlags::READ | ProtFlags::WRITE,
-            MapFlags::SHARED,
-            fd,
-            0,
-        )
-    };
+    let rw = support::map_shared(fd, len, ProtFlags::READ | ProtFlags::WRITE);
     match rw {
         Ok(p) => {
             allowed.push("mmap(PROT_WRITE, MAP_SHARED)".into());
@@ -105,18 +88,8 @@ fn no_way_of_writing_the_control_segment_is_allowed() {
         Err(e) => assert_eq!(e, rustix::io::Errno::PERM, "mmap(PROT_WRITE)"),
     }
     // A read-only mapping made writable.
-    // SAFETY: as above.
-    let ro = unsafe {
-        rustix::mm::mmap(
-            std::ptr::null_mut(),
-            len,
-            ProtFlags::READ,
-            MapFlags::SHARED,
-            fd,
-            0,
-        )
-    }
-    .expect("a consumer maps the control segment read-only");
+    let ro = support::map_shared(fd, len, ProtFlags::READ)
+        .expect("a consumer maps the control segment read-only");
     // SAFETY: our own mapping of `len` bytes; nothing else refers to it.
     if unsafe { rustix::mm::mprotect(ro, len, MprotectFlags::READ | MprotectFlags::WRITE) }.is_ok()
     {
@@ -173,6 +146,31 @@ fn publish_until(producer: &mut Producer<HostProducer>, stop: &AtomicBool) -> u6
     n
 }
 
+/// A producer of `mode` and `lag` with two consumers attached: an honest one on its own thread
+/// and the hostile one, for the test to drive.
+struct Scene {
+    producer: Producer<HostProducer>,
+    honest: JoinHandle<Result<Vec<u64>, String>>,
+    honest_index: u32,
+    hostile: Consumer<HostConsumer>,
+}
+
+fn honest_and_hostile(name: &str, mode: Mode, lag: LagPolicy) -> Scene {
+    let (producer, sock) = bind(name, mode, lag);
+    let (tx, rx) = mpsc::channel();
+    let s2 = sock.clone();
+    let honest_thread = std::thread::spawn(move || honest(s2, tx));
+    let honest_index = rx.recv_timeout(WAIT).unwrap();
+    let hostile: Consumer<HostConsumer> = Consumer::attach(&sock, HostOptions::default()).unwrap();
+    producer.wait_for_consumers(2, WAIT).unwrap();
+    Scene {
+        producer,
+        honest: honest_thread,
+        honest_index,
+        hostile,
+    }
+}
+
 /// The honest consumer: receives until the ring closes, checks every batch's data and
 /// metadata, and returns the sequence numbers it got.
 fn honest(sock: PathBuf, ready: mpsc::Sender<u32>) -> Result<Vec<u64>, String> {
@@ -201,17 +199,16 @@ fn honest(sock: PathBuf, ready: mpsc::Sender<u32>) -> Result<Vec<u64>, String> {
 #[test]
 fn broadcast_a_hostile_consumer_breaks_only_its_own_stream() {
     watchdog(Duration::from_secs(60));
-    let (mut producer, sock) = bind(
+    let Scene {
+        mut producer,
+        honest: h,
+        honest_index,
+        hostile,
+    } = honest_and_hostile(
         "broadcast",
         Mode::Broadcast,
         LagPolicy::DetachAfter(Duration::from_millis(300)),
     );
-    let (tx, rx) = mpsc::channel();
-    let s2 = sock.clone();
-    let h = std::thread::spawn(move || honest(s2, tx));
-    let honest_index = rx.recv_timeout(WAIT).unwrap();
-    let hostile: Consumer<HostConsumer> = Consumer::attach(&sock, HostOptions::default()).unwrap();
-    producer.wait_for_consumers(2, WAIT).unwrap();
     let stop = Arc::new(AtomicBool::new(false));
     let n = hostile.layout().slot_count;
     let attack = {
@@ -268,17 +265,16 @@ fn broadcast_a_hostile_consumer_breaks_only_its_own_stream() {
 fn shared_forged_and_reopened_claims_lose_repeat_and_detach_nothing() {
     watchdog(Duration::from_secs(60));
     // The lag limit is long enough that a loaded CI machine's scheduling alone never trips it.
-    let (mut producer, sock) = bind(
+    let Scene {
+        mut producer,
+        honest: h,
+        honest_index: victim,
+        hostile,
+    } = honest_and_hostile(
         "shared",
         Mode::Shared,
         LagPolicy::DetachAfter(Duration::from_millis(1000)),
     );
-    let (tx, rx) = mpsc::channel();
-    let s2 = sock.clone();
-    let h = std::thread::spawn(move || honest(s2, tx));
-    let victim = rx.recv_timeout(WAIT).unwrap();
-    let hostile: Consumer<HostConsumer> = Consumer::attach(&sock, HostOptions::default()).unwrap();
-    producer.wait_for_consumers(2, WAIT).unwrap();
     let stop = Arc::new(AtomicBool::new(false));
     let n = hostile.layout().slot_count;
     let attack = {
@@ -347,15 +343,7 @@ fn shared_forged_and_reopened_claims_lose_repeat_and_detach_nothing() {
 #[test]
 fn an_old_peer_is_refused_naming_both_versions() {
     let (producer, sock) = bind("old", Mode::Broadcast, LagPolicy::Block);
-    let conn = UnixStream::connect(&sock).unwrap();
-    conn.set_read_timeout(Some(WAIT)).unwrap();
-    let hello = Message::Hello {
-        version: 3,
-        role: Role::Consumer,
-        backend: 0,
-    };
-    wire::send(&conn, &hello, &[]).unwrap();
-    let (msg, _) = wire::recv(&conn).unwrap();
+    let (_conn, msg, _) = support::hello(&sock, 3);
     let Message::Reject { reason } = msg else {
         panic!("expected a Reject, got {}", msg.name());
     };

@@ -19,13 +19,13 @@ use std::time::Duration;
 
 use pipeline_core::layout::PROTOCOL_VERSION;
 use pipeline_core::pattern;
-use pipeline_core::wire::{self, Message, Role};
+use pipeline_core::wire::Message;
 use pipeline_core::{
     Consumer, ConsumerBackend, HostConsumer, HostOptions, HostProducer, Producer, ProducerConfig,
     RingLayout,
 };
 use rustix::fs::{FallocateFlags, Mode, OFlags};
-use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
+use rustix::mm::{MprotectFlags, ProtFlags};
 
 const WAIT: Duration = Duration::from_secs(5);
 const EVIL: &[u8; 8] = b"EVILEVIL";
@@ -42,15 +42,7 @@ fn socket(name: &str) -> PathBuf {
 /// The first half of the attach handshake, done by hand: Hello, then the Welcome with every
 /// fd a consumer gets (the control segment first, then the backend's).
 fn welcome_fds(sock: &Path) -> (UnixStream, RingLayout, Vec<OwnedFd>) {
-    let conn = UnixStream::connect(sock).expect("connect to the producer");
-    conn.set_read_timeout(Some(WAIT)).unwrap();
-    let hello = Message::Hello {
-        version: PROTOCOL_VERSION,
-        role: Role::Consumer,
-        backend: 0,
-    };
-    wire::send(&conn, &hello, &[]).expect("send Hello");
-    let (msg, fds) = wire::recv(&conn).expect("receive the Welcome");
+    let (conn, msg, fds) = support::hello(sock, PROTOCOL_VERSION);
     let Message::Welcome {
         mode,
         slot_count,
@@ -103,17 +95,7 @@ fn try_to_write(
     }
 
     // A new writable shared mapping.
-    // SAFETY: a fresh mapping chosen by the kernel; it aliases nothing of ours.
-    let rw = unsafe {
-        rustix::mm::mmap(
-            std::ptr::null_mut(),
-            len,
-            ProtFlags::READ | ProtFlags::WRITE,
-            MapFlags::SHARED,
-            fd,
-            0,
-        )
-    };
+    let rw = support::map_shared(fd, len, ProtFlags::READ | ProtFlags::WRITE);
     if let Ok(p) = rw {
         allowed.push(format!("mmap(PROT_WRITE, MAP_SHARED) of fd {fdn}"));
         // SAFETY: `p` is our writable mapping of `len` bytes; the offsets lie inside it.
@@ -124,17 +106,7 @@ fn try_to_write(
     }
 
     // A read-only shared mapping made writable afterwards.
-    // SAFETY: as above, a fresh mapping that aliases nothing of ours.
-    let ro = unsafe {
-        rustix::mm::mmap(
-            std::ptr::null_mut(),
-            len,
-            ProtFlags::READ,
-            MapFlags::SHARED,
-            fd,
-            0,
-        )
-    };
+    let ro = support::map_shared(fd, len, ProtFlags::READ);
     match ro {
         Ok(p) => {
             let writable = MprotectFlags::READ | MprotectFlags::WRITE;
@@ -161,17 +133,7 @@ fn try_to_write(
                 allowed.push(format!("pwrite through {path} reopened read-write"));
             }
         }
-        // SAFETY: a fresh mapping chosen by the kernel; it aliases nothing of ours.
-        let rw = unsafe {
-            rustix::mm::mmap(
-                std::ptr::null_mut(),
-                len,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::SHARED,
-                &again,
-                0,
-            )
-        };
+        let rw = support::map_shared(again.as_fd(), len, ProtFlags::READ | ProtFlags::WRITE);
         if let Ok(p) = rw {
             allowed.push(format!("mmap(PROT_WRITE) of {path} reopened read-write"));
             // SAFETY: `p` is our writable mapping of `len` bytes; the offsets lie inside it.

@@ -6,7 +6,8 @@
 
 mod common;
 
-use std::process::Command;
+use std::path::Path;
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -333,12 +334,7 @@ fn chain4_middle_killed(tuning: &'static [&'static str]) {
     watchdog(180, move |procs| {
         let dir = tmpdir("chain4-kill");
         let sock = |n: &str| dir.join(format!("{n}.sock"));
-        let p = producer_on(
-            &procs,
-            &sock("r0"),
-            "cuda",
-            &["--rate", "1000", "--batch-bytes", "8MiB"],
-        );
+        let p = chain4_producer(&procs, &sock("r0"));
         let on = |d: &'static str| -> [&'static str; 2] { ["--device", d] };
         let c0 = consumer_with(&procs, &sock("r0"), &dir.join("c0.seq"), &on("0"), &[]);
         let forward = |up: &str, down: &str, device: &str, consumers: &str| {
@@ -370,15 +366,7 @@ fn chain4_middle_killed(tuning: &'static [&'static str]) {
         let c2 = consumer_with(&procs, &sock("r2"), &dir.join("c2.seq"), &on("2"), &[]);
         let f3 = forward("r2", "r3", "3", "1");
         let c3 = consumer_with(&procs, &sock("r3"), &dir.join("c3.seq"), &on("3"), &[]);
-        let r3 = sock("r3");
-        wait_until(
-            Duration::from_secs(60),
-            "batches at the end of the chain",
-            || head(&r3) > 200,
-        );
-        f2.kill().unwrap();
-        let _ = f2.wait();
-        let t = Instant::now();
+        let t = kill_once_the_chain_runs(&sock("r3"), &mut f2);
         let e3 = finish(f3, Duration::from_secs(10));
         assert_ne!(e3.code, Some(0), "the forwarder after the killed one");
         assert!(e3.stderr.contains("producer died"), "{}", e3.stderr);
@@ -390,22 +378,56 @@ fn chain4_middle_killed(tuning: &'static [&'static str]) {
             t.elapsed()
         );
         // GPUs 0 and 1 go on.
-        let r1 = sock("r1");
-        let h = head(&r1);
-        wait_until(Duration::from_secs(20), "ring 1 to go on", || {
-            head(&r1) > h + 200
-        });
-        signal(p.id(), libc::SIGINT);
-        assert_eq!(finish(p, Duration::from_secs(30)).code, Some(0));
+        ring1_goes_on_then_the_producer_ends(&sock("r1"), p);
         assert_eq!(finish(f1, Duration::from_secs(30)).code, Some(0));
-        for (name, c, log) in [("c0", c0, "c0.seq"), ("c1", c1, "c1.seq")] {
-            let e = finish(c, Duration::from_secs(30));
-            assert_eq!(e.code, Some(0), "{name}: {}", e.stderr);
-            assert_eq!(report(&e)["mismatches"], 0, "{name}");
-            assert_contiguous(&seqs(&dir.join(log)), name);
-        }
+        consumers_0_and_1_got_every_batch(&dir, c0, c1);
         let _ = std::fs::remove_dir_all(&dir);
     });
+}
+
+/// The producer at the head of a 4-GPU chain test: CUDA, 8 MiB batches at 1000 a second.
+fn chain4_producer(procs: &Procs, r0: &Path) -> Child {
+    producer_on(
+        procs,
+        r0,
+        "cuda",
+        &["--rate", "1000", "--batch-bytes", "8MiB"],
+    )
+}
+
+/// Once the end of a 4-GPU chain (ring `r3`) has had batches, SIGKILLs `victim` and reaps
+/// it; returns when it was dead.
+fn kill_once_the_chain_runs(r3: &Path, victim: &mut Child) -> Instant {
+    wait_until(
+        Duration::from_secs(60),
+        "batches at the end of the chain",
+        || head(r3) > 200,
+    );
+    victim.kill().unwrap();
+    let _ = victim.wait();
+    Instant::now()
+}
+
+/// After a kill further down a 4-GPU chain: ring 1 (at `r1`) goes on, and the producer `p`
+/// ends cleanly on SIGINT.
+fn ring1_goes_on_then_the_producer_ends(r1: &Path, p: Child) {
+    let h = head(r1);
+    wait_until(Duration::from_secs(20), "ring 1 to go on", || {
+        head(r1) > h + 200
+    });
+    signal(p.id(), libc::SIGINT);
+    assert_eq!(finish(p, Duration::from_secs(30)).code, Some(0));
+}
+
+/// The consumers on GPUs 0 and 1 (logging to `dir`'s c0.seq and c1.seq) end cleanly, having
+/// checked every batch and got them all in order.
+fn consumers_0_and_1_got_every_batch(dir: &Path, c0: Child, c1: Child) {
+    for (name, c, log) in [("c0", c0, "c0.seq"), ("c1", c1, "c1.seq")] {
+        let e = finish(c, Duration::from_secs(30));
+        assert_eq!(e.code, Some(0), "{name}: {}", e.stderr);
+        assert_eq!(report(&e)["mismatches"], 0, "{name}");
+        assert_contiguous(&seqs(&dir.join(log)), name);
+    }
 }
 
 /// Issue #34, one process per GPU: a chain GPU 0 → 1 → 2 → 3 whose forwarders run inside the
@@ -420,12 +442,7 @@ fn four_gpu_in_consumer_chunked_chain_with_a_consumer_killed_fails_downstream_on
     watchdog(180, |procs| {
         let dir = tmpdir("chain4-in-consumer-kill");
         let sock = |n: &str| dir.join(format!("{n}.sock"));
-        let p = producer_on(
-            &procs,
-            &sock("r0"),
-            "cuda",
-            &["--rate", "1000", "--batch-bytes", "8MiB"],
-        );
+        let p = chain4_producer(&procs, &sock("r0"));
         let c0 = consumer_with(
             &procs,
             &sock("r0"),
@@ -463,34 +480,15 @@ fn four_gpu_in_consumer_chunked_chain_with_a_consumer_killed_fails_downstream_on
         let c1 = hop(1);
         let mut c2 = hop(2);
         let c3 = hop(3);
-        let r3 = sock("r3");
-        wait_until(
-            Duration::from_secs(60),
-            "batches at the end of the chain",
-            || head(&r3) > 200,
-        );
-        c2.kill().unwrap();
-        let _ = c2.wait();
-        let t = Instant::now();
+        let t = kill_once_the_chain_runs(&sock("r3"), &mut c2);
         assert_producer_died(finish(c3, Duration::from_secs(10)), "on GPU 3");
         assert!(
             t.elapsed() < Duration::from_secs(10),
             "took {:?}",
             t.elapsed()
         );
-        let r1 = sock("r1");
-        let h = head(&r1);
-        wait_until(Duration::from_secs(20), "ring 1 to go on", || {
-            head(&r1) > h + 200
-        });
-        signal(p.id(), libc::SIGINT);
-        assert_eq!(finish(p, Duration::from_secs(30)).code, Some(0));
-        for (name, c, log) in [("c0", c0, "c0.seq"), ("c1", c1, "c1.seq")] {
-            let e = finish(c, Duration::from_secs(30));
-            assert_eq!(e.code, Some(0), "{name}: {}", e.stderr);
-            assert_eq!(report(&e)["mismatches"], 0, "{name}");
-            assert_contiguous(&seqs(&dir.join(log)), name);
-        }
+        ring1_goes_on_then_the_producer_ends(&sock("r1"), p);
+        consumers_0_and_1_got_every_batch(&dir, c0, c1);
         let _ = std::fs::remove_dir_all(&dir);
     });
 }

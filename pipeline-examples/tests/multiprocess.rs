@@ -725,37 +725,23 @@ fn bench_fanout_chunked_chain_verifies_every_batch_in_consumer_and_process_forwa
     }
 }
 
+/// The rings of a binary tree of 4 GPUs under the producer's GPU 0: (ring, fed by ring).
+const TREE: &[(u64, Option<u64>)] = &[
+    (0, None),
+    (1, Some(0)),
+    (2, Some(0)),
+    (3, Some(1)),
+    (4, Some(1)),
+];
+
 #[test]
 fn bench_fanout_chunked_tree_verifies_every_batch() {
-    host_fanout_with(
-        "tree",
-        "1,2,3,4",
-        &[
-            (0, None),
-            (1, Some(0)),
-            (2, Some(0)),
-            (3, Some(1)),
-            (4, Some(1)),
-        ],
-        2,
-        &["--chunk", "16KiB"],
-    );
+    host_fanout_with("tree", "1,2,3,4", TREE, 2, &["--chunk", "16KiB"]);
 }
 
 #[test]
 fn bench_fanout_tree_forwards_every_batch_down_a_binary_tree() {
-    host_fanout(
-        "tree",
-        "1,2,3,4",
-        &[
-            (0, None),
-            (1, Some(0)),
-            (2, Some(0)),
-            (3, Some(1)),
-            (4, Some(1)),
-        ],
-        2,
-    );
+    host_fanout("tree", "1,2,3,4", TREE, 2);
 }
 
 #[test]

@@ -48,6 +48,17 @@ fn until(what: &str, mut f: impl FnMut() -> bool) {
 }
 
 /// Batch `seq`'s bytes: every byte says which batch it belongs to.
+/// The first ring of a test: SLOTS slots of SLOT bytes, for one consumer (a forwarder).
+fn upstream(sock: &Path) -> Producer<HostProducer> {
+    let config = ProducerConfig {
+        slots: SLOTS,
+        batch_bytes: SLOT,
+        max_consumers: 1,
+        ..ProducerConfig::default()
+    };
+    Producer::bind(sock, config, HostOptions::default()).unwrap()
+}
+
 fn byte_of(seq: u64) -> u8 {
     (seq as u8).wrapping_mul(37).wrapping_add(1)
 }
@@ -78,14 +89,7 @@ fn an_upstream_that_dies_mid_batch_never_gets_that_batch_published_downstream() 
     watchdog(60, || {
         let dir = tempfile::tempdir().unwrap();
         let (a, b) = (dir.path().join("a.sock"), dir.path().join("b.sock"));
-        let config = ProducerConfig {
-            slots: SLOTS,
-            batch_bytes: SLOT,
-            max_consumers: 1,
-            ..ProducerConfig::default()
-        };
-        let mut up: Producer<HostProducer> =
-            Producer::bind(&a, config, HostOptions::default()).unwrap();
+        let mut up = upstream(&a);
         // The board of a ring of the ring's own shape (its slots as the ring rounded them).
         assert_eq!(up.layout().slot_bytes, SLOT);
         let up_board = Board::create(&a, SLOTS, SLOT, CHUNK).unwrap();
@@ -186,14 +190,7 @@ fn a_chain_of_chunked_forwarders_hands_over_every_batch_whole() {
             .iter()
             .map(|n| dir.path().join(format!("{n}.sock")))
             .collect();
-        let config = ProducerConfig {
-            slots: SLOTS,
-            batch_bytes: SLOT,
-            max_consumers: 1,
-            ..ProducerConfig::default()
-        };
-        let mut up: Producer<HostProducer> =
-            Producer::bind(&socks[0], config, HostOptions::default()).unwrap();
+        let mut up = upstream(&socks[0]);
         let stop = Arc::new(AtomicBool::new(false));
         let mut fwds = Vec::new();
         for h in 0..3 {

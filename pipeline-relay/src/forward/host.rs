@@ -3,7 +3,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use pipeline_core::{Consumer, HostConsumer, HostProducer, Producer};
+use pipeline_core::{Consumer, HostConsumer, HostProducer, Producer, Slot};
 
 use crate::chunks::{self, Board, chunks, progress};
 use crate::relay::{RelayError, RelayReport, acquire_loan};
@@ -37,13 +37,9 @@ pub(super) fn forward_host(
             if let (Some(up), Some(x)) = (&boards.up, next) {
                 let k = (x % u64::from(up_slots)) as u32;
                 if up.load(k) >= progress(x, 0) {
-                    let Some(loan) = acquire_loan(&mut producer, stop, tick, || {
-                        consumer.check_producer().map_err(err)
-                    })?
-                    else {
+                    let Some(mut slot) = next_slot(&mut producer, &consumer, stop, tick)? else {
                         return Ok(());
                     };
-                    let mut slot = producer.resume(loan).map_err(err)?;
                     let seq_out = slot.seq();
                     let k_out = slot.index();
                     let src = consumer.backend().slot_ptr(k);
@@ -106,13 +102,9 @@ pub(super) fn forward_host(
             next = Some(batch.seq() + 1);
             // While we wait for room downstream, the upstream producer may die: then our
             // consumers' GPU work waits on batches that never come, and so would we.
-            let Some(loan) = acquire_loan(&mut producer, stop, tick, || {
-                consumer.check_producer().map_err(err)
-            })?
-            else {
+            let Some(mut slot) = next_slot(&mut producer, &consumer, stop, tick)? else {
                 return Ok(());
             };
-            let mut slot = producer.resume(loan).map_err(err)?;
             let (seq_out, k_out) = (slot.seq(), slot.index());
             let n = batch.len();
             match &boards.out {
@@ -183,4 +175,21 @@ fn wait_progress(
             std::thread::sleep(Duration::from_micros(20));
         }
     }
+}
+
+/// The next free downstream slot, or `None` once `stop` is set; an error if the upstream
+/// producer died while we waited for room.
+fn next_slot<'p>(
+    producer: &'p mut Producer<HostProducer>,
+    consumer: &Consumer<HostConsumer>,
+    stop: &AtomicBool,
+    tick: Duration,
+) -> Result<Option<Slot<'p, HostProducer>>, RelayError> {
+    let Some(loan) = acquire_loan(producer, stop, tick, || {
+        consumer.check_producer().map_err(err)
+    })?
+    else {
+        return Ok(None);
+    };
+    producer.resume(loan).map(Some).map_err(err)
 }
