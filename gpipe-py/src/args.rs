@@ -399,6 +399,21 @@ pub(crate) fn forward_slots(obj: &Bound<'_, PyAny>) -> PyResult<u32> {
     )
 }
 
+/// `forward(chunk=)`: None (whole batches) or a chunk size in bytes, 1 or more.
+pub(crate) fn forward_chunk(obj: &Bound<'_, PyAny>) -> PyResult<Option<u64>> {
+    let c: Option<u64> = opt_int(
+        obj,
+        "chunk",
+        "a chunk size in bytes (1 or more), or None (whole batches)",
+    )?;
+    if c == Some(0) {
+        return Err(PyValueError::new_err(
+            "chunk must be a chunk size in bytes (1 or more), or None for whole batches; got 0",
+        ));
+    }
+    Ok(c)
+}
+
 /// `forward(wait_for_consumers=)`.
 pub(crate) fn wait_for_consumers(obj: &Bound<'_, PyAny>) -> PyResult<u32> {
     int(

@@ -16,7 +16,7 @@ use crate::blocking::SLICE;
 use crate::errors::GpipeError;
 
 /// forward(upstream, socket, *, device=None, slots=8, max_consumers=16,
-///         wait_for_consumers=0) -> dict
+///         wait_for_consumers=0, chunk=None) -> dict
 ///
 /// Consumes the ring at ``upstream`` and re-publishes every batch in a ring of its own at
 /// ``socket`` (same slot size and mode), on CUDA device ``device`` (default: the upstream
@@ -25,11 +25,17 @@ use crate::errors::GpipeError;
 /// consumers are done) and returns the report (``batches``, ``bytes``, ``elapsed_s``,
 /// ``gb_per_s``). ``slots``: slots in the forwarder's ring, 1 to 4096. ``max_consumers``:
 /// the most consumers attached to it at once, 1 to 63. ``wait_for_consumers``: take no batch
-/// until that many consumers attached downstream. Ctrl-C stops it (closing its ring) and raises ``KeyboardInterrupt``; if the
+/// until that many consumers attached downstream. ``chunk``: copy each batch in chunks of this
+/// many bytes and publish the progress after each, so that a forwarder downstream with the
+/// same ``chunk`` starts copying a chunk once it has landed here (a chain of them carries one
+/// large batch, a weight update say, in about one hop's time); consumers still see a batch only
+/// once it is whole. None (the default): whole batches, which move the most in a steady stream
+/// of batches. Ctrl-C stops it (closing its ring) and raises ``KeyboardInterrupt``; if the
 /// upstream ring fails (its producer died), it raises ``gpipe.Error`` and leaves its ring as a
 /// crashed producer would, so that its consumers see the producer die.
 #[pyfunction]
-#[pyo3(signature = (upstream, socket, *, device=None, slots=8, max_consumers=16, wait_for_consumers=0))]
+#[pyo3(signature = (upstream, socket, *, device=None, slots=8, max_consumers=16, wait_for_consumers=0, chunk=None))]
+#[allow(clippy::too_many_arguments)] // one per keyword argument of the Python function
 pub fn forward<'py>(
     py: Python<'py>,
     #[pyo3(from_py_with = args::upstream)] upstream: PathBuf,
@@ -38,6 +44,7 @@ pub fn forward<'py>(
     #[pyo3(from_py_with = args::forward_slots)] slots: u32,
     #[pyo3(from_py_with = args::max_consumers)] max_consumers: u32,
     #[pyo3(from_py_with = args::wait_for_consumers)] wait_for_consumers: u32,
+    #[pyo3(from_py_with = args::forward_chunk)] chunk: Option<u64>,
 ) -> PyResult<Bound<'py, PyDict>> {
     // The ring's shape rule (pipeline_core::limits); its slot size is the upstream ring's.
     pipeline_core::limits::check_slots(slots)
@@ -53,8 +60,7 @@ pub fn forward<'py>(
         wait_for_consumers,
         wait_timeout: None,
         sync: None,
-        // Whole batches: chunked forwarding is not offered to Python yet (issue #34).
-        chunk_bytes: None,
+        chunk_bytes: chunk,
         depth: None,
         memory: None,
     };

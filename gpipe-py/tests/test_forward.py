@@ -146,3 +146,55 @@ def test_slots_auto_on_the_host_is_eight_and_says_why(sock):
         gpipe.Producer(sock, slots="deep", backend="host")
     with pytest.raises(ValueError, match="^slots: "):
         gpipe.Producer(sock, slots=0, backend="host")
+
+
+def test_a_chain_of_chunked_forwarders_hands_on_every_batch_whole(sock):
+    """Two forwarders with chunk=256 KiB (8 chunks of a 2 MiB slot) one after the other: the
+    second copies a batch's chunks as they land in the first's ring; the consumer at the end
+    still sees every batch whole, in order."""
+    mid, end = sock.replace(".sock", "-m.sock"), sock.replace(".sock", "-e.sock")
+    p = gpipe.Producer(sock, slots=4, batch_bytes=1 << 20, backend="host")
+    reports = {}
+
+    def run(name, up, down):
+        try:
+            reports[name] = gpipe.forward(up, down, slots=4, wait_for_consumers=1, chunk=256 << 10)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            reports[name] = e
+
+    first = threading.Thread(target=run, args=("first", sock, mid), daemon=True)
+    first.start()
+    p.wait_for_consumers(1, timeout=10)
+    second = threading.Thread(target=run, args=("second", mid, end), daemon=True)
+    second.start()
+    c = attach_when_up(end, 200)
+    assert c is not None, "the second forwarded ring never came up"
+    n, got = 40, []
+
+    def consume():
+        with c:
+            for b in c:
+                with b:
+                    x = np.from_dlpack(b["x"])
+                    got.append((b.seq, bool((x == b.meta[0]).all()), x.size))
+                    del x  # a view keeps the batch (and so the rings) from closing
+
+    ct = threading.Thread(target=consume)
+    ct.start()
+    for i in range(n):
+        p.send({"x": np.full(1 << 17, i, dtype=np.int64)}, meta=[i], timeout=10)
+    p.close()
+    for t in (first, second, ct):
+        t.join(30)
+        assert not t.is_alive()
+    for name in ("first", "second"):
+        assert isinstance(reports[name], dict), reports[name]
+        assert reports[name]["batches"] == n, reports[name]
+    assert [s for s, _, _ in got] == list(range(n))
+    assert all(ok and size == 1 << 17 for _, ok, size in got), got[:3]
+
+
+@pytest.mark.parametrize("chunk", [0, -1, "1MiB", 1.5])
+def test_forward_refuses_a_chunk_that_is_not_a_size(sock, chunk):
+    with pytest.raises((ValueError, TypeError), match="chunk"):
+        gpipe.forward(sock, sock.replace(".sock", "-b.sock"), chunk=chunk)

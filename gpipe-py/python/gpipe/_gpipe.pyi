@@ -415,6 +415,7 @@ def forward(
     slots: int = 8,
     max_consumers: int = 16,
     wait_for_consumers: int = 0,
+    chunk: Optional[int] = None,
 ) -> dict[str, Any]:
     """Consumes the ring at `upstream` and re-publishes every batch in a ring of its own at
     `socket` (same slot size and mode) on CUDA device `device` (default: the upstream
@@ -422,7 +423,10 @@ def forward(
     Blocks until the upstream ring closes, then closes its own ring once its consumers are
     done, and returns {"backend", "batches", "bytes", "elapsed_s", "gb_per_s", "error"}.
     `slots`: slots in the forwarder's ring, 1 to 4096. `max_consumers`: the most consumers
-    attached to it at once, 1 to 63. `wait_for_consumers`: take no batch until that many
+    attached to it at once, 1 to 63. `chunk`: copy in chunks of this many bytes, publishing
+    the progress after each, so that a forwarder downstream with the same `chunk` starts on a
+    chunk once it has landed (None: whole batches); consumers see only whole batches.
+    `wait_for_consumers`: take no batch until that many
     consumers attached downstream. Raises
     Error if the upstream ring fails (its consumers then see the producer die);
     KeyboardInterrupt stops it."""
