@@ -21,10 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
-import queue
 import signal
 import sys
+import time
 import traceback
 from typing import Any, Optional
 
@@ -34,7 +35,8 @@ import state
 
 
 def receiver(idx: int, mode: str, dev: str, sock: str, args: dict[str, Any], acks: Any) -> None:
-    """One inference process: receive `updates` updates, ack each, write its results."""
+    """One inference process: receive `updates` updates, ack each on `acks` (its own pipe to
+    the trainer), write its results."""
     import gpipe
     import gpipe.torch
 
@@ -54,7 +56,7 @@ def receiver(idx: int, mode: str, dev: str, sock: str, args: dict[str, Any], ack
     try:
         rx = gpipe.torch.WeightReceiver(sock, device=dev, timeout=60.0)
         out["delivery"] = rx.consumer.delivery
-        acks.put(("attached", idx, 0, 0, None))
+        acks.send(("attached", idx, 0, 0, None))
         for _ in range(args["updates"]):
             if mode == "load":
                 v = rx.load_into(sd)
@@ -68,7 +70,7 @@ def receiver(idx: int, mode: str, dev: str, sock: str, args: dict[str, Any], ack
                     bad = marks.check(v, [u.state_dict[n] for n in names])
             state.note_check(out, v, bad)
             mem.sample()
-            acks.put(("ack", idx, v, t1, bad))
+            acks.send(("ack", idx, v, t1, bad))
     except BaseException as e:  # a fault run ends here: record what the receiver saw
         out["error"] = {"type": type(e).__name__, "message": str(e)}
         if not isinstance(e, gpipe.Error):
@@ -154,7 +156,9 @@ def main() -> int:
         ring_consumers[r["parent"]] += 1
 
     ctx = mp.get_context("spawn")
-    acks = ctx.Queue()
+    # One pipe per receiver, not one queue for all: a receiver SIGKILLed while it writes to a
+    # shared queue can leave the queue's lock held, and every other receiver then blocks on it.
+    acks = Acks(ctx, len(specs))
     cfg = {"size": a.size, "updates": a.updates, "warmup": a.warmup, "dir": a.dir}
     fwds = []
     for r, ring in enumerate(rings[1:], start=1):
@@ -168,9 +172,11 @@ def main() -> int:
     for i, (mode, g) in enumerate(specs):
         dev = f"cuda:{g}" if cuda else "cpu"
         # a receiver attaches once its ring exists: a forwarder's socket appears when it starts
-        p = ctx.Process(target=_receiver_when_ready, args=(i, mode, dev, rx_socks[i], cfg, acks))
+        p = ctx.Process(target=_receiver_when_ready,
+                        args=(i, mode, dev, rx_socks[i], cfg, acks.writers[i]))
         p.start()
         procs.append(p)
+    acks.started()
 
     record: dict[str, Any] = {
         "run": a.name, "size": a.size, "backend": "cuda" if cuda else "host",
@@ -185,7 +191,7 @@ def main() -> int:
         try:
             kind, *_ = acks.get(timeout=1.0)
             attached += kind == "attached"
-        except queue.Empty:
+        except TimeoutError:
             gone = [(i, p.exitcode) for i, p in enumerate(procs) if not p.is_alive()]
             gone += [(f"forwarder {r}", p.exitcode) for r, p in enumerate(fwds, 1) if not p.is_alive()]
             if gone or state.now_ns() > deadline:
@@ -220,7 +226,7 @@ def main() -> int:
         while waiting:
             try:
                 kind, i, rv, t1, bad = acks.get(timeout=1.0)
-            except queue.Empty:
+            except TimeoutError:
                 if state.now_ns() - t0 > a.ack_timeout * 1e9:
                     problems.append(f"update {v}: no ack from receivers {sorted(waiting)} in {a.ack_timeout} s")
                     waiting.clear()
@@ -309,11 +315,43 @@ def _errors(rundir: str) -> str:
 
 def _wait_for(sock: str, seconds: float = 120.0) -> None:
     """Waits until a ring's socket exists: a forwarder's appears once it started."""
-    import time
-
     deadline = time.monotonic() + seconds
     while not os.path.exists(sock) and time.monotonic() < deadline:
         time.sleep(0.02)
+
+
+class Acks:
+    """The receivers' messages to the trainer, one pipe each (`writers[i]` goes to receiver
+    i). A pipe whose receiver died reads as closed and is dropped; the others go on."""
+
+    def __init__(self, ctx: Any, n: int) -> None:
+        pairs = [ctx.Pipe(duplex=False) for _ in range(n)]
+        self.readers = [r for r, _ in pairs]
+        self.writers = [w for _, w in pairs]
+
+    def started(self) -> None:
+        """The receivers hold their ends: close ours, so that a dead one's pipe reads closed."""
+        for w in self.writers:
+            w.close()
+
+    def get(self, timeout: float) -> tuple:
+        """The next message from any receiver; TimeoutError when none came within `timeout`."""
+        end = state.now_ns() + timeout * 1e9
+        while self.readers:
+            left = (end - state.now_ns()) / 1e9
+            if left <= 0:
+                break
+            for r in mp_connection.wait(self.readers, left):
+                try:
+                    return r.recv()
+                except (EOFError, OSError):
+                    self.readers.remove(r)
+        if not self.readers:
+            # Every receiver has gone: wait out the timeout as an empty queue would.
+            left = (end - state.now_ns()) / 1e9
+            if left > 0:
+                time.sleep(left)
+        raise TimeoutError
 
 
 def _receiver_when_ready(idx: int, mode: str, dev: str, sock: str, cfg: dict[str, Any], acks: Any) -> None:
