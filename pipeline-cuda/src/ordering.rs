@@ -117,10 +117,9 @@ impl PublishAfter for Slot<'_, CudaProducer> {
         let backend = std::ptr::NonNull::from(backend);
         let published = self.publish_with(len, header, tensors);
         if published.is_err() {
-            // SAFETY: the backend lives in the producer's shared state (behind an `Arc`),
-            // which the producer keeps alive for at least the slot's lifetime `'_`, longer
-            // than this call; the core only ever borrows it shared (its state is atomics and
-            // locks), and `forget_presignal` takes `&self`.
+            // The backend lives in the producer's shared state (an `Arc`) for at least the
+            // slot's lifetime `'_`, longer than this call, and is only ever borrowed shared.
+            // SAFETY: so this shared borrow is valid; `forget_presignal` takes `&self`.
             unsafe { backend.as_ref() }.forget_presignal(index);
         }
         published

@@ -290,10 +290,9 @@ impl Run<'_> {
             // stream waits for), then copies it.
             self.joined.record(view.stream).map_err(err)?;
             stream.wait_event(self.joined).map_err(err)?;
-            // SAFETY: the upstream batch is published and held until after the `finished`
-            // written below on this stream, after the copy; the slot is ours (taken ahead,
-            // unpublished) and its stream waits for its previous consumers; both are
-            // `view.len <= slot_bytes` bytes.
+            // The upstream batch is published and held until after the `finished` written
+            // below on this stream, after the copy; the slot is ours (taken ahead, unpublished).
+            // SAFETY: so both ranges are live and unshared; both are `view.len <= slot_bytes`.
             unsafe {
                 self.enqueue_copy(
                     stream,
@@ -352,11 +351,10 @@ impl Run<'_> {
         let stream = self.producer.backend().stream();
         let src = self.consumer.backend().slot_ptr(k);
         let len = self.consumer.layout().slot_bytes;
-        // SAFETY: the upstream slot `k` is mapped while our consumer lives and each chunk is
-        // read only after the upstream progress says batch x's chunk landed; the upstream
-        // producer rewrites the slot only after our `finished` for x, written after this copy
-        // once x is received. Our slot is ours (taken ahead) and the stream waits for its
-        // previous consumers. Both are slot_bytes long.
+        // Upstream slot `k` stays mapped while our consumer lives; each chunk is read only
+        // after its progress says it landed, and the slot is rewritten only after our
+        // `finished` for x. Our slot is ours (taken ahead); both are slot_bytes long.
+        // SAFETY: so every copied range is live, complete and not written meanwhile.
         unsafe {
             self.enqueue_copy(
                 stream,

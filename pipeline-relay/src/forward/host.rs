@@ -52,10 +52,9 @@ pub(super) fn forward_host(
                             return Ok(());
                         }
                         let dst = &mut slot.memory()[off as usize..(off + n) as usize];
-                        // SAFETY: `src` is the upstream slot `k`, slot_bytes long, mapped while
-                        // the consumer lives; chunk c of batch x in it landed (the acquiring
-                        // load above saw its progress, stored after the bytes), and the
-                        // upstream producer rewrites the slot only after we release batch x.
+                        // `src` is upstream slot `k` (slot_bytes, mapped while the consumer
+                        // lives); chunk c landed (acquire-load of its progress above).
+                        // SAFETY: so it is in bounds, written, and unchanged until we release x.
                         let from = unsafe {
                             std::slice::from_raw_parts(src.add(off as usize), n as usize)
                         };
