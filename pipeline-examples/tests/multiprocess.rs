@@ -901,40 +901,42 @@ fn bench_refuses_passes_that_do_not_fit_the_consumers_or_the_mode() {
 /// report says why (the shape asked for by name carries no reason).
 #[test]
 fn bench_fanout_auto_takes_a_whole_batch_chain_and_says_why() {
-    let run = |shape: &str| {
-        let out = std::process::Command::new(GPIPE)
-            .args([
-                "bench",
-                "--backend",
-                "host",
-                "--consumers",
-                "3",
-                "--consumer-devices",
-                "1,2,3",
-                "--fanout",
-                shape,
-                "--batches",
-                "60",
-                "--batch-bytes",
-                "64KiB",
-                "--json",
-            ])
-            .output()
-            .unwrap();
+    watchdog(120, |_| {
+        let run = |shape: &str| {
+            let out = std::process::Command::new(GPIPE)
+                .args([
+                    "bench",
+                    "--backend",
+                    "host",
+                    "--consumers",
+                    "3",
+                    "--consumer-devices",
+                    "1,2,3",
+                    "--fanout",
+                    shape,
+                    "--batches",
+                    "60",
+                    "--batch-bytes",
+                    "64KiB",
+                    "--json",
+                ])
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+        };
+        let r = run("auto");
+        assert_eq!(r["fanout"]["shape"], "chain", "{r}");
+        assert_eq!(r["fanout"]["chunk_bytes"], serde_json::Value::Null, "{r}");
         assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+            r["fanout"]["why"].as_str().unwrap().contains("chain"),
+            "{r}"
         );
-        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
-    };
-    let r = run("auto");
-    assert_eq!(r["fanout"]["shape"], "chain", "{r}");
-    assert_eq!(r["fanout"]["chunk_bytes"], serde_json::Value::Null, "{r}");
-    assert!(
-        r["fanout"]["why"].as_str().unwrap().contains("chain"),
-        "{r}"
-    );
-    assert_eq!(r["mismatches"], 0, "{r}");
-    assert_eq!(run("chain")["fanout"]["why"], serde_json::Value::Null);
+        assert_eq!(r["mismatches"], 0, "{r}");
+        assert_eq!(run("chain")["fanout"]["why"], serde_json::Value::Null);
+    });
 }
