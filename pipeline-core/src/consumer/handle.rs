@@ -482,14 +482,18 @@ impl<B: ConsumerBackend> Consumer<B> {
                 },
                 || {
                     if self.check_peer(deadline)? {
-                        // Closed: done when nothing published is still unclaimed, but for
-                        // batches we released ourselves (a peer may reopen their words; we
-                        // never take a batch twice).
+                        // Closed: done when nothing published is still unclaimed, or claimed
+                        // in our name (by a peer) without our page having taken it, but for
+                        // batches we hold or released ourselves (a peer may reopen their
+                        // words; we never take a batch twice).
                         let head = h.head.value.load(Ordering::Acquire);
                         let left = ring::live_window(head, n).any(|s| {
                             let k = ring::slot_of(s, n);
-                            claims.claim(k).load(Ordering::Acquire) == ring::claim_word(s, None)
-                                && page.slot(k).load(Ordering::Relaxed) != ring::released(s)
+                            let w = claims.claim(k).load(Ordering::Acquire);
+                            let mine = page.slot(k).load(Ordering::Relaxed);
+                            (w == ring::claim_word(s, None) || w == ring::claim_word(s, Some(me)))
+                                && mine != ring::released(s)
+                                && mine != ring::holding(s)
                         });
                         return Ok(Some(!left));
                     }
@@ -498,6 +502,11 @@ impl<B: ConsumerBackend> Consumer<B> {
             )?;
             if closed_empty {
                 return Ok(None);
+            }
+            if h.constants.producer_state.load(Ordering::Acquire) == producer_state::CLOSED {
+                // Closed with batches left (a peer may have forged a claim in our name after
+                // our last scan passed it): look at the whole window again.
+                self.hint = 0;
             }
         }
     }
