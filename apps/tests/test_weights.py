@@ -105,10 +105,13 @@ def check_faults(recs: dict) -> None:
 def test_every_peer_and_the_faults_on_the_host_backend(tmp_path):
     recs, text = run_all(tmp_path, "cpu", timeout=260)
     check_runs(recs, ["ceiling-tiny", "ipc-tiny", "gpipe-same-load-tiny", "gpipe-same-inplace-tiny",
-                      "gpipe-same-load-inslot-tiny", "nccl-tiny", "gpipe-others-plan-tiny"])
+                      "gpipe-same-load-inslot-tiny", "gpipe-same-inplace-inslot-tiny", "nccl-tiny",
+                      "gpipe-others-plan-tiny", "gpipe-others-chunked-tiny"])
     check_faults(recs)
-    plan = recs["gpipe-others-plan-tiny"]  # two forwarders in host memory, one after the other
-    assert len(plan["rings"]) == 3 and [f["batches"] for f in plan["forwarders"]] == [UPDATES] * 2
+    for tag in ("gpipe-others-plan-tiny", "gpipe-others-chunked-tiny"):
+        plan = recs[tag]  # two forwarders in host memory, one after the other
+        assert len(plan["rings"]) == 3 and [f["batches"] for f in plan["forwarders"]] == [UPDATES] * 2
+    assert recs["gpipe-others-chunked-tiny"]["chunk"] == 16 << 10
     assert recs["nccl-tiny"]["collective"] == "gloo"
     for tag in ("gpipe-same-load-tiny", "gpipe-same-inplace-tiny"):
         assert recs[tag]["counters"]["published"] == UPDATES
@@ -118,11 +121,13 @@ def test_every_peer_and_the_faults_on_the_host_backend(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_every_peer_and_the_faults_on_the_gpu(tmp_path):
-    recs, _ = run_all(tmp_path, "cuda", timeout=270)
+    recs, _ = run_all(tmp_path, "cuda", timeout=420)
     expect = ["ceiling-tiny", "ipc-tiny", "gpipe-same-load-tiny", "gpipe-same-inplace-tiny",
-              "gpipe-same-load-inslot-tiny"]
+              "gpipe-same-load-inslot-tiny", "gpipe-same-inplace-inslot-tiny"]
     if torch.cuda.device_count() >= 2:
-        expect += ["nccl-tiny", "gpipe-others-direct-tiny", "gpipe-others-plan-tiny"]
+        expect += ["nccl-tiny", "gpipe-others-direct-tiny", "gpipe-others-plan-tiny",
+                   "gpipe-others-chunked-tiny", "gpipe-others-chunked-inplace-tiny",
+                   "gpipe-others-chunked-inplace-inslot-tiny"]
     check_runs(recs, expect)
     check_faults(recs)
     assert recs["gpipe-same-load-tiny"]["memory_path"] in ("vmm", "pool", "legacy")

@@ -87,14 +87,16 @@ def receiver(idx: int, mode: str, dev: str, sock: str, args: dict[str, Any], ack
         rx.close()
 
 
-def forwarder(ring: int, dev: Optional[int], up: str, sock: str, consumers: int, rundir: str) -> None:
+def forwarder(ring: int, dev: Optional[int], up: str, sock: str, consumers: int, rundir: str,
+              chunk: Optional[int]) -> None:
     """One ring of the fan-out plan: the parent ring re-published on GPU `dev` (None: a host
-    ring, where the plan's GPU numbers only shape the tree)."""
+    ring, where the plan's GPU numbers only shape the tree), in chunks of `chunk` bytes."""
     import gpipe
 
     _wait_for(up)  # the parent ring: the trainer's, or a forwarder's that is starting too
     try:
-        rep = gpipe.forward(up, sock, device=dev, slots=2, wait_for_consumers=consumers)
+        rep = gpipe.forward(up, sock, device=dev, slots=2, wait_for_consumers=consumers,
+                            chunk=chunk)
     except BaseException as e:
         rep = {"error": f"{type(e).__name__}: {e}"}
     state.write_json(os.path.join(rundir, f"fwd{ring}.json"), rep)
@@ -106,6 +108,9 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="cuda (the trainer on GPU 0) or cpu (host backend)")
     ap.add_argument("--receivers", default="load@0", help="MODE@GPU,...: load or inplace, on GPU N")
     ap.add_argument("--shape", default="direct", help="to other GPUs: direct, or a fan-out shape (auto, chain, tree)")
+    ap.add_argument("--chunk", type=int, default=0,
+                    help="forwarders copy each update in chunks of this many bytes, so that the "
+                         "hops of a chain overlap (0: whole updates)")
     ap.add_argument("--updates", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--copy", default="auto", help="WeightPublisher copy=")
@@ -165,7 +170,8 @@ def main() -> int:
         up = os.path.join(a.dir, f"w{ring['parent']}.sock")
         mine = os.path.join(a.dir, f"w{r}.sock")
         fdev = ring["device"] if cuda else None
-        p = ctx.Process(target=forwarder, args=(r, fdev, up, mine, ring_consumers[r], a.dir))
+        p = ctx.Process(target=forwarder,
+                        args=(r, fdev, up, mine, ring_consumers[r], a.dir, a.chunk or None))
         p.start()
         fwds.append(p)
     procs = []
@@ -182,7 +188,7 @@ def main() -> int:
         "run": a.name, "size": a.size, "backend": "cuda" if cuda else "host",
         "device": state.device_name(device), "tensors": len(sd), "bytes": pub.layout.nbytes,
         "receivers": [f"{m}@{g}" for m, g in specs], "shape": a.shape if others else "same-gpu",
-        "rings": rings, "updates": a.updates, "warmup": a.warmup,
+        "rings": rings, "chunk": a.chunk or None, "updates": a.updates, "warmup": a.warmup,
         "copy": "none (in slot)" if a.in_slot else pub.copy,
         "slot_bytes": pub.producer.slot_bytes, "memory_path": pub.producer.memory,
     }

@@ -30,6 +30,9 @@ MiB = 1 << 20
 FLAT_BYTES = 2 * MiB
 TARGET_SAME = 0.2  # gpipe on the trainer's GPU, at most this times torch.mp IPC's p50
 TARGET_OTHERS = 1.0  # gpipe to the other GPUs, at most this times NCCL broadcast's p50
+# The forwarders' chunk for the chunked chain: one update crosses every hop in about one hop's
+# time plus a chunk per further hop (64 MiB: 0.2 ms a hop at NVLink's ~340 GB/s).
+CHUNK = 64 << 20
 
 
 class Runner:
@@ -207,11 +210,17 @@ def size_runs(r: Runner, size: str, gpus: int) -> None:
           ["--receivers", "inplace@0", "--name", "gpipe-same-inplace"], size=size)
     r.run(f"gpipe-same-load-inslot-{size}", "gpipe_run.py",
           ["--receivers", "load@0", "--in-slot", "--name", "gpipe-same-load-inslot"], size=size)
+    r.run(f"gpipe-same-inplace-inslot-{size}", "gpipe_run.py",
+          ["--receivers", "inplace@0", "--in-slot", "--name", "gpipe-same-inplace-inslot"], size=size)
+    # on the host: chunks small enough that the tiny update crosses in several
+    chunk = ["--shape", "chain", "--chunk", str(CHUNK if r.a.device == "cuda" else 16 << 10)]
     if r.a.device == "cpu":  # gloo for NCCL; forwarders in host memory for the plan
         r.run(f"nccl-{size}", "nccl.py", ["--ranks", "2"], size=size)
         r.run(f"gpipe-others-plan-{size}", "gpipe_run.py",
               ["--receivers", "load@1,inplace@2", "--shape", "chain", "--name", "gpipe-others-plan"],
               size=size)
+        r.run(f"gpipe-others-chunked-{size}", "gpipe_run.py",
+              ["--receivers", "load@1,inplace@2", *chunk, "--name", "gpipe-others-chunked"], size=size)
         return
     if gpus < 2:
         print(f"-- {size}: one GPU, so no NCCL broadcast and no gpipe to other GPUs", flush=True)
@@ -222,6 +231,14 @@ def size_runs(r: Runner, size: str, gpus: int) -> None:
           ["--receivers", others, "--shape", "direct", "--name", "gpipe-others-direct"], size=size)
     r.run(f"gpipe-others-plan-{size}", "gpipe_run.py",
           ["--receivers", others, "--shape", "auto", "--name", "gpipe-others-plan"], size=size)
+    inplace = ",".join(f"inplace@{g}" for g in range(1, gpus))
+    r.run(f"gpipe-others-chunked-{size}", "gpipe_run.py",
+          ["--receivers", others, *chunk, "--name", "gpipe-others-chunked"], size=size)
+    r.run(f"gpipe-others-chunked-inplace-{size}", "gpipe_run.py",
+          ["--receivers", inplace, *chunk, "--name", "gpipe-others-chunked-inplace"], size=size)
+    r.run(f"gpipe-others-chunked-inplace-inslot-{size}", "gpipe_run.py",
+          ["--receivers", inplace, *chunk, "--in-slot", "--name", "gpipe-others-chunked-inplace-inslot"],
+          size=size)
 
 
 def memory_growth(rec: dict[str, Any]) -> Optional[int]:
@@ -253,7 +270,9 @@ def summary(r: Runner, gpus: int) -> str:
         ceiling = by.get(f"ceiling-{size}", {}).get("update_ms", {}).get("p50")
         nccl = by.get(f"nccl-{size}", {}).get("update_ms", {}).get("p50")
         runs = ("ceiling", "ipc", "gpipe-same-load", "gpipe-same-inplace", "gpipe-same-load-inslot",
-                "nccl", "gpipe-others-direct", "gpipe-others-plan")
+                "gpipe-same-inplace-inslot", "nccl", "gpipe-others-direct", "gpipe-others-plan",
+                "gpipe-others-chunked", "gpipe-others-chunked-inplace",
+                "gpipe-others-chunked-inplace-inslot")
         for tag in (f"{run}-{size}" for run in runs):
             x = _ran(by.get(tag), f"{tag:34}", lines)
             if x is None:
@@ -286,7 +305,8 @@ def summary(r: Runner, gpus: int) -> str:
                 lines.append(f"{'':4}trainer: publish() call p50 {_f(x['publish_call_ms'].get('p50'))} ms, "
                              f"packed on the GPU p50 {_f(x['pack_ms'].get('p50'))} ms; copies: {x.get('copy')}"
                              + (f"; rings {len(x['rings'])} ({x.get('shape')})"
-                                if x.get("shape") not in (None, "same-gpu") else ""))
+                                if x.get("shape") not in (None, "same-gpu") else "")
+                             + (f", chunks of {x['chunk'] >> 20} MiB" if x.get("chunk") else ""))
     lines.append("")
     for tag in ("fault-kill-receiver", "fault-kill-trainer"):
         x = _ran(by.get(tag), f"{tag}:", lines)

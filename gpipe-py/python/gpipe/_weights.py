@@ -528,6 +528,8 @@ class WeightReceiver:
         )
 
     def _check(self, batch: Any) -> tuple[int, Layout, torch.Tensor]:
+        """The update's header checked (magic, nonce, version, layout): its version, layout and
+        bytes. Nothing here waits for the trainer's copies; :meth:`_check_seal` does."""
         meta = batch.meta
         if meta[0] != MAGIC or "weights" not in batch or "layout" not in batch:
             raise WeightError(
@@ -558,18 +560,23 @@ class WeightReceiver:
                     f"{layout.nbytes} bytes, its header says {lhash:#x} over {nbytes}"
                 )
             self.layout = layout
-        flat = _as_tensor(batch["weights"])
+        return version, self.layout, _as_tensor(batch["weights"])
+
+    def _check_seal(self, batch: Any, flat: torch.Tensor) -> None:
+        """Waits for the update's bytes (the seal is written last, on the trainer's stream)
+        and checks that its seal says its version. The callers make their views of the slot
+        before, so that the host builds them while the copies are still in flight."""
+        version, lhash, nonce = batch.meta[1], batch.meta[2], batch.meta[5]
+        assert self.layout is not None
         seal = flat[self.layout.seal_offset : self.layout.nbytes].view(torch.int64).tolist()
         want = [SEAL_MAGIC, version, lhash, nonce]
         if seal != want:
-            del flat  # a traceback kept by the caller must not hold the slot
             raise WeightError(
                 f"update version {version} is not completely written: its seal says version "
                 f"{seal[1]} (words {seal}, expected {want}); the trainer died or was stopped "
                 f"while writing it. Nothing was loaded; this receiver keeps version {self.version}"
             )
         self._nonce = nonce
-        return version, self.layout, flat
 
     def recv(self, timeout: Optional[float] = None, *, latest: bool = False) -> WeightUpdate:
         """The next update, in place (see :class:`WeightUpdate`). `latest`: skip to the
@@ -580,7 +587,9 @@ class WeightReceiver:
             try:
                 version, layout, flat = self._check(batch)
                 sd = {e[0]: _region_view(flat, e, False) for e in layout.entries}
+                self._check_seal(batch, flat)
             except BaseException:
+                sd = flat = None  # a traceback kept by the caller must not hold the slot
                 batch.release()
                 raise
         except ProducerDied as e:
@@ -636,11 +645,14 @@ class WeightReceiver:
                 version, layout, flat = self._check(batch)
                 try:
                     dsts = self._plan(target, layout, strict)
-                    for d, e in zip(dsts, layout.entries):
-                        if d is not None:
-                            d[0].copy_(_region_view(flat, e, d[1]))
+                    pairs = [(d[0], _region_view(flat, e, d[1]))
+                             for d, e in zip(dsts, layout.entries) if d is not None]
+                    self._check_seal(batch, flat)
+                    for dst, src in pairs:
+                        dst.copy_(src)
                 finally:
-                    del flat  # the slot goes back now, even when a kept traceback lives on
+                    # the slot goes back now, even when a kept traceback lives on
+                    pairs = flat = None  # noqa: F841
         except ProducerDied as e:
             raise self._died(e) from e
         self.version = version
