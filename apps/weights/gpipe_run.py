@@ -70,7 +70,10 @@ def receiver(idx: int, mode: str, dev: str, sock: str, args: dict[str, Any], ack
                     bad = marks.check(v, [u.state_dict[n] for n in names])
             state.note_check(out, v, bad)
             mem.sample()
-            acks.send(("ack", idx, v, t1, bad))
+            try:
+                acks.send(("ack", idx, v, t1, bad))
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the trainer is gone (a --die-at run): the next recv says how
     except BaseException as e:  # a fault run ends here: record what the receiver saw
         out["error"] = {"type": type(e).__name__, "message": str(e)}
         if not isinstance(e, gpipe.Error):
