@@ -6,6 +6,7 @@ use std::fmt;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use pipeline_cuda::policy::fanout::Fanout;
 use pipeline_cuda::policy::{self, Choice, Facts, FrontEnd, Resolution, signals};
 use pipeline_cuda::probe::{PathSupport, PeerLink, ProbeReport};
 
@@ -355,6 +356,26 @@ impl fmt::Display for ProbeText<'_> {
                 }
                 writeln!(f)?;
             }
+            let first = &report.devices[0];
+            let others = report.devices.len() - 1;
+            let shape = Fanout::Auto.resolve(others, 0);
+            writeln!(
+                f,
+                "\nfan-out from device {} to the {others} other{} (`gpipe bench --fanout auto`, \
+                 Python `gpipe.fanout_plan`): {}",
+                first.ordinal,
+                if others == 1 { "" } else { "s" },
+                match shape {
+                    Fanout::Chain => "a chain of whole-batch forwarders, each in the process of \
+                                      a consumer on its GPU"
+                        .to_string(),
+                    Fanout::Direct => "direct: every consumer reads its ring".to_string(),
+                    s => format!("{s}"),
+                }
+            )?;
+            if let Some(why) = Fanout::Auto.why(others) {
+                writeln!(f, "  why: {}", why.trim_start_matches("auto: "))?;
+            }
         }
         Ok(())
     }
@@ -453,8 +474,40 @@ mod tests {
         };
         assert_eq!(row("0"), ["self", "0"], "{text}");
         assert_eq!(row("1"), ["-", "self"], "{text}");
-        // One device: no matrix.
-        assert!(!super::tests::text(&report(vec![h100()])).contains("other GPUs"));
+        // One other GPU reads the producer's ring directly, and the text says why.
+        assert!(
+            text.contains("fan-out from device 0 to the 1 other (")
+                && text.contains("): direct: every consumer reads its ring"),
+            "{text}"
+        );
+        assert!(text.contains("  why: one other GPU reads"), "{text}");
+        // One device: no matrix and no fan-out.
+        let one = super::tests::text(&report(vec![h100()]));
+        assert!(
+            !one.contains("other GPUs") && !one.contains("fan-out"),
+            "{one}"
+        );
+    }
+
+    #[test]
+    fn four_devices_fan_out_through_a_chain_and_say_why() {
+        let devices = (0..4)
+            .map(|i| {
+                let mut d = h100();
+                d.ordinal = i;
+                d
+            })
+            .collect();
+        let text = text(&report(devices));
+        assert!(
+            text.contains("fan-out from device 0 to the 3 others")
+                && text.contains("a chain of whole-batch forwarders"),
+            "{text}"
+        );
+        assert!(
+            text.contains("why: two or more other GPUs take a chain"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -88,7 +88,9 @@ bench() {
 quarter() { case $1 in 64MiB) echo 16MiB ;; 256MiB) echo 64MiB ;; *) echo off ;; esac; }
 shapes() {
   local mps=$1 b k c q
-  for size in 64MiB:1000 256MiB:300 2MiB:5000; do
+  # runs of about a second at 64 and 256 MiB: in shorter ones the start and the end of a
+  # chain weigh a few percent (docs/experiments/2026-11-27-fanout-steady-state)
+  for size in 64MiB:4000 256MiB:1500 2MiB:5000; do
     b=${size%%:*}; k=${size##*:}
     local s=(--batch-bytes "$b" --batches "$k")
     bench "$mps" "auto-$b" 60 --fanout auto "${s[@]}"
@@ -104,7 +106,7 @@ shapes() {
     bench "$mps" "chain-chunk-inproc-$b" 60 --fanout chain --chunk "$q" --forwarders in-consumer "${s[@]}"
     [ "$G" -gt 2 ] && bench "$mps" "tree-chunk-inproc-$b" 60 --fanout tree --chunk "$q" --forwarders in-consumer "${s[@]}"
   done
-  for size in 64MiB:1000 256MiB:300; do
+  for size in 64MiB:4000 256MiB:1500; do
     b=${size%%:*}; k=${size##*:}
     local s=(--batch-bytes "$b" --batches "$k")
     if [ "$b" = 64MiB ]; then alts="8MiB 32MiB"; else alts="16MiB 128MiB"; fi
@@ -125,7 +127,7 @@ shapes() {
 nccl() {
   local mps=$1
   echo "== NCCL broadcast from GPU 0 to the others ($mps)"
-  limit 150 python3 scripts/gpu/nccl_broadcast.py --sizes 2MiB,64MiB,256MiB 2>>"$O/nccl.err" |
+  limit 150 python3 scripts/gpu/nccl_broadcast.py --sizes 2MiB,64MiB,256MiB --gib 64 2>>"$O/nccl.err" |
     python3 -c 'import json,sys
 for l in sys.stdin:
     try: r = json.loads(l)

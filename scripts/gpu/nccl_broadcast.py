@@ -3,7 +3,7 @@ fan-out shapes (docs/multi-gpu.md): one process per GPU (torch.distributed, NCCL
 a warm-up, then timed broadcasts. Prints one JSON line per size: the per-GPU GB/s (bytes each
 GPU received / time), which is what a fan-out gives each consumer GPU.
 
-    python3 scripts/gpu/nccl_broadcast.py --sizes 2MiB,64MiB,256MiB [--gpus N]
+    python3 scripts/gpu/nccl_broadcast.py --sizes 2MiB,64MiB,256MiB [--gpus N] [--gib 2]
 """
 import argparse
 import json
@@ -24,12 +24,12 @@ def parse_size(s):
     return int(s)
 
 
-def iters_for(nbytes):
-    # About 2 GB moved per GPU per size, at least 20 broadcasts.
-    return max(20, min(2000, (2 << 30) // nbytes))
+def iters_for(nbytes, gib):
+    # About `gib` GiB moved per GPU per size, at least 20 broadcasts.
+    return max(20, min(20000, int(gib * (1 << 30)) // nbytes))
 
 
-def worker(rank, world, sizes, port, q):
+def worker(rank, world, sizes, port, q, gib):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     torch.cuda.set_device(rank)
     dist.init_process_group(
@@ -38,7 +38,7 @@ def worker(rank, world, sizes, port, q):
     )
     for s in sizes:
         buf = torch.empty(s, dtype=torch.uint8, device="cuda")
-        n = iters_for(s)
+        n = iters_for(s, gib)
         for _ in range(max(5, n // 10)):
             dist.broadcast(buf, src=0)
         torch.cuda.synchronize()
@@ -65,11 +65,13 @@ def main():
     ap.add_argument("--sizes", default="2MiB,64MiB,256MiB")
     ap.add_argument("--gpus", type=int, default=torch.cuda.device_count())
     ap.add_argument("--port", type=int, default=29631)
+    ap.add_argument("--gib", type=float, default=2.0,
+                    help="GiB each GPU receives in the timed broadcasts of a size (at least 20)")
     a = ap.parse_args()
     sizes = [parse_size(s) for s in a.sizes.split(",")]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    mp.spawn(worker, args=(a.gpus, sizes, a.port, q), nprocs=a.gpus, join=True)
+    mp.spawn(worker, args=(a.gpus, sizes, a.port, q, a.gib), nprocs=a.gpus, join=True)
     for _ in sizes:
         print(json.dumps(q.get(timeout=60)), flush=True)
 

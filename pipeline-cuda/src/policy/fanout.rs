@@ -67,7 +67,9 @@ impl Fanout {
     ///   consumer GPUs, MPS off and on): the chain of whole-batch forwarders moved the most
     ///   per GPU at every size measured: 118-137 GB/s at 2 MiB (direct mirrored: 105), 350 at
     ///   64 MiB (direct: 119; the tree: 184) and 340 at 256 MiB (direct: 106), since each
-    ///   GPU's egress carries a batch once instead of once per consumer GPU.
+    ///   GPU's egress carries a batch once instead of once per consumer GPU; in runs of about
+    ///   a second (docs/experiments/2026-11-27-fanout-steady-state), 354 at 64 MiB and 357 at
+    ///   256 MiB, 1.11x and 1.02x NCCL broadcast timed over as many bytes.
     pub fn resolve(self, other_gpus: usize, _batch_bytes: u64) -> Fanout {
         // The reasons say the same in a line each: `Fanout::why`.
         match self {
@@ -87,7 +89,7 @@ impl Fanout {
              10% more on 2x H200, for a ring more)"
         } else {
             "auto: two or more other GPUs take a chain of whole-batch forwarders (the most per \
-             GPU at 2, 64 and 256 MiB on 4x H100: 2.6-3.1x, 1.1x and 0.98x NCCL broadcast)"
+             GPU at 2, 64 and 256 MiB on 4x H100: 2.6-3.1x, 1.1x and 1.02x NCCL broadcast)"
         })
     }
 }
