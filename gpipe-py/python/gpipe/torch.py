@@ -97,10 +97,12 @@ class BatchDataset(torch.utils.data.IterableDataset):
                 yield item
 
 
+from ._loader import Loader  # noqa: E402
 from ._weights import WeightError, WeightPublisher, WeightReceiver, WeightUpdate  # noqa: E402
 
 __all__ = [
     "BatchDataset",
+    "Loader",
     "WeightError",
     "WeightPublisher",
     "WeightReceiver",

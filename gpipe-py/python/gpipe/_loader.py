@@ -1,0 +1,475 @@
+"""`gpipe.torch.Loader`: a data loader whose decode processes publish batches into gpipe rings
+on the trainer's GPU, and whose trainer reads them in place.
+
+The trainer process makes the loader; the loader starts decode processes (workers), each with
+a ring of its own. A worker claims the next batch number from a counter they share, reads the
+batch's samples from the dataset, calls the user's ``decode(samples, device)`` and publishes
+what it returns (tensors on the trainer's GPU, or host tensors) into its ring. The trainer
+takes the batches in batch-number order, whichever ring holds the next one, so every rank
+sees the same batches in the same order on every run with the same seed.
+
+How many workers: a fixed number, or ``"auto"``: one to start, and one more each time the
+trainer waited for data for more than a few percent of the last batches, up to a limit set by
+the CPUs per GPU of the node. Workers are processes (``spawn``), so the dataset and the decode
+function must be picklable, as for a torch DataLoader with workers.
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import torch
+
+from ._gpipe import TENSOR_ALIGN, Closed, Deadlock, Error, ProducerDied, Timeout
+
+# The header of a batch: a magic word, the batch number, what decode returned.
+_MAGIC = 0x6770_6C6F_6164  # "gpload"
+_DICT, _TUPLE, _ONE = 0, 1, 2
+# auto: add a worker when the trainer waited more than this share of the last WINDOW batches
+# (the time between its asking for a batch and having it, over the time between batches).
+WAIT_SHARE = 0.03
+WINDOW = 16
+
+
+def _is_cuda(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+class _Plan:
+    """Which samples batch number ``g`` holds: epoch ``g // per_epoch``, shuffled with the
+    seed and the epoch, this rank's part of it (every ``world``-th sample from ``rank``, as
+    torch's DistributedSampler takes them), whole batches only."""
+
+    def __init__(self, n: int, batch_size: int, rank: int, world: int, shuffle: bool, seed: int):
+        self.n, self.batch_size, self.rank, self.world = n, batch_size, rank, world
+        self.shuffle, self.seed = shuffle, seed
+        self.per_epoch = (n // world) // batch_size
+        self._epoch = -1
+        self._order: Optional[torch.Tensor] = None
+
+    def indices(self, g: int) -> list[int]:
+        epoch, b = divmod(g, self.per_epoch)
+        if epoch != self._epoch:
+            if self.shuffle:
+                gen = torch.Generator().manual_seed(self.seed + epoch)
+                order = torch.randperm(self.n, generator=gen)
+            else:
+                order = torch.arange(self.n)
+            self._order = order[self.rank : (self.n // self.world) * self.world : self.world]
+            self._epoch = epoch
+        assert self._order is not None
+        return self._order[b * self.batch_size : (b + 1) * self.batch_size].tolist()
+
+
+def _named(out: Any) -> tuple[dict[str, torch.Tensor], int]:
+    """What decode returned, as named tensors, and its kind (dict, tuple or one tensor)."""
+    if isinstance(out, torch.Tensor):
+        return {"0": out}, _ONE
+    if isinstance(out, dict):
+        items = list(out.items())
+        kind = _DICT
+    elif isinstance(out, (tuple, list)):
+        items = [(str(i), t) for i, t in enumerate(out)]
+        kind = _TUPLE
+    else:
+        raise TypeError(
+            f"decode must return a torch tensor, a tuple or list of them, or a dict of them by "
+            f"name; it returned {type(out).__name__}"
+        )
+    for name, t in items:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"decode returned {type(t).__name__} for {name!r}: give torch tensors")
+    return dict(items), kind
+
+
+def _slot_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    a = TENSOR_ALIGN
+    return sum((t.numel() * t.element_size() + a - 1) // a * a for t in tensors.values())
+
+
+def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim: Any,
+            stop: Any, errors: Any) -> None:
+    """One decode process: claims batch numbers until stopped (or the epochs are done) and
+    publishes each decoded batch into its ring at `sock`."""
+    import gpipe
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    torch.set_num_threads(cfg["threads"])
+    device = torch.device(cfg["device"])
+    if _is_cuda(device):
+        torch.cuda.set_device(device)
+    plan = _Plan(*cfg["plan"])
+    limit = cfg["epochs"] * plan.per_epoch if cfg["epochs"] is not None else None
+    producer = None
+    g = -1
+    try:
+        while not stop.is_set():
+            with claim.get_lock():
+                g = claim.value
+                claim.value += 1
+            if limit is not None and g >= limit:
+                break
+            samples = [dataset[i] for i in plan.indices(g)]
+            tensors, kind = _named(decode(samples, device))
+            if producer is None:
+                cuda = any(t.is_cuda for t in tensors.values())
+                producer = gpipe.Producer(
+                    sock, batch_bytes=_slot_bytes(tensors), slots=cfg["slots"],
+                    backend="cuda" if cuda else "host",
+                    **({"device": device.index or 0} if cuda else {}),
+                )
+                # Broadcast rings give a consumer what is published after it attached: the
+                # first batch waits for the trainer.
+                while not stop.is_set():
+                    try:
+                        producer.wait_for_consumers(1, timeout=0.2)
+                        break
+                    except Timeout:
+                        continue
+            while not stop.is_set():
+                try:
+                    producer.send(tensors, meta=[_MAGIC, g, kind], timeout=0.2)
+                    break
+                except Timeout:  # the trainer holds every slot: wait, unless stopped
+                    continue
+    except BaseException as e:  # noqa: BLE001 - every failure goes to the trainer, named
+        try:
+            errors.put((k, g, f"{type(e).__name__}: {e}", traceback.format_exc()))
+            errors.close()
+            errors.join_thread()  # the report is in the pipe before the process ends
+        finally:
+            os._exit(1)
+    finally:
+        if producer is not None:
+            producer.close()
+
+
+class _Ring:
+    """The trainer's side of one worker: its process, its ring, the batch held from it."""
+
+    def __init__(self, k: int, sock: str, proc: Any) -> None:
+        self.k, self.sock, self.proc = k, sock, proc
+        self.consumer: Any = None
+        self.held: Optional[int] = None  # the batch number received from it and not yet taken
+        self.first_at: Optional[int] = None  # the batch count when its first batch came
+        self.done = False
+
+
+class Loader:
+    """Batches for one trainer (one rank), decoded by worker processes into gpipe rings and
+    read in place.
+
+    ``dataset``: a map-style dataset (``len()`` and ``dataset[i]``), e.g. encoded images and
+    their labels. ``decode(samples, device)``: makes one batch from a list of ``batch_size``
+    samples, on ``device`` (the trainer's GPU, or the CPU): a tensor, a tuple or list of
+    tensors, or a dict of them by name, each batch of the same shapes and dtypes. It runs in
+    the workers. ``device``: where batches are made and read (default: the current CUDA
+    device, else the CPU). ``rank``, ``world_size``: this trainer's part of each epoch (default:
+    from ``torch.distributed`` if it is initialised, else 0 and 1); every rank gets
+    ``len(dataset) // world_size // batch_size`` batches an epoch. ``shuffle``, ``seed``: a new
+    order each epoch from ``seed + epoch``. ``workers``: decode processes, a number or
+    ``"auto"`` (see :attr:`why`); ``max_workers``: the most ``auto`` starts (default: the CPUs
+    per GPU of the node, at most 8). ``slots``: batches each worker's ring holds.
+    ``epochs``: the workers stop after this many (None: when the loader closes).
+    ``worker_threads``: torch threads per worker. ``timeout``: seconds a batch may take to
+    come before :class:`gpipe.Timeout` (None: no limit; a dead worker is noticed anyway).
+
+    Iterating gives one epoch: what ``decode`` returned, as tensors over the ring's slot (no
+    copy). They are read-only, and the slot goes back to its worker once they are gone, so
+    let go of a batch's tensors by the next step. ``close()`` (or leaving a ``with`` block)
+    stops the workers.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        decode: Callable[[list, torch.device], Any],
+        *,
+        batch_size: int,
+        device: Any = None,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        workers: Union[int, str] = "auto",
+        max_workers: Optional[int] = None,
+        slots: int = 4,
+        epochs: Optional[int] = None,
+        worker_threads: int = 1,
+        timeout: Optional[float] = None,
+    ) -> None:
+        if not callable(decode):
+            raise TypeError(f"decode must be a function decode(samples, device); got {type(decode).__name__}")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int of 1 or more; got {batch_size!r}")
+        if workers != "auto" and (not isinstance(workers, int) or workers < 1):
+            raise ValueError(f"workers must be 'auto' or an int of 1 or more; got {workers!r}")
+        if not isinstance(slots, int) or slots < 2:
+            raise ValueError(f"slots must be an int of 2 or more (a worker fills one while the "
+                             f"trainer reads another); got {slots!r}")
+        if rank is None or world_size is None:
+            dist = torch.distributed
+            on = dist.is_available() and dist.is_initialized()
+            rank = rank if rank is not None else (dist.get_rank() if on else 0)
+            world_size = world_size if world_size is not None else (dist.get_world_size() if on else 1)
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in 0..{world_size - 1} (world_size {world_size})")
+        n = len(dataset)
+        plan = (n, batch_size, rank, world_size, bool(shuffle), int(seed))
+        self.batches_per_epoch = _Plan(*plan).per_epoch
+        if self.batches_per_epoch < 1:
+            raise ValueError(
+                f"the dataset's {n} samples make no whole batch of {batch_size} for each of "
+                f"{world_size} rank(s): use a smaller batch_size or more samples"
+            )
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = torch.device(device)
+        if _is_cuda(self.device) and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.dataset, self.decode = dataset, decode
+        self.auto = workers == "auto"
+        self.max_workers = (max_workers if max_workers is not None else _default_max_workers()) \
+            if self.auto else int(workers)
+        if self.max_workers < 1:
+            raise ValueError(f"max_workers must be 1 or more; got {self.max_workers}")
+        self.timeout = timeout
+        self.why = (f"{workers} worker(s), as asked" if not self.auto else
+                    f"auto: 1 worker to start, up to {self.max_workers}")
+        self._cfg = {"device": str(self.device), "plan": plan, "epochs": epochs,
+                     "slots": slots, "threads": worker_threads}
+        self._ctx = multiprocessing.get_context("spawn")
+        self._claim = self._ctx.Value("q", 0)
+        self._stop = self._ctx.Event()
+        self._errors = self._ctx.Queue()
+        self._dir = tempfile.mkdtemp(prefix="gpipe-loader-")
+        self._rings: list[_Ring] = []
+        self._held: dict[int, tuple[_Ring, Any]] = {}
+        self._next = 0  # the batch number to hand out next
+        self._epoch = 0  # the epoch the next iteration gives
+        self._taken = 0  # batches handed out
+        self._waits: collections.deque = collections.deque(maxlen=WINDOW)
+        self._last_t: Optional[float] = None
+        self._closed = False
+        for _ in range(1 if self.auto else self.max_workers):
+            self._start_worker()
+
+    # -- workers -------------------------------------------------------------------------
+
+    @property
+    def workers(self) -> int:
+        """Decode processes started so far."""
+        return len(self._rings)
+
+    def _start_worker(self) -> None:
+        k = len(self._rings)
+        sock = os.path.join(self._dir, f"w{k}.sock")
+        p = self._ctx.Process(
+            target=_worker, name=f"gpipe-loader-worker-{k}", daemon=True,
+            args=(k, sock, self.dataset, self.decode, self._cfg, self._claim, self._stop,
+                  self._errors),
+        )
+        p.start()
+        self._rings.append(_Ring(k, sock, p))
+
+    def _failed(self, ring: _Ring) -> Error:
+        """The error of a worker that ended: its own exception if it sent one."""
+        reports = {}
+        while True:
+            try:
+                k, g, what, tb = self._errors.get(timeout=0.5 if not reports else 0.0)
+            except Exception:  # queue.Empty
+                break
+            reports[k] = (g, what, tb)
+        if ring.k in reports:
+            g, what, tb = reports[ring.k]
+            return Error(f"decode worker {ring.k} failed on batch {g} (epoch "
+                         f"{g // self.batches_per_epoch}): {what}\n\nin the worker:\n{tb}")
+        ring.proc.join(timeout=1.0)
+        code = ring.proc.exitcode
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with {code}"
+        return Error(f"decode worker {ring.k} (pid {ring.proc.pid}) {how} before publishing "
+                     f"batch {self._next} (epoch {self._next // self.batches_per_epoch}); "
+                     "the batches it had claimed are lost, so this epoch cannot be completed")
+
+    def _maybe_scale(self, waited: float) -> None:
+        """auto: one more worker when the trainer waited too long over the last batches."""
+        now = time.monotonic()
+        if self._last_t is not None:
+            self._waits.append((waited, now - self._last_t))
+        self._last_t = now
+        if not self.auto or self.workers >= self.max_workers or len(self._waits) < WINDOW:
+            return
+        if any(r.first_at is None or self._taken - r.first_at < WINDOW for r in self._rings):
+            return  # a worker is still starting, or only just started delivering
+        wait = sum(w for w, _ in self._waits)
+        span = sum(s for _, s in self._waits)
+        if span > 0 and wait / span > WAIT_SHARE:
+            self._start_worker()
+            self.why = (f"auto: {self.workers} workers: worker {self.workers - 1} started at "
+                        f"batch {self._taken}, the trainer having waited {wait / span:.0%} of the "
+                        f"last {WINDOW} batches (more than {WAIT_SHARE:.0%}); at most "
+                        f"{self.max_workers}")
+            self._waits.clear()
+
+    # -- batches -------------------------------------------------------------------------
+
+    def _attach(self, ring: _Ring) -> bool:
+        if ring.consumer is None:
+            if not os.path.exists(ring.sock):
+                if ring.proc.exitcode == 0:  # it ended with nothing to make (epochs done)
+                    ring.done = True
+                elif ring.proc.exitcode is not None:
+                    raise self._failed(ring)
+                return False
+            from . import Consumer
+
+            ring.consumer = Consumer(ring.sock, device=self.device if _is_cuda(self.device) else None,
+                                     timeout=30.0)
+        return True
+
+    def _poll(self, ring: _Ring, timeout: float) -> bool:
+        """Receives the next batch of `ring` if one came within `timeout`; True if one did."""
+        try:
+            b = ring.consumer.recv(timeout=timeout)
+        except Timeout:
+            if not ring.proc.is_alive() and ring.proc.exitcode != 0:
+                raise self._failed(ring) from None
+            return False
+        except Closed:
+            ring.done = True
+            return False
+        except ProducerDied:
+            raise self._failed(ring) from None
+        except Deadlock as e:
+            raise Deadlock(
+                f"decode worker {ring.k} cannot publish batch {self._next}: this process still "
+                f"holds tensors of an earlier batch of its ring, in the slot it must refill (a "
+                f"variable of an earlier loop, say); drop them (del) before taking more, or "
+                f"make the Loader with more slots (now {self._cfg['slots']}). ({e})"
+            ) from None
+        meta = b.meta
+        if meta[0] != _MAGIC:
+            b.release()
+            raise Error(f"the ring of decode worker {ring.k} at {ring.sock} carries a batch that "
+                        f"is not a loader's (header {meta[0]:#x})")
+        ring.held = meta[1]
+        if ring.first_at is None:
+            ring.first_at = self._taken
+        self._held[meta[1]] = (ring, b)
+        return True
+
+    def _take(self) -> Any:
+        """The batch numbered self._next, as what decode returned."""
+        from .torch import as_tensor
+
+        g = self._next
+        t0 = time.monotonic()
+        deadline = None if self.timeout is None else t0 + self.timeout
+        while g not in self._held:
+            waiting = [r for r in self._rings if r.held is None and not r.done]
+            if not waiting:
+                raise Error(f"batch {g} will never come: every decode worker has finished "
+                            f"(epochs={self._cfg['epochs']} ends at batch "
+                            f"{(self._cfg['epochs'] or 0) * self.batches_per_epoch})")
+            got = False
+            for r in waiting:
+                if self._attach(r):
+                    got |= self._poll(r, 0.0)
+            if not got and g not in self._held:
+                ready = [r for r in waiting if r.consumer is not None and not r.done]
+                if ready:  # sleep on one ring briefly: a batch may come on any of them
+                    self._poll(ready[int(time.monotonic() * 1e4) % len(ready)], 0.0005)
+                else:
+                    time.sleep(0.001)
+            if deadline is not None and time.monotonic() > deadline:
+                raise Timeout(f"batch {g} did not come within {self.timeout} s from "
+                              f"{self.workers} decode worker(s)")
+        ring, b = self._held.pop(g)
+        ring.held = None
+        with b:
+            names, kind = b.names, b.meta[2]
+            tensors = [as_tensor(b[n]) for n in names]
+        self._next += 1
+        self._taken += 1
+        self._maybe_scale(time.monotonic() - t0)
+        if kind == _ONE:
+            return tensors[0]
+        if kind == _TUPLE:
+            return tuple(tensors)
+        return dict(zip(names, tensors))
+
+    def __iter__(self) -> Iterator[Any]:
+        """One epoch's batches. An epoch left unfinished (a ``break``) is skipped: the next
+        iteration starts the next epoch."""
+        if self._closed:
+            raise Error("this Loader is closed")
+        start = self._epoch * self.batches_per_epoch
+        while self._next < start:  # what is left of an epoch the caller broke out of
+            self._take()
+        end = start + self.batches_per_epoch
+        self._epoch += 1
+        while self._next < end:
+            yield self._take()
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch
+
+    def close(self) -> None:
+        """Stops the workers and detaches from their rings. Tensors of batches still held stay
+        valid."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        for _, b in self._held.values():
+            b.release()
+        self._held.clear()
+        for r in self._rings:
+            if r.consumer is not None:
+                r.consumer.close()
+        for r in self._rings:
+            r.proc.join(timeout=10.0)
+            if r.proc.is_alive():
+                r.proc.kill()
+                r.proc.join(timeout=5.0)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        self.close()
+        return False
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return (f"Loader({self.batches_per_epoch} batches an epoch on {self.device}, "
+                f"{self.workers} worker(s); {self.why})")
+
+
+def _default_max_workers() -> int:
+    """auto's limit: the CPUs this process may use, shared among the node's GPUs (one
+    trainer each), one left for each trainer; 1 to 8."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 1
+    return max(1, min(8, cpus // max(1, gpus) - 1))
+
+
+__all__: Sequence[str] = ["Loader"]

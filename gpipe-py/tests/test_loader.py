@@ -1,0 +1,160 @@
+"""gpipe.torch.Loader on the host backend: decode workers in processes of their own, every
+batch of an epoch once and in order, ranks that split an epoch, `auto` adding workers when
+the trainer waits, and a worker that fails or dies ending the trainer's loop with its error."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import gpipe
+from gpipe.torch import Loader
+
+
+class Numbers:
+    """Sample i is (i, i % 7): a batch says which samples it holds."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return (i, i % 7)
+
+
+def decode(samples, device):
+    idx = torch.tensor([s[0] for s in samples], dtype=torch.int64, device=device)
+    return {
+        "index": idx,
+        "label": torch.tensor([s[1] for s in samples], dtype=torch.int64, device=device),
+        "image": idx.to(torch.float32).repeat_interleave(12).reshape(-1, 3, 2, 2),
+    }
+
+
+def decode_tuple(samples, device):
+    d = decode(samples, device)
+    return d["image"], d["label"]
+
+
+def decode_slow(samples, device):
+    time.sleep(0.03)
+    return decode(samples, device)
+
+
+def decode_failing(samples, device):
+    if any(s[0] == 13 for s in samples):
+        raise ValueError("sample 13 is not a JPEG")
+    return decode(samples, device)
+
+
+def decode_wrong(samples, device):
+    return "not tensors"
+
+
+def order(n: int, seed: int, epoch: int) -> list[int]:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+
+def test_every_batch_of_each_epoch_once_in_order():
+    n, b = 200, 8
+    with Loader(Numbers(n), decode, batch_size=b, device="cpu", workers=3, seed=5) as loader:
+        assert len(loader) == n // b and loader.workers == 3
+        for epoch in range(2):
+            seen = []
+            for batch in loader:
+                assert set(batch) == {"index", "label", "image"}
+                assert batch["image"].shape == (b, 3, 2, 2) and batch["image"].dtype == torch.float32
+                assert torch.equal(batch["label"], batch["index"] % 7)
+                assert torch.equal(batch["image"][:, 0, 0, 0], batch["index"].float())
+                seen += batch["index"].tolist()
+            assert seen == order(n, 5, epoch)  # the whole epoch, once, in the shuffled order
+
+
+def test_ranks_split_each_epoch_between_them_without_overlap():
+    n, b = 203, 10
+    got = []
+    for rank in range(2):
+        with Loader(Numbers(n), decode_tuple, batch_size=b, device="cpu", rank=rank,
+                    world_size=2, workers=1, seed=0) as loader:
+            assert len(loader) == (n // 2) // b
+            seen = []
+            for images, labels in loader:  # decode returned a tuple: so does the loader
+                seen += images[:, 0, 0, 0].to(torch.int64).tolist()
+                assert torch.equal(labels, images[:, 0, 0, 0].to(torch.int64) % 7)
+            got.append(seen)
+    assert len(got[0]) == len(got[1]) == 100 and not set(got[0]) & set(got[1])
+    perm = order(n, 0, 0)
+    assert got[0] == perm[0:202:2][:100] and got[1] == perm[1:202:2][:100]
+
+
+def test_auto_adds_a_worker_when_the_trainer_waits_for_data():
+    with Loader(Numbers(4000), decode_slow, batch_size=4, device="cpu", max_workers=3) as loader:
+        assert loader.workers == 1 and "auto" in loader.why
+        for i, _ in enumerate(loader):  # the trainer takes batches as fast as they come
+            if loader.workers >= 2 or i > 400:
+                break
+        assert loader.workers >= 2, loader.why
+        assert "waited" in loader.why and "worker 1 started" in loader.why, loader.why
+
+
+def test_a_failing_decode_ends_the_loop_naming_the_worker_and_its_error():
+    with Loader(Numbers(64), decode_failing, batch_size=4, device="cpu", workers=2,
+                shuffle=False) as loader:
+        with pytest.raises(gpipe.Error, match=r"decode worker \d failed on batch 3 \(epoch 0\): "
+                           r"ValueError: sample 13 is not a JPEG") as e:
+            for _ in loader:
+                pass
+        assert "in the worker:" in str(e.value) and "decode_failing" in str(e.value)
+
+
+def test_a_killed_worker_is_a_clear_error_not_a_hang():
+    with Loader(Numbers(4000), decode, batch_size=4, device="cpu", workers=1) as loader:
+        it = iter(loader)
+        next(it)
+        os.kill(loader._rings[0].proc.pid, signal.SIGKILL)
+        with pytest.raises(gpipe.Error, match=r"decode worker 0 \(pid \d+\) was killed by signal 9"):
+            for _ in it:
+                pass
+
+
+def test_breaking_out_of_an_epoch_starts_the_next_one():
+    n, b = 80, 8
+    with Loader(Numbers(n), decode, batch_size=b, device="cpu", workers=2, seed=3) as loader:
+        for i, batch in enumerate(loader):
+            if i == 2:
+                break
+        # the loop's last batch still holds its slot: the skip needs that slot again
+        with pytest.raises(gpipe.Deadlock, match="still holds tensors of an earlier batch"):
+            next(iter(loader))
+        del batch
+        first = next(iter(loader))
+        assert first["index"].tolist() == order(n, 3, 1)[:b]  # the refused call began no epoch
+
+
+def test_epochs_end_the_workers_and_a_further_epoch_is_refused_clearly():
+    with Loader(Numbers(32), decode, batch_size=8, device="cpu", workers=2, epochs=1) as loader:
+        assert sum(1 for _ in loader) == 4
+        with pytest.raises(gpipe.Error, match="every decode worker has finished"):
+            next(iter(loader))
+
+
+def test_bad_arguments_and_a_bad_decode_say_what_is_wrong():
+    with pytest.raises(ValueError, match="batch_size must be"):
+        Loader(Numbers(10), decode, batch_size=0, device="cpu")
+    with pytest.raises(ValueError, match="make no whole batch of 8"):
+        Loader(Numbers(5), decode, batch_size=8, device="cpu")
+    with pytest.raises(TypeError, match="decode must be a function"):
+        Loader(Numbers(10), "decode", batch_size=2, device="cpu")
+    with pytest.raises(ValueError, match="rank 2 is not in 0..1"):
+        Loader(Numbers(10), decode, batch_size=2, device="cpu", rank=2, world_size=2)
+    with Loader(Numbers(16), decode_wrong, batch_size=4, device="cpu", workers=1) as loader:
+        with pytest.raises(gpipe.Error, match="decode must return a torch tensor.*returned str"):
+            next(iter(loader))
