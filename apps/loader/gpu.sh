@@ -8,6 +8,8 @@
 #
 #   bash apps/loader/gpu.sh            # the full run, one GPU, under 9 minutes on an H100
 #   bash apps/loader/gpu.sh quick      # a few steps of every run, to check that all work
+#   bash apps/loader/gpu.sh loader     # gpipe.torch.Loader against the training ceiling: ResNet-50
+#                                      # and ResNet-18 on one GPU and on every GPU (DDP), MPS off, then on
 #   bash apps/loader/gpu.sh ddp        # the 2-GPU machine: gpipe on 1 and 2 GPUs (DDP)
 #   bash apps/loader/gpu.sh ddp quick
 #   MPS=on SM_PERCENT=25 bash apps/loader/gpu.sh ddp   # MPS only, producers at 25% of SMs
@@ -62,14 +64,31 @@ if [ "$mode" = scaling ]; then
     ${SCALING_ARGS:-} > /dev/null
   [ "${MPS:-on}" = on ] && mps_off
   exit 0
+elif [ "$mode" = loader ]; then
+  # ONE_S and DDP_S: seconds for the one-GPU and the all-GPU runs of each MPS setting.
+  G=$(gpu_count)
+  for m in ${MPS_SETTINGS:-off on}; do
+    [ "$m" = on ] && mps_on
+    echo "== gpipe.torch.Loader, one GPU, MPS $m"
+    run "${ONE_S:-130}" --label "lib-$m$P" --configs loader,ceiling --models "${MODELS:-resnet50,resnet18}" \
+      --budget $(( ${ONE_S:-130} - 10 ))
+    if [ "$G" -ge 2 ]; then
+      echo "== gpipe.torch.Loader, $G GPUs (DDP), MPS $m"
+      run "${DDP_S:-130}" --label "lib-$m$P" --world-size "$G" --configs loader,ceiling \
+        --models "${MODELS:-resnet50,resnet18}" --budget $(( ${DDP_S:-130} - 10 ))
+    fi
+    [ "$m" = on ] && mps_off
+  done
 elif [ "$mode" = ddp ]; then
   if [ "${MPS:-both}" != on ]; then
     echo "== 2 GPUs, no MPS, $K decode process(es) per GPU"
-    run 170 --world-size 2 --label nomps$S "${D[@]}" "${MD[@]}" --probe --budget 160
+    run 170 --world-size 2 --models resnet50 --configs gpipe,ceiling --label nomps$S "${D[@]}" "${MD[@]}" \
+      --probe --budget 160
   fi
   if [ "${MPS:-both}" != off ]; then
     echo "== 2 GPUs, MPS, $K decode process(es) per GPU"
-    mps_on; run 150 --world-size 2 --label mps$S$MS "${D[@]}" "${MD[@]}" --budget 140; mps_off
+    mps_on; run 150 --world-size 2 --models resnet50 --configs gpipe,ceiling --label mps$S$MS "${D[@]}" \
+      "${MD[@]}" --budget 140; mps_off
   fi
 elif [ "$mode" = decoders ]; then
   echo "== the DataLoader reference (CPU-bound: no MPS)"
@@ -95,7 +114,7 @@ else
     fi
     if [ "$mode" != nomps ]; then
       echo "== MPS (the DataLoader is CPU-bound: its no-MPS run is the reference)"
-      mps_on; run ${MPS_S:-300} --label mps$S "${D[@]}" --configs gpipe,inprocess,ceiling,producer --budget $(( ${MPS_S:-300} - 15 )); mps_off
+      mps_on; run ${MPS_S:-300} --label mps$S "${D[@]}" --configs loader,gpipe,inprocess,ceiling,producer --budget $(( ${MPS_S:-300} - 15 )); mps_off
     fi
   fi
 fi

@@ -4,6 +4,8 @@
 One invocation runs every configuration for every model, one after the other, each in fresh
 processes under a hard time limit, and appends one JSON line per run to ``OUT/loader.jsonl``:
 
+- ``loader``: ``gpipe.torch.Loader`` in the trainer's process (loader_lib.py): decode workers
+  it starts itself, ``--loader-workers`` of them or ``auto``;
 - ``ceiling``: the training step on synthetic GPU tensors (baselines.py);
 - ``dataloader``: torch DataLoader, PIL decode in worker processes (baselines.py);
 - ``inprocess``: GPU decode + augment in the training process on a side stream (baselines.py);
@@ -12,8 +14,9 @@ processes under a hard time limit, and appends one JSON line per run to ``OUT/lo
 - ``producer``: producer.py feeding a trainer that only receives (``--model none``): the
   producer's own images/s.
 
-With ``--world-size 2`` (the 2-GPU machine) it runs the ResNet-50 ``gpipe`` configuration on
-one GPU and on two (DDP, one producer per GPU, ``--shard rank/2``), and the DDP ceiling.
+With ``--world-size 2`` (the 2-GPU machine; or 4) it runs the ResNet-50 ``loader`` and ``gpipe``
+configurations on one GPU and on all (DDP, one loader or producer per GPU, each rank its part
+of the epoch), and the DDP ceiling.
 ``--probe`` first measures what decoding costs per image (gpu_decode.py), the figure that
 places the decode.
 
@@ -39,7 +42,7 @@ from typing import Any, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PY = sys.executable
-CONFIGS = ("gpipe", "inprocess", "dataloader", "ceiling", "producer")
+CONFIGS = ("loader", "gpipe", "inprocess", "dataloader", "ceiling", "producer")
 # Only NVLink multicast is switched off; it must stay off on the shared machines.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -113,7 +116,7 @@ class Runner:
             self._kill(p)
 
 
-TRAINER_FIELDS = ("images_per_s", "wait_fraction", "host_wait_fraction", "gpu_util", "steps", "seconds",
+TRAINER_FIELDS = ("images_per_s", "workers", "workers_why", "wait_fraction", "host_wait_fraction", "gpu_util", "steps", "seconds",
                   "startup_s", "epochs", "loss", "timeline", "mps", "gpu", "kernel", "cpus", "source")
 PRODUCER_FIELDS = ("images_per_s", "steady_images_per_s", "busy_images_per_s", "decode_wait_s", "acquire_s",
                    "work_s", "read_s", "decode_s", "batches", "end", "source")
@@ -148,12 +151,17 @@ def run_config(r: Runner, a: argparse.Namespace, model: str, config: str, world:
     tag = f"{a.label}-{model}-{config}-w{world}"
     pg = f"file://{tempfile.gettempdir()}/loader-pg-{os.getpid()}-{tag}"
     limit = a.run_limit
-    if config in ("ceiling", "dataloader", "inprocess"):
+    if config in ("ceiling", "dataloader", "inprocess", "loader"):
         procs = []
         for rank in range(world):
-            cmd = [PY, os.path.join(HERE, "baselines.py"), config, "--model", model, "--batch", str(a.batch),
-                   "--size", str(a.size), "--steps", str(steps), "--warmup", str(warmup), "--workers", str(a.workers),
-                   "--device", "cpu" if a.cpu else f"cuda:{rank}" if world == 1 else "cuda", *profile_for(rank)]
+            device = "cpu" if a.cpu else f"cuda:{rank}" if world == 1 else "cuda"
+            if config == "loader":  # gpipe.torch.Loader: its decode workers are its own
+                cmd = [PY, os.path.join(HERE, "loader_lib.py"), "--workers", a.loader_workers,
+                       "--slots", str(a.slots)]
+            else:
+                cmd = [PY, os.path.join(HERE, "baselines.py"), config, "--workers", str(a.workers)]
+            cmd += ["--model", model, "--batch", str(a.batch), "--size", str(a.size), "--steps", str(steps),
+                    "--warmup", str(warmup), "--device", device, *profile_for(rank)]
             if config != "ceiling":
                 cmd += ["--data", a.data]
             if world > 1:
@@ -314,6 +322,8 @@ def summarize(path: str) -> str:
                 note = f"producers at {x['producer_sm_percent']}% of the SMs; " + note
             if (x.get("decoders") or 1) > 1:
                 note = f"{x['decoders']} decode processes per GPU; " + note
+            if x["config"] == "loader" and x.get("workers"):
+                note = f"{x['workers']} decode workers ({x.get('workers_why', '')[:120]}); " + note
             if x.get("per_rank_images_per_s"):
                 note = f"ranks {x['per_rank_images_per_s']} " + note
             wait = _pct(x.get("wait_fraction"))
@@ -372,6 +382,13 @@ def check_targets(find: dict) -> list[str]:
     g2 = rate("resnet50", 2, "gpipe")
     if g2 and g50:
         target("ResNet-50 2 GPUs / 1 GPU (gpipe)", g2 / g50, 1.8, "resnet50", 2)
+    # gpipe.torch.Loader against the training ceiling of the same GPUs: 0.95x for ResNet-50,
+    # 0.9x for ResNet-18 (a faster step, so a harder feed)
+    for model, want in (("resnet50", 0.95), ("resnet18", 0.9)):
+        for world in sorted({k[1] for k in find if k[0] == model and k[2] == "loader"}):
+            lo, ceil = rate(model, world, "loader"), rate(model, world, "ceiling")
+            if lo and ceil:
+                target(f"{model} W={world} loader / ceiling", lo / ceil, want, model, world)
     return out
 
 
@@ -382,7 +399,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--label", default="run", help="name of this invocation's runs (e.g. nomps, mps)")
     ap.add_argument("--models", default="resnet50,resnet18")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {', '.join(CONFIGS)}")
-    ap.add_argument("--world-size", type=int, default=1, help="2: the 2-GPU runs (gpipe on 1 and 2 GPUs, DDP ceiling)")
+    ap.add_argument("--world-size", type=int, default=1,
+                    help="2 or more: the DDP runs (loader and gpipe on 1 GPU and on W, the DDP ceiling)")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--steps", type=int, default=60, help="timed steps per run")
     ap.add_argument("--warmup", type=int, default=16,
@@ -394,6 +412,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "(16 workers x 2 = 32), which would otherwise be timed as if free")
     ap.add_argument("--workers", type=int, default=16, help="DataLoader workers")
     ap.add_argument("--slots", type=int, default=6, help="gpipe ring slots")
+    ap.add_argument("--loader-workers", default="auto",
+                    help="decode workers of gpipe.torch.Loader (the loader runs): a number or auto")
     ap.add_argument("--decoders", type=int, default=1,
                     help="producer (decode) processes per GPU in the gpipe runs, each its own ring and "
                     "shard; the trainer reads them in turn")
@@ -441,7 +461,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"{a.label} decode probe: {json.dumps(rec)}", flush=True)
         if a.world_size > 1:
             w = a.world_size
-            plan = [("resnet50", "gpipe", 1), ("resnet50", "gpipe", w), ("resnet50", "ceiling", w)]
+            plan = []
+            for m in models:  # each feed on one GPU and on all, then the DDP ceiling
+                for c in ("loader", "gpipe"):
+                    if c in configs:
+                        plan += [(m, c, 1), (m, c, w)]
+                if "ceiling" in configs:
+                    plan.append((m, "ceiling", w))
         else:
             plan = [(m, c, 1) for m in models for c in configs if not (c == "producer" and m != models[0])]
         for model, config, world in plan:

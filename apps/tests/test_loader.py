@@ -509,3 +509,26 @@ def test_baselines_run_on_the_cpu(data, pack, procs, source):
         assert r["steps"] == 2 and r["images_per_s"] > 0 and math.isfinite(r["loss"])
         assert len(r["timeline"]["step_ms"]) == 2
     assert [r.get("source") for r in recs] == [None, source, source]
+
+
+@pytest.mark.parametrize("source", ["folder", "pack"])
+def test_the_library_loader_feeds_a_trainer(data, pack, procs, source):
+    t = procs("loader_lib.py", "--data", data if source == "folder" else pack, "--device", "cpu",
+              "--model", "resnet18", "--batch", "4", "--size", str(SIZE), "--steps", "3",
+              "--warmup", "1", "--workers", "2").result()
+    assert t["mode"] == "loader" and t["source"] == source and t["workers"] == 2
+    assert t["steps"] == 3 and t["images_per_s"] > 0 and math.isfinite(t["loss"])
+    assert t["batches_per_epoch"] == IMAGES // 4 and "as asked" in t["workers_why"]
+
+
+def test_the_library_loader_feeds_two_ddp_ranks(data, procs):
+    pg = f"file://{SOCK_DIR / uuid.uuid4().hex[:8]}"
+    ranks = [procs("loader_lib.py", "--data", data, "--device", "cpu", "--model", "resnet18",
+                   "--batch", "4", "--size", str(SIZE), "--steps", "2", "--warmup", "1",
+                   "--workers", "auto", "--max-workers", "2", "--world-size", "2", "--rank", str(r),
+                   "--dist-url", pg) for r in range(2)]
+    ts = [r.result() for r in ranks]
+    for r, t in enumerate(ts):
+        assert t["rank"] == r and t["world_size"] == 2 and t["steps"] == 2
+        assert t["batches_per_epoch"] == IMAGES // 2 // 4 and 1 <= t["workers"] <= 2
+        assert t["workers_why"].startswith("auto"), t["workers_why"]

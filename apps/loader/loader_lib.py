@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""A trainer fed by ``gpipe.torch.Loader``: the loader as a library feature, in one process.
+
+The trainer makes the loader with the data set (a folder or a pack, read by index) and a
+decode function (nvJPEG decode, random-resized crop, flip and normalise: gpu_decode.py's, on
+the trainer's GPU); the loader starts decode worker processes, each publishing into a gpipe
+ring of its own, and the trainer reads the batches in place. ``--workers auto`` (the
+default) lets the loader add workers while the trainer waits for data. DDP: ``--world-size W
+--rank R`` joins a process group first; the loader then takes rank R's part of each epoch.
+
+Prints one JSON line with the same figures as train.py and baselines.py, and the loader's
+workers and why.
+
+    python3 apps/loader/loader_lib.py --data /tmp/loader-data --model resnet50 --steps 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Iterator, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpipe.torch  # noqa: E402
+from gpu_decode import Augment, decode, open_images  # noqa: E402
+from step import MODELS, TrainStep, emit, environment, measure, setup_device  # noqa: E402
+
+
+class EncodedImages:
+    """The data set by index: (the image's JPEG bytes, its label). Pickled by its path: each
+    worker opens the folder or pack itself."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._images: Any = open_images(path)
+        self.classes = len(self._images.classes)
+        self.kind = self._images.kind
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path, "classes": self.classes, "kind": self.kind, "_images": None}
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    @property
+    def images(self) -> Any:
+        if self._images is None:
+            self._images = open_images(self.path)
+        return self._images
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self.images.read(i), int(self.images.labels[i])
+
+
+class DecodeAugment:
+    """decode(samples, device) for the loader: one batch of JPEGs decoded on the device
+    (nvJPEG; the CPU on the host), augmented into float16 channels_last images, with labels."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size, self.seed = size, seed
+        self.augment: Optional[Augment] = None
+
+    def __getstate__(self) -> dict:
+        return {"size": self.size, "seed": self.seed, "augment": None}
+
+    def __call__(self, samples: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.augment is None:  # per worker: its own random stream
+            self.augment = Augment(self.size, device, seed=self.seed * 1000 + os.getpid())
+        images = self.augment(decode([s[0] for s in samples], device))
+        labels = torch.tensor([s[1] for s in samples], dtype=torch.int64)
+        return images, labels.to(device, non_blocking=True)
+
+
+def epochs(loader: gpipe.torch.Loader) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict]]:
+    """Batches for measure(), epoch after epoch."""
+    epoch = 0
+    while True:
+        for images, labels in loader:
+            yield images, labels, {"epoch": epoch}
+        epoch += 1
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", required=True, help="data set folder or pack")
+    ap.add_argument("--model", choices=MODELS, default="resnet50")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--size", type=int, default=224)
+    ap.add_argument("--steps", type=int, default=60, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=10, help="steps before timing starts")
+    ap.add_argument("--workers", default="auto", help="decode worker processes: a number or auto")
+    ap.add_argument("--max-workers", type=int, default=None, help="auto's limit (default: the loader's)")
+    ap.add_argument("--slots", type=int, default=4, help="batches in each worker's ring")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--world-size", type=int, default=1, help="DDP ranks (1: no process group)")
+    ap.add_argument("--rank", type=int, default=0, help="this rank; with --device cuda it runs on cuda:RANK")
+    ap.add_argument("--dist-url", default="env://", help="process-group rendezvous, e.g. file:///tmp/pg")
+    ap.add_argument("--profile", type=int, default=0, help="steps under torch.profiler after the timed ones")
+    ap.add_argument("--profile-out", default=None)
+    ap.add_argument("--label", default="loader")
+    a = ap.parse_args(argv)
+    workers: Any = a.workers if a.workers == "auto" else int(a.workers)
+
+    ddp = a.world_size > 1
+    dev = setup_device(f"cuda:{a.rank}" if ddp and a.device == "cuda" else a.device)
+    if ddp:
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=a.dist_url,
+                                rank=a.rank, world_size=a.world_size)
+    torch.manual_seed(a.seed)
+    data = EncodedImages(a.data)
+    with gpipe.torch.Loader(data, DecodeAugment(a.size, a.seed), batch_size=a.batch, device=dev,
+                            workers=workers, max_workers=a.max_workers, slots=a.slots,
+                            seed=a.seed) as loader:
+        step = TrainStep(a.model, data.classes, dev, ddp=ddp)
+        out = measure(step, epochs(loader), steps=a.steps, warmup=a.warmup, batch_size=a.batch,
+                      profile=a.profile, profile_path=a.profile_out)
+        figures = {"workers": loader.workers, "workers_why": loader.why,
+                   "batches_per_epoch": len(loader)}
+    if ddp:
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+    emit({"role": "trainer", "label": a.label, "mode": "loader", "model": a.model, "device": str(dev),
+          "rank": a.rank, "world_size": a.world_size, "source": data.kind, **figures, **out,
+          **environment()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
