@@ -8,6 +8,8 @@
 #        bash apps/fanout/gpu.sh quick      # smoke run: a few frames per run, MPS off
 #        bash apps/fanout/gpu.sh quick mps  # the same, then MPS on too
 # Extra run_all.py options can follow (e.g. --rate 120).
+# SPREAD=1: the gpipe runs put the three models on GPUs 1, 2 and 3, fed from one source on
+# GPU 0 (needs 4 GPUs; the baselines stay on GPU 0); labels end in -spread.
 set -u
 . "$(dirname "$0")/../../scripts/gpu/lib.sh"
 O=${OUT:-/tmp/gpipe-fanout}; mkdir -p "$O"
@@ -19,9 +21,16 @@ fi
 : >"$O/fanout.jsonl"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$O/device.txt"
 python3 -c 'import torch, torchvision; print("torch", torch.__version__, "torchvision", torchvision.__version__)'
+spread=(); sp=
+if [ -n "${SPREAD:-}" ]; then
+  g=$(gpu_count)
+  [ "$g" -ge 4 ] || { echo "SPREAD=1 needs 4 GPUs (a source on GPU 0, a model on each of 1-3); this machine has $g"; exit 2; }
+  spread=(--model-devices 1,2,3); sp=-spread
+fi
 run() { # mps label
-  echo "== run_all.py, MPS $1"
-  limit 250 python3 apps/fanout/run_all.py --mps "$1" --out "$O" --budget 200 --run-timeout 60 $quick "${@:2}"
+  echo "== run_all.py, MPS $1${sp}"
+  limit 250 python3 apps/fanout/run_all.py --mps "$1$sp" --out "$O" --budget 200 --run-timeout 60 $quick \
+    "${spread[@]}" "${@:2}"
   echo "run_all rc=$?"
 }
 run off "$@"

@@ -68,6 +68,8 @@ class Config:
     run_timeout: float = 120.0
     check: bool = False
     spin: float = 0.0
+    # The GPU of each model's process in the gpipe runs (None: the source's, GPU 0).
+    model_devices: Optional[list[int]] = None
 
     @property
     def device(self) -> str:
@@ -161,7 +163,10 @@ def run_gpipe(
     cons = []
     for k, m in enumerate(models):
         argv = py + [os.path.join(HERE, "model.py"), "--socket", sock, "--model", m, "--mode", mode]
-        argv += ["--device", cfg.device, "--size", str(cfg.size), "--threads", str(cfg.threads)]
+        device = cfg.device
+        if cfg.model_devices and cfg.backend == "cuda":
+            device = f"cuda:{cfg.model_devices[k]}"  # reads GPU 0's ring from its own GPU
+        argv += ["--device", device, "--size", str(cfg.size), "--threads", str(cfg.threads)]
         argv += ["--attach-timeout", str(cfg.run_timeout), "--idle-timeout", str(cfg.run_timeout)]
         argv += cfg.shape_args()
         if latency:
@@ -213,6 +218,8 @@ def run_gpipe(
         rec["ok"] = False
         rec["error"] = " | ".join(errors)
     rec["latency_run"] = latency
+    if cfg.model_devices:
+        rec["model_devices"] = cfg.model_devices
     rec["wall_s"] = round(time.monotonic() - t0, 1)
     return rec
 
@@ -418,6 +425,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--check", action="store_true", help="consumers check every frame's marker")
     ap.add_argument(
+        "--model-devices",
+        default="",
+        help="the GPU of each model's process in the gpipe runs, e.g. 1,2,3: one source on GPU 0 "
+        "feeding models on other GPUs (default: every model on GPU 0); the baselines stay on GPU 0",
+    )
+    ap.add_argument(
         "--spin",
         type=float,
         default=0.0,
@@ -455,7 +468,13 @@ def main(argv=None) -> int:
         run_timeout=a.run_timeout,
         check=a.check,
         spin=a.spin,
+        model_devices=[int(d) for d in a.model_devices.split(",")] if a.model_devices else None,
     )
+    if cfg.model_devices is not None and len(cfg.model_devices) != len(models):
+        raise SystemExit(
+            f"--model-devices names {len(cfg.model_devices)} GPUs for {len(models)} models "
+            f"({','.join(models)}): give one GPU per model"
+        )
     os.makedirs(a.out, exist_ok=True)
     jsonl = os.path.join(a.out, "fanout.jsonl")
     t_begin = time.monotonic()
