@@ -158,3 +158,21 @@ def test_bad_arguments_and_a_bad_decode_say_what_is_wrong():
     with Loader(Numbers(16), decode_wrong, batch_size=4, device="cpu", workers=1) as loader:
         with pytest.raises(gpipe.Error, match="decode must return a torch tensor.*returned str"):
             next(iter(loader))
+
+
+class Unreadable(Numbers):
+    """Sample 21 cannot be read: the worker's read-ahead thread raises."""
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        if i == 21:
+            raise OSError("sample 21: input/output error")
+        return super().__getitem__(i)
+
+
+def test_a_sample_that_cannot_be_read_names_its_batch():
+    with Loader(Unreadable(64), decode, batch_size=4, device="cpu", workers=1,
+                shuffle=False) as loader:
+        with pytest.raises(gpipe.Error, match=r"decode worker 0 failed on batch 5 \(epoch 0\): "
+                           r"OSError: sample 21: input/output error"):
+            for _ in loader:
+                pass

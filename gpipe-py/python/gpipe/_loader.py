@@ -17,6 +17,7 @@ function must be picklable, as for a torch DataLoader with workers.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import multiprocessing
 import os
 import shutil
@@ -98,7 +99,8 @@ def _slot_bytes(tensors: dict[str, torch.Tensor]) -> int:
 def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim: Any,
             stop: Any, errors: Any) -> None:
     """One decode process: claims batch numbers until stopped (or the epochs are done) and
-    publishes each decoded batch into its ring at `sock`."""
+    publishes each decoded batch into its ring at `sock`. The next batch's samples are read on
+    a thread while this one decodes (file reads release the GIL)."""
     import gpipe
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
@@ -108,16 +110,27 @@ def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim:
         torch.cuda.set_device(device)
     plan = _Plan(*cfg["plan"])
     limit = cfg["epochs"] * plan.per_epoch if cfg["epochs"] is not None else None
+    reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gpipe-loader-read")
+
+    def read(g: int) -> list:
+        return [dataset[i] for i in plan.indices(g)]
+
+    def claim_next() -> Optional[tuple[int, concurrent.futures.Future]]:
+        with claim.get_lock():
+            g = claim.value
+            claim.value += 1
+        if limit is not None and g >= limit:
+            return None
+        return g, reader.submit(read, g)
+
     producer = None
     g = -1
     try:
-        while not stop.is_set():
-            with claim.get_lock():
-                g = claim.value
-                claim.value += 1
-            if limit is not None and g >= limit:
-                break
-            samples = [dataset[i] for i in plan.indices(g)]
+        pending = claim_next()
+        while pending is not None and not stop.is_set():
+            g = pending[0]
+            samples = pending[1].result()  # a read that failed raises here, named with g
+            pending = claim_next()  # its reads run while this batch decodes
             tensors, kind = _named(decode(samples, device))
             if producer is None:
                 cuda = any(t.is_cuda for t in tensors.values())
@@ -148,6 +161,7 @@ def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim:
         finally:
             os._exit(1)
     finally:
+        reader.shutdown(wait=False, cancel_futures=True)
         if producer is not None:
             producer.close()
 
