@@ -17,27 +17,18 @@ use common::*;
 #[test]
 fn bench_broadcast_verifies_every_batch() {
     watchdog(120, |_| {
-        let out = Command::new(GPIPE)
-            .args([
-                "bench",
-                "--backend",
-                "host",
-                "--consumers",
-                "3",
-                "--batches",
-                "400",
-                "--batch-bytes",
-                "256KiB",
-                "--json",
-            ])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let r = bench_json(&[
+            "bench",
+            "--backend",
+            "host",
+            "--consumers",
+            "3",
+            "--batches",
+            "400",
+            "--batch-bytes",
+            "256KiB",
+            "--json",
+        ]);
         assert_eq!(r["published"], 400);
         assert_eq!(r["lost"], 0);
         assert_eq!(r["duplicated"], 0);
@@ -54,29 +45,20 @@ fn bench_broadcast_verifies_every_batch() {
 #[test]
 fn bench_shared_splits_work_exactly_once() {
     watchdog(120, |_| {
-        let out = Command::new(GPIPE)
-            .args([
-                "bench",
-                "--backend",
-                "host",
-                "--mode",
-                "shared",
-                "--consumers",
-                "3",
-                "--batches",
-                "600",
-                "--batch-bytes",
-                "128KiB",
-                "--json",
-            ])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let r = bench_json(&[
+            "bench",
+            "--backend",
+            "host",
+            "--mode",
+            "shared",
+            "--consumers",
+            "3",
+            "--batches",
+            "600",
+            "--batch-bytes",
+            "128KiB",
+            "--json",
+        ]);
         assert_eq!(r["lost"], 0);
         assert_eq!(r["duplicated"], 0);
         assert_eq!(r["mismatches"], 0);
