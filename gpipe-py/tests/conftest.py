@@ -45,8 +45,11 @@ class Child:
         import queue
         import threading
 
+        # Ctrl-C raises KeyboardInterrupt in the child even when this test run was started
+        # with SIGINT ignored (a shell's background job), which the child would inherit.
+        code = "import signal as _s; _s.signal(_s.SIGINT, _s.default_int_handler)\n" + textwrap.dedent(code)
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(code), *args],
+            [sys.executable, "-c", code, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -99,6 +99,26 @@ def test_a_non_contiguous_source_and_a_dict_target(pair):
     assert torch.equal(dst["t"], base.t()) and torch.equal(dst["half"], sd["half"])
 
 
+def test_a_dict_target_is_planned_once_and_again_when_its_tensors_change(pair):
+    src, pub, rx = pair(model={"a": torch.arange(6.0), "b": torch.ones(3, dtype=torch.int64)})
+    dst = {"a": torch.zeros(6), "b": torch.zeros(3, dtype=torch.int64)}
+    pub.publish()
+    rx.load_into(dst, timeout=5)
+    plan = rx._dict_plan
+    assert plan is not None and torch.equal(dst["a"], src["a"])
+    src["a"].add_(1)
+    pub.publish()
+    rx.load_into(dst, timeout=5)
+    assert rx._dict_plan is plan and torch.equal(dst["a"], src["a"])  # the same plan
+    old = dst["a"]
+    dst["a"] = torch.zeros(6)  # another tensor under the same name: planned again
+    src["a"].add_(1)
+    pub.publish()
+    rx.load_into(dst, timeout=5)
+    assert rx._dict_plan is not plan and torch.equal(dst["a"], src["a"])
+    assert not torch.equal(old, src["a"])  # nothing went into the tensor the dict let go
+
+
 def test_latest_skips_to_the_newest_update(pair):
     src, pub, rx = pair()
     dst = model_like(seed=1)

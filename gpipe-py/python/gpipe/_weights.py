@@ -505,6 +505,9 @@ class WeightReceiver:
         self._targets: weakref.WeakKeyDictionary[Any, tuple[int, list[_Dest]]] = (
             weakref.WeakKeyDictionary()
         )
+        # the last dict of tensors loaded into: (its id, (name, weak tensor) of each entry,
+        # layout hash, where each tensor goes)
+        self._dict_plan: Optional[tuple[int, list, int, list[_Dest]]] = None
 
     # -- receiving -------------------------------------------------------------------------
 
@@ -598,8 +601,12 @@ class WeightReceiver:
         return WeightUpdate(batch, version, tuple(batch.meta[6:8]), sd)
 
     def _plan(self, target: Any, layout: Layout, strict: bool) -> list[_Dest]:
-        """Where each tensor of `layout` goes in `target` (None: nowhere, strict=False)."""
-        cached = self._targets.get(target) if isinstance(target, torch.nn.Module) else None
+        """Where each tensor of `layout` goes in `target` (None: nowhere, strict=False).
+        Kept for the next update: per module, and for the last dict of tensors while it holds
+        the same tensors under the same names (checking that costs far less than planning
+        again, about 1 ms for 200 tensors)."""
+        is_module = isinstance(target, torch.nn.Module)
+        cached = self._targets.get(target) if is_module else self._dict_plan_for(target, layout)
         if cached is not None and cached[0] == layout.hash:
             return cached[1]
         sd = _state_dict_of(target)
@@ -623,9 +630,23 @@ class WeightReceiver:
                 )
             b = _bytes_view(t)
             dsts.append((b, True) if b is not None else (t.detach(), False))
-        if isinstance(target, torch.nn.Module):
+        if is_module:
             self._targets[target] = (layout.hash, dsts)
+        else:  # no strong reference: the dict by id, its tensors by weak reference
+            self._dict_plan = (id(target), [(k, weakref.ref(t)) for k, t in sd.items()],
+                               layout.hash, dsts)
         return dsts
+
+    def _dict_plan_for(self, target: Any, layout: Layout) -> Optional[tuple[int, list[_Dest]]]:
+        """The plan made for `target`, a dict, if it still holds the same tensors by the same
+        names."""
+        c = self._dict_plan
+        if c is None or c[0] != id(target) or c[2] != layout.hash or len(target) != len(c[1]):
+            return None
+        for (key, ref), (k, t) in zip(c[1], target.items()):
+            if ref() is not t or key != k:
+                return None
+        return c[2], c[3]
 
     def load_into(
         self,
