@@ -158,6 +158,37 @@ pub fn try_claim(claim: &AtomicU64, mine: &AtomicU64, seq: u64, me: u32) -> Opti
     }
 }
 
+/// Shared consumer: the claim word of the slot that holds batch `seq` speaks of an older
+/// batch. Only a peer's scribble puts one there: the producer stored `seq`'s word before it
+/// published `seq`, and every other writer changes a word by compare-and-swap from what it
+/// read. Such a word counts as unclaimed (else nobody could take the batch until the
+/// producer needs the slot, and a ring closed meanwhile would lose it): claim it as
+/// [`try_claim`] does, swapping from the scribble. Returns our page word from before.
+#[inline]
+pub fn claim_scribbled(claim: &AtomicU64, mine: &AtomicU64, seq: u64, me: u32) -> Option<u64> {
+    let w = claim.load(Ordering::Relaxed);
+    if claim_seq(w) >= seq {
+        return None;
+    }
+    let before = mine.load(Ordering::Relaxed);
+    if before == released(seq) || before == holding(seq) {
+        return None;
+    }
+    mine.store(holding(seq), Ordering::SeqCst);
+    match claim.compare_exchange(
+        w,
+        claim_word(seq, Some(me)),
+        Ordering::SeqCst,
+        Ordering::Relaxed,
+    ) {
+        Ok(_) => Some(before),
+        Err(_) => {
+            mine.store(before, Ordering::Release);
+            None
+        }
+    }
+}
+
 /// Shared consumer: a claim word names us for batch `seq` but our page does not back it (a
 /// peer wrote it in our name): take the batch as ours. Returns our page word from before.
 /// If the word changed meanwhile (the producer reset it), the batch is not ours.
@@ -582,6 +613,41 @@ mod tests {
             None,
             "at most once per consumer"
         );
+    }
+
+    #[test]
+    fn a_claim_word_of_an_older_batch_is_a_scribble_and_claimable_once() {
+        // Slot of batch 11 (4 slots), its word scribbled back to batch 7's.
+        let claim = AtomicU64::new(claim_word(7, Some(0)));
+        let (a, b) = (AtomicU64::new(released(7)), AtomicU64::new(0));
+        assert_eq!(try_claim(&claim, &a, 11, 0), None, "not an unclaimed word");
+        assert_eq!(claim_scribbled(&claim, &a, 11, 0), Some(released(7)));
+        assert_eq!(claim.load(Ordering::Relaxed), claim_word(11, Some(0)));
+        assert_eq!(a.load(Ordering::Relaxed), holding(11));
+        assert_eq!(
+            claim_scribbled(&claim, &b, 11, 1),
+            None,
+            "a claim of this batch stands"
+        );
+        // Scribbled again while a holds it: a does not take it twice; b may (the scribbler's
+        // duplicate), and only once.
+        claim.store(claim_word(3, None), Ordering::Relaxed);
+        assert_eq!(
+            claim_scribbled(&claim, &a, 11, 0),
+            None,
+            "not while we hold it"
+        );
+        assert!(claim_scribbled(&claim, &b, 11, 1).is_some());
+        release(&b, 11);
+        claim.store(claim_word(3, None), Ordering::Relaxed);
+        assert_eq!(
+            claim_scribbled(&claim, &b, 11, 1),
+            None,
+            "at most once per consumer"
+        );
+        // A word of a newer batch in the slot (being published) is never taken for one.
+        claim.store(claim_word(15, None), Ordering::Relaxed);
+        assert_eq!(claim_scribbled(&claim, &AtomicU64::new(0), 11, 2), None);
     }
 
     #[test]

@@ -431,8 +431,9 @@ impl<B: ConsumerBackend> Consumer<B> {
             for s in start..window.end {
                 let k = ring::slot_of(s, n);
                 let (claim, mine) = (claims.claim(k), page.slot(k));
-                let Some(before) =
-                    ring::try_claim(claim, mine, s, me).or_else(|| ring::adopt(claim, mine, s, me))
+                let Some(before) = ring::try_claim(claim, mine, s, me)
+                    .or_else(|| ring::adopt(claim, mine, s, me))
+                    .or_else(|| ring::claim_scribbled(claim, mine, s, me))
                 else {
                     continue;
                 };
@@ -482,16 +483,19 @@ impl<B: ConsumerBackend> Consumer<B> {
                 },
                 || {
                     if self.check_peer(deadline)? {
-                        // Closed: done when nothing published is still unclaimed, or claimed
-                        // in our name (by a peer) without our page having taken it, but for
-                        // batches we hold or released ourselves (a peer may reopen their
-                        // words; we never take a batch twice).
+                        // Closed: done when nothing published is still unclaimed, claimed
+                        // in our name (by a peer) without our page having taken it, or
+                        // scribbled back to an older batch's word, but for batches we hold or
+                        // released ourselves (a peer may reopen their words; we never take a
+                        // batch twice).
                         let head = h.head.value.load(Ordering::Acquire);
                         let left = ring::live_window(head, n).any(|s| {
                             let k = ring::slot_of(s, n);
                             let w = claims.claim(k).load(Ordering::Acquire);
                             let mine = page.slot(k).load(Ordering::Relaxed);
-                            (w == ring::claim_word(s, None) || w == ring::claim_word(s, Some(me)))
+                            (w == ring::claim_word(s, None)
+                                || w == ring::claim_word(s, Some(me))
+                                || ring::claim_seq(w) < s)
                                 && mine != ring::released(s)
                                 && mine != ring::holding(s)
                         });
