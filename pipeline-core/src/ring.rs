@@ -158,16 +158,25 @@ pub fn try_claim(claim: &AtomicU64, mine: &AtomicU64, seq: u64, me: u32) -> Opti
     }
 }
 
-/// Shared consumer: the claim word of the slot that holds batch `seq` speaks of an older
-/// batch. Only a peer's scribble puts one there: the producer stored `seq`'s word before it
-/// published `seq`, and every other writer changes a word by compare-and-swap from what it
-/// read. Such a word counts as unclaimed (else nobody could take the batch until the
-/// producer needs the slot, and a ring closed meanwhile would lose it): claim it as
-/// [`try_claim`] does, swapping from the scribble. Returns our page word from before.
+/// Shared consumer: the claim word of the slot that holds batch `seq` speaks of another
+/// batch. Only a peer's scribble puts one there: the producer stores a batch's word before it
+/// publishes the batch (and the slot descriptor's `seq` before that word), and every other
+/// writer changes a word by compare-and-swap from what it read. So a word of an older batch
+/// is always a scribble, and one of a newer batch is one while the slot's descriptor
+/// (`slot_seq`, loaded after the word) still says `seq`. Such a word counts as unclaimed
+/// (else nobody could take the batch until the producer needs the slot, and a ring closed
+/// meanwhile would lose it): claim it as [`try_claim`] does, swapping from the scribble.
+/// Returns our page word from before.
 #[inline]
-pub fn claim_scribbled(claim: &AtomicU64, mine: &AtomicU64, seq: u64, me: u32) -> Option<u64> {
-    let w = claim.load(Ordering::Relaxed);
-    if claim_seq(w) >= seq {
+pub fn claim_scribbled(
+    claim: &AtomicU64,
+    slot_seq: &AtomicU64,
+    mine: &AtomicU64,
+    seq: u64,
+    me: u32,
+) -> Option<u64> {
+    let w = claim.load(Ordering::Acquire);
+    if !scribbled(w, seq, || slot_seq.load(Ordering::Acquire)) {
         return None;
     }
     let before = mine.load(Ordering::Relaxed);
@@ -187,6 +196,14 @@ pub fn claim_scribbled(claim: &AtomicU64, mine: &AtomicU64, seq: u64, me: u32) -
             None
         }
     }
+}
+
+/// Whether claim word `w`, Acquire-loaded from the slot of batch `seq`, is a peer's scribble
+/// (see [`claim_scribbled`]); `slot_seq` loads the slot descriptor's `seq` after it.
+#[inline]
+pub fn scribbled(w: u64, seq: u64, slot_seq: impl FnOnce() -> u64) -> bool {
+    let ws = claim_seq(w);
+    ws < seq || (ws > seq && slot_seq() == seq)
 }
 
 /// Shared consumer: a claim word names us for batch `seq` but our page does not back it (a
@@ -616,16 +633,17 @@ mod tests {
     }
 
     #[test]
-    fn a_claim_word_of_an_older_batch_is_a_scribble_and_claimable_once() {
+    fn a_claim_word_of_another_batch_is_a_scribble_and_claimable_once() {
         // Slot of batch 11 (4 slots), its word scribbled back to batch 7's.
         let claim = AtomicU64::new(claim_word(7, Some(0)));
+        let slot = AtomicU64::new(11);
         let (a, b) = (AtomicU64::new(released(7)), AtomicU64::new(0));
         assert_eq!(try_claim(&claim, &a, 11, 0), None, "not an unclaimed word");
-        assert_eq!(claim_scribbled(&claim, &a, 11, 0), Some(released(7)));
+        assert_eq!(claim_scribbled(&claim, &slot, &a, 11, 0), Some(released(7)));
         assert_eq!(claim.load(Ordering::Relaxed), claim_word(11, Some(0)));
         assert_eq!(a.load(Ordering::Relaxed), holding(11));
         assert_eq!(
-            claim_scribbled(&claim, &b, 11, 1),
+            claim_scribbled(&claim, &slot, &b, 11, 1),
             None,
             "a claim of this batch stands"
         );
@@ -633,21 +651,28 @@ mod tests {
         // duplicate), and only once.
         claim.store(claim_word(3, None), Ordering::Relaxed);
         assert_eq!(
-            claim_scribbled(&claim, &a, 11, 0),
+            claim_scribbled(&claim, &slot, &a, 11, 0),
             None,
             "not while we hold it"
         );
-        assert!(claim_scribbled(&claim, &b, 11, 1).is_some());
+        assert!(claim_scribbled(&claim, &slot, &b, 11, 1).is_some());
         release(&b, 11);
         claim.store(claim_word(3, None), Ordering::Relaxed);
         assert_eq!(
-            claim_scribbled(&claim, &b, 11, 1),
+            claim_scribbled(&claim, &slot, &b, 11, 1),
             None,
             "at most once per consumer"
         );
-        // A word of a newer batch in the slot (being published) is never taken for one.
+        // A newer batch's word: the producer's while the slot is being written again...
+        let c = AtomicU64::new(0);
         claim.store(claim_word(15, None), Ordering::Relaxed);
-        assert_eq!(claim_scribbled(&claim, &AtomicU64::new(0), 11, 2), None);
+        slot.store(15, Ordering::Relaxed);
+        assert_eq!(claim_scribbled(&claim, &slot, &c, 11, 2), None);
+        slot.store(NO_BATCH, Ordering::Relaxed);
+        assert_eq!(claim_scribbled(&claim, &slot, &c, 11, 2), None);
+        // ...a scribble while the slot still holds batch 11.
+        slot.store(11, Ordering::Relaxed);
+        assert!(claim_scribbled(&claim, &slot, &c, 11, 2).is_some());
     }
 
     #[test]

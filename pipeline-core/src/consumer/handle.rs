@@ -433,7 +433,7 @@ impl<B: ConsumerBackend> Consumer<B> {
                 let (claim, mine) = (claims.claim(k), page.slot(k));
                 let Some(before) = ring::try_claim(claim, mine, s, me)
                     .or_else(|| ring::adopt(claim, mine, s, me))
-                    .or_else(|| ring::claim_scribbled(claim, mine, s, me))
+                    .or_else(|| ring::claim_scribbled(claim, &seg.slot(k).seq, mine, s, me))
                 else {
                     continue;
                 };
@@ -483,19 +483,22 @@ impl<B: ConsumerBackend> Consumer<B> {
                 },
                 || {
                     if self.check_peer(deadline)? {
-                        // Closed: done when nothing published is still unclaimed, claimed
-                        // in our name (by a peer) without our page having taken it, or
-                        // scribbled back to an older batch's word, but for batches we hold or
+                        // Closed: done when no batch still in its slot is unclaimed,
+                        // claimed in our name (by a peer) without our page having taken it,
+                        // or scribbled to another batch's word, but for batches we hold or
                         // released ourselves (a peer may reopen their words; we never take a
-                        // batch twice).
+                        // batch twice). A slot the producer marked for rewriting held a
+                        // consumed batch.
                         let head = h.head.value.load(Ordering::Acquire);
                         let left = ring::live_window(head, n).any(|s| {
                             let k = ring::slot_of(s, n);
                             let w = claims.claim(k).load(Ordering::Acquire);
+                            let slot_seq = seg.slot(k).seq.load(Ordering::Acquire);
                             let mine = page.slot(k).load(Ordering::Relaxed);
-                            (w == ring::claim_word(s, None)
-                                || w == ring::claim_word(s, Some(me))
-                                || ring::claim_seq(w) < s)
+                            slot_seq == s
+                                && (w == ring::claim_word(s, None)
+                                    || w == ring::claim_word(s, Some(me))
+                                    || ring::scribbled(w, s, || slot_seq))
                                 && mine != ring::released(s)
                                 && mine != ring::holding(s)
                         });
