@@ -2,7 +2,7 @@
 //! progress word for a slot (in its page) and, in shared mode, the slot's claim word (in the
 //! claim segment, which every consumer may write). The producer decides with
 //! `ring::broadcast_laggards`, `ring::shared_slot` and `ring::holders_after_mark`; consumers
-//! step with `ring::try_claim`, `ring::adopt` and `ring::release`.
+//! step with `ring::try_claim`, `ring::adopt`, `ring::claim_scribbled` and `ring::release`.
 //!
 //! Input: a mode byte, a byte saying which of the 4 consumers are hostile, then a script of
 //! one-byte operations (with 8-byte operands where needed) on one slot: the producer publishes
@@ -54,6 +54,8 @@ struct Ring {
     addressed: u64,
     /// Shared: the claim word (anyone writes it).
     claim: AtomicU64,
+    /// The slot descriptor's `seq` (the producer's alone).
+    slot_seq: AtomicU64,
     /// Each consumer's page word for the slot (a fresh page per attach).
     pages: [AtomicU64; CONSUMERS as usize],
     /// Shared: the batch + 1 whose departed claimer had released it (the producer's own table).
@@ -150,6 +152,7 @@ impl Ring {
         self.holding = 0;
         self.delivered = 0;
         self.scribbled = false;
+        self.slot_seq.store(next, Ordering::Relaxed);
         if self.shared {
             self.claim
                 .store(ring::claim_word(next, None), Ordering::Release);
@@ -178,6 +181,7 @@ impl Ring {
         }
         let got = ring::try_claim(&self.claim, mine, s, c)
             .or_else(|| ring::adopt(&self.claim, mine, s, c))
+            .or_else(|| ring::claim_scribbled(&self.claim, &self.slot_seq, mine, s, c))
             .is_some();
         if got {
             assert_eq!(mine.load(Ordering::Relaxed), ring::holding(s));
@@ -282,6 +286,7 @@ fuzz_target!(|data: &[u8]| {
         batch: None,
         addressed: 0,
         claim: AtomicU64::new(NO_BATCH),
+        slot_seq: AtomicU64::new(NO_BATCH),
         pages: Default::default(),
         consumed: 0,
         holding: 0,
