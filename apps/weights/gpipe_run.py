@@ -111,9 +111,10 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="cuda (the trainer on GPU 0) or cpu (host backend)")
     ap.add_argument("--receivers", default="load@0", help="MODE@GPU,...: load or inplace, on GPU N")
     ap.add_argument("--shape", default="direct", help="to other GPUs: direct, or a fan-out shape (auto, chain, tree)")
-    ap.add_argument("--chunk", type=int, default=0,
+    ap.add_argument("--chunk", default="0",
                     help="forwarders copy each update in chunks of this many bytes, so that the "
-                         "hops of a chain overlap (0: whole updates)")
+                         "hops of a chain overlap; auto: the fan-out plan's chunk for one update "
+                         "at a time (gpipe.fanout_plan(one_at_a_time=True)); 0: whole updates")
     ap.add_argument("--updates", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--copy", default="auto", help="WeightPublisher copy=")
@@ -151,9 +152,12 @@ def main() -> int:
     rx_socks = [sock] * len(specs)
     rings = [{"device": 0, "parent": None}]
     others = [i for i, (_, g) in enumerate(specs) if g != 0]
+    chunk = None if a.chunk in ("0", "auto") else int(a.chunk)
     if others and a.shape != "direct":  # on the host too: the same rings, in host memory
         plan = gpipe.fanout_plan([specs[i][1] for i in others], shape=a.shape,
-                                 batch_bytes=pub.producer.slot_bytes)
+                                 batch_bytes=pub.producer.slot_bytes, one_at_a_time=True)
+        if a.chunk == "auto":
+            chunk = plan["chunk_bytes"]
         rings = plan["rings"]
         for k, i in enumerate(others):
             rx_socks[i] = os.path.join(a.dir, f"w{plan['consumer_ring'][k]}.sock")
@@ -174,7 +178,7 @@ def main() -> int:
         mine = os.path.join(a.dir, f"w{r}.sock")
         fdev = ring["device"] if cuda else None
         p = ctx.Process(target=forwarder,
-                        args=(r, fdev, up, mine, ring_consumers[r], a.dir, a.chunk or None))
+                        args=(r, fdev, up, mine, ring_consumers[r], a.dir, chunk))
         p.start()
         fwds.append(p)
     procs = []
@@ -191,7 +195,7 @@ def main() -> int:
         "run": a.name, "size": a.size, "backend": "cuda" if cuda else "host",
         "device": state.device_name(device), "tensors": len(sd), "bytes": pub.layout.nbytes,
         "receivers": [f"{m}@{g}" for m, g in specs], "shape": a.shape if others else "same-gpu",
-        "rings": rings, "chunk": a.chunk or None, "updates": a.updates, "warmup": a.warmup,
+        "rings": rings, "chunk": chunk, "updates": a.updates, "warmup": a.warmup,
         "copy": "none (in slot)" if a.in_slot else pub.copy,
         "slot_bytes": pub.producer.slot_bytes, "memory_path": pub.producer.memory,
     }

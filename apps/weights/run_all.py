@@ -30,9 +30,6 @@ MiB = 1 << 20
 FLAT_BYTES = 2 * MiB
 TARGET_SAME = 0.2  # gpipe on the trainer's GPU, at most this times torch.mp IPC's p50
 TARGET_OTHERS = 1.0  # gpipe to the other GPUs, at most this times NCCL broadcast's p50
-# The forwarders' chunk for the chunked chain: one update crosses every hop in about one hop's
-# time plus a chunk per further hop (64 MiB: 0.2 ms a hop at NVLink's ~340 GB/s).
-CHUNK = 64 << 20
 
 
 class Runner:
@@ -212,8 +209,9 @@ def size_runs(r: Runner, size: str, gpus: int) -> None:
           ["--receivers", "load@0", "--in-slot", "--name", "gpipe-same-load-inslot"], size=size)
     r.run(f"gpipe-same-inplace-inslot-{size}", "gpipe_run.py",
           ["--receivers", "inplace@0", "--in-slot", "--name", "gpipe-same-inplace-inslot"], size=size)
-    # on the host: chunks small enough that the tiny update crosses in several
-    chunk = ["--shape", "chain", "--chunk", str(CHUNK if r.a.device == "cuda" else 16 << 10)]
+    # The chunked chain: the fan-out plan's chunk for one update at a time on the GPU; on the
+    # host, chunks small enough that the tiny update crosses in several.
+    chunk = ["--shape", "chain", "--chunk", "auto" if r.a.device == "cuda" else str(16 << 10)]
     if r.a.device == "cpu":  # gloo for NCCL; forwarders in host memory for the plan
         r.run(f"nccl-{size}", "nccl.py", ["--ranks", "2"], size=size)
         r.run(f"gpipe-others-plan-{size}", "gpipe_run.py",

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use pipeline_core::ProducerConfig;
-use pipeline_relay::{Fanout, ForwardOptions};
+use pipeline_relay::{Fanout, Flow, ForwardOptions};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -100,29 +100,44 @@ pub fn forward<'py>(
     Ok(d)
 }
 
-/// fanout_plan(consumer_devices, shape="auto", batch_bytes=64 << 20, producer_device=0)
-///     -> dict
+/// fanout_plan(consumer_devices, shape="auto", batch_bytes=64 << 20, producer_device=0,
+///             one_at_a_time=False) -> dict
 ///
 /// How ``shape`` (``"direct"``, ``"chain"``, ``"tree"`` or ``"auto"``) reaches one consumer
 /// per entry of ``consumer_devices`` (its GPU) from a producer on ``producer_device``, for
 /// batches of ``batch_bytes`` bytes (what ``"auto"`` weighs):
 /// ``{"shape", "rings": [{"device", "parent"}], "consumer_ring": [...], "depth",
 /// "chunk_bytes"}``. Ring 0 is the producer's; start one :func:`forward` per other ring, from
-/// its parent's socket, on its device, and attach each consumer to its ring. ``chunk_bytes``
-/// is the chunk size gpipe's own forwarders would use for such batches (None: whole batches;
-/// ``gpipe relay forward --chunk``); :func:`forward` copies whole batches.
+/// its parent's socket, on its device, with ``chunk=plan["chunk_bytes"]``, and attach each
+/// consumer to its ring. ``chunk_bytes``: the chunk the forwarders should copy in (None:
+/// whole batches, which keep every link busy in a steady stream of batches).
+/// ``one_at_a_time``: the batches go one at a time, each waited for end to end (a weight
+/// update): a chain of two forwarders or more then copies in chunks, so that each hop starts
+/// before the batch has crossed the one before.
 #[pyfunction]
 // 67108864: 64 MiB, written out so that the signature shows it.
-#[pyo3(signature = (consumer_devices, shape="auto", batch_bytes=67108864, producer_device=0))]
+#[pyo3(signature = (consumer_devices, shape="auto", batch_bytes=67108864, producer_device=0, one_at_a_time=false))]
 pub fn fanout_plan<'py>(
     py: Python<'py>,
     #[pyo3(from_py_with = args::consumer_devices)] consumer_devices: Vec<usize>,
     shape: &str,
     #[pyo3(from_py_with = args::batch_bytes)] batch_bytes: u64,
     #[pyo3(from_py_with = args::producer_device_index)] producer_device: usize,
+    one_at_a_time: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
     let shape: Fanout = shape.parse().map_err(PyValueError::new_err)?;
-    let plan = pipeline_relay::plan_fanout(shape, producer_device, &consumer_devices, batch_bytes);
+    let flow = if one_at_a_time {
+        Flow::OneAtATime
+    } else {
+        Flow::Steady
+    };
+    let plan = pipeline_relay::plan_fanout_for(
+        shape,
+        producer_device,
+        &consumer_devices,
+        batch_bytes,
+        flow,
+    );
     let d = PyDict::new(py);
     d.set_item("shape", plan.shape.to_string())?;
     let rings = plan

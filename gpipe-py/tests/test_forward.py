@@ -85,6 +85,16 @@ def test_fanout_plan_shapes():
         gpipe.fanout_plan([1], shape="ring")
 
 
+def test_fanout_plan_chunks_one_large_batch_at_a_time_across_a_chain():
+    gb = 3 << 30  # a weight update
+    p = gpipe.fanout_plan([1, 2, 3], batch_bytes=gb, one_at_a_time=True)
+    assert p["shape"] == "chain" and p["chunk_bytes"] == 64 << 20
+    assert gpipe.fanout_plan([1, 2, 3], batch_bytes=gb)["chunk_bytes"] is None  # a stream
+    # One forwarder copies a batch once either way; a batch of one chunk is not cut.
+    assert gpipe.fanout_plan([1], shape="chain", batch_bytes=gb, one_at_a_time=True)["chunk_bytes"] is None
+    assert gpipe.fanout_plan([1, 2, 3], batch_bytes=64 << 20, one_at_a_time=True)["chunk_bytes"] is None
+
+
 def test_forward_whose_upstream_dies_raises_and_its_consumers_see_the_producer_die(sock, child):
     """In-process: when the upstream producer is SIGKILLed, gpipe.forward raises and leaves
     its ring as a dead producer would, so its consumers get ProducerDied at once (not a clean

@@ -17,7 +17,8 @@
 //! [`plan`] turns a shape and the consumers' devices into rings (one per GPU that has
 //! consumers, each fed by its parent's ring) and says which ring each consumer reads.
 
-pub use pipeline_cuda::policy::fanout::{Chunking, Fanout};
+use pipeline_cuda::policy::fanout::plan_chunk;
+pub use pipeline_cuda::policy::fanout::{Chunking, Fanout, Flow};
 
 /// One ring of a fan-out.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
@@ -83,13 +84,32 @@ impl FanoutPlan {
 }
 
 /// Plans `shape` for a producer on `producer_device` and one consumer per entry of
-/// `consumer_devices` (its GPU). `auto` is resolved with [`Fanout::resolve`]. The GPUs other
-/// than the producer's are taken in the order they first appear.
+/// `consumer_devices` (its GPU), for a steady stream of batches ([`plan_for`]).
 pub fn plan(
     shape: Fanout,
     producer_device: usize,
     consumer_devices: &[usize],
     batch_bytes: u64,
+) -> FanoutPlan {
+    plan_for(
+        shape,
+        producer_device,
+        consumer_devices,
+        batch_bytes,
+        Flow::Steady,
+    )
+}
+
+/// Plans `shape` for a producer on `producer_device` and one consumer per entry of
+/// `consumer_devices` (its GPU), for batches that cross it as `flow` says. `auto` is resolved
+/// with [`Fanout::resolve`], the chunk with [`plan_chunk`]. The GPUs other than the
+/// producer's are taken in the order they first appear.
+pub fn plan_for(
+    shape: Fanout,
+    producer_device: usize,
+    consumer_devices: &[usize],
+    batch_bytes: u64,
+    flow: Flow,
 ) -> FanoutPlan {
     let mut others: Vec<usize> = Vec::new();
     for &d in consumer_devices {
@@ -121,15 +141,16 @@ pub fn plan(
         .iter()
         .map(|d| rings.iter().position(|r| r.device == *d).unwrap_or(0))
         .collect();
-    let chunk_bytes = (shape != Fanout::Direct)
-        .then(|| pipeline_cuda::policy::fanout::chunk_bytes(Chunking::Auto, batch_bytes))
-        .flatten();
-    FanoutPlan {
+    let mut plan = FanoutPlan {
         shape,
         rings,
         consumer_ring,
-        chunk_bytes,
+        chunk_bytes: None,
+    };
+    if shape != Fanout::Direct {
+        plan.chunk_bytes = plan_chunk(flow, batch_bytes, plan.depth());
     }
+    plan
 }
 
 #[cfg(test)]

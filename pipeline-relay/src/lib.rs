@@ -62,7 +62,9 @@ pub mod session;
 pub mod wire;
 
 pub use endpoint::{Endpoint, EndpointError, EndpointProblem};
-pub use fanout::{Fanout, FanoutPlan, RingNode, plan as plan_fanout};
+pub use fanout::{
+    Fanout, FanoutPlan, Flow, RingNode, plan as plan_fanout, plan_for as plan_fanout_for,
+};
 pub use forward::{ForwardOptions, run_forwarder};
 pub use relay::{
     BenchSide, RelayError, RelayOptions, RelayReport, nccl_bench, run_receiver, run_sender,

@@ -436,14 +436,17 @@ def fanout_plan(
     shape: str = "auto",
     batch_bytes: int = 64 << 20,
     producer_device: int = 0,
+    one_at_a_time: bool = False,
 ) -> dict[str, Any]:
     """How `shape` ("direct", "chain", "tree" or "auto") reaches one consumer per entry of
     `consumer_devices` (its GPU) from a producer on `producer_device`, for batches of
     `batch_bytes` bytes (what "auto" weighs): {"shape", "rings": [{"device", "parent"}],
     "consumer_ring", "depth", "chunk_bytes"}. Ring 0 is the producer's; run one forward() per
-    other ring, from its parent's socket, on its device. "chunk_bytes": the chunk size gpipe's
-    own forwarders use for such batches (None: whole batches; `gpipe relay forward --chunk`);
-    forward() copies whole batches."""
+    other ring, from its parent's socket, on its device, with chunk=plan["chunk_bytes"].
+    "chunk_bytes": the chunk the forwarders should copy in (None: whole batches, which keep
+    every link busy in a steady stream). `one_at_a_time`: batches go one at a time, each
+    waited for end to end (a weight update): a chain of two forwarders or more then copies in
+    chunks, so that each hop starts before the batch has crossed the one before."""
 
 
 def resolve(
