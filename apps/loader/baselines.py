@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_decode import IMAGENET_MEAN, IMAGENET_STD, Augment, DecodedBatches, EpochPlan, open_images  # noqa: E402
-from step import MODELS, TrainStep, emit, environment, measure, setup_device  # noqa: E402
+from step import MODELS, TrainStep, emit, environment, leave_group, measure, setup_rank  # noqa: E402
 
 MODES = ("ceiling", "dataloader", "inprocess")
 
@@ -201,12 +201,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         ap.error("--world-size > 1 is for the ceiling only (the gpipe runs shard the data per rank)")
 
     ddp = a.world_size > 1
-    dev = setup_device(f"cuda:{a.rank}" if ddp and a.device == "cuda" else a.device)
-    if ddp:
-        import torch.distributed as dist
-
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=a.dist_url,
-                                rank=a.rank, world_size=a.world_size)
+    dev = setup_rank(a.device, a.world_size, a.rank, a.dist_url)
     torch.manual_seed(a.seed)
     closer = None
     batches: Iterator
@@ -241,11 +236,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     finally:
         if closer is not None:
             closer()
-    if ddp:
-        import torch.distributed as dist
-
-        dist.barrier()
-        dist.destroy_process_group()
+    leave_group()
     emit({"role": "trainer", "label": a.label or a.mode, "mode": a.mode, "model": a.model,
           "device": str(dev), "rank": a.rank, "world_size": a.world_size, **extra, **out, **environment()},
          a.json_out)

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpipe.torch  # noqa: E402
 from gpu_decode import Augment, decode, open_images  # noqa: E402
-from step import MODELS, TrainStep, emit, environment, measure, setup_device  # noqa: E402
+from step import MODELS, TrainStep, emit, environment, leave_group, measure, setup_rank  # noqa: E402
 
 
 class EncodedImages:
@@ -106,12 +106,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     workers: Any = a.workers if a.workers == "auto" else int(a.workers)
 
     ddp = a.world_size > 1
-    dev = setup_device(f"cuda:{a.rank}" if ddp and a.device == "cuda" else a.device)
-    if ddp:
-        import torch.distributed as dist
-
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=a.dist_url,
-                                rank=a.rank, world_size=a.world_size)
+    dev = setup_rank(a.device, a.world_size, a.rank, a.dist_url)
     torch.manual_seed(a.seed)
     data = EncodedImages(a.data)
     with gpipe.torch.Loader(data, DecodeAugment(a.size, a.seed), batch_size=a.batch, device=dev,
@@ -122,11 +117,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                       profile=a.profile, profile_path=a.profile_out)
         figures = {"workers": loader.workers, "workers_why": loader.why,
                    "batches_per_epoch": len(loader)}
-    if ddp:
-        import torch.distributed as dist
-
-        dist.barrier()
-        dist.destroy_process_group()
+    leave_group()
     emit({"role": "trainer", "label": a.label, "mode": "loader", "model": a.model, "device": str(dev),
           "rank": a.rank, "world_size": a.world_size, "source": data.kind, **figures, **out,
           **environment()})

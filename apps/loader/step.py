@@ -270,6 +270,28 @@ def setup_device(device: str) -> torch.device:
     return dev
 
 
+def setup_rank(device: str, world_size: int, rank: int, dist_url: str) -> torch.device:
+    """The device of this rank (`setup_device`; with DDP on CUDA, cuda:RANK) and, with
+    `world_size` > 1, the process group joined (NCCL on CUDA, gloo on the CPU)."""
+    ddp = world_size > 1
+    dev = setup_device(f"cuda:{rank}" if ddp and device == "cuda" else device)
+    if ddp:
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=dist_url,
+                                rank=rank, world_size=world_size)
+    return dev
+
+
+def leave_group() -> None:
+    """Waits for every rank, then leaves the process group, if this process joined one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def emit(record: dict, path: Optional[str] = None) -> None:
     """Prints one JSON line (and appends it to `path` if given)."""
     line = json.dumps(record)

@@ -137,15 +137,22 @@ pub fn try_claim(claim: &AtomicU64, mine: &AtomicU64, seq: u64, me: u32) -> Opti
     if claim.load(Ordering::Relaxed) != free {
         return None;
     }
+    claim_from(claim, free, mine, seq, me)
+}
+
+/// Claims batch `seq` whose claim word reads `from` (unclaimed, or a scribble): unless our page
+/// holds or released it already (a word reopened by a peer never hands us the same batch
+/// twice), records the hold in our page first (SeqCst), then compare-and-swaps the word from
+/// `from` to ours; on failure puts our page word back. Returns our page word from before.
+#[inline]
+fn claim_from(claim: &AtomicU64, from: u64, mine: &AtomicU64, seq: u64, me: u32) -> Option<u64> {
     let before = mine.load(Ordering::Relaxed);
     if before == released(seq) || before == holding(seq) {
-        // We have or had it already: a word reopened by a peer never hands us the same
-        // batch twice.
         return None;
     }
     mine.store(holding(seq), Ordering::SeqCst);
     match claim.compare_exchange(
-        free,
+        from,
         claim_word(seq, Some(me)),
         Ordering::SeqCst,
         Ordering::Relaxed,
@@ -179,23 +186,7 @@ pub fn claim_scribbled(
     if !scribbled(w, seq, || slot_seq.load(Ordering::Acquire)) {
         return None;
     }
-    let before = mine.load(Ordering::Relaxed);
-    if before == released(seq) || before == holding(seq) {
-        return None;
-    }
-    mine.store(holding(seq), Ordering::SeqCst);
-    match claim.compare_exchange(
-        w,
-        claim_word(seq, Some(me)),
-        Ordering::SeqCst,
-        Ordering::Relaxed,
-    ) {
-        Ok(_) => Some(before),
-        Err(_) => {
-            mine.store(before, Ordering::Release);
-            None
-        }
-    }
+    claim_from(claim, w, mine, seq, me)
 }
 
 /// Whether claim word `w`, Acquire-loaded from the slot of batch `seq`, is a peer's scribble

@@ -885,31 +885,22 @@ fn bench_refuses_passes_that_do_not_fit_the_consumers_or_the_mode() {
 fn bench_fanout_auto_takes_a_whole_batch_chain_and_says_why() {
     watchdog(120, |_| {
         let run = |shape: &str| {
-            let out = std::process::Command::new(GPIPE)
-                .args([
-                    "bench",
-                    "--backend",
-                    "host",
-                    "--consumers",
-                    "3",
-                    "--consumer-devices",
-                    "1,2,3",
-                    "--fanout",
-                    shape,
-                    "--batches",
-                    "60",
-                    "--batch-bytes",
-                    "64KiB",
-                    "--json",
-                ])
-                .output()
-                .unwrap();
-            assert!(
-                out.status.success(),
-                "{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+            bench_json(&[
+                "bench",
+                "--backend",
+                "host",
+                "--consumers",
+                "3",
+                "--consumer-devices",
+                "1,2,3",
+                "--fanout",
+                shape,
+                "--batches",
+                "60",
+                "--batch-bytes",
+                "64KiB",
+                "--json",
+            ])
         };
         let r = run("auto");
         assert_eq!(r["fanout"]["shape"], "chain", "{r}");
