@@ -9,7 +9,7 @@
 #   bash apps/loader/gpu.sh            # the full run, one GPU, under 9 minutes on an H100
 #   bash apps/loader/gpu.sh quick      # a few steps of every run, to check that all work
 #   bash apps/loader/gpu.sh loader     # gpipe.torch.Loader against the training ceiling: ResNet-50
-#                                      # and ResNet-18 on one GPU and on every GPU (DDP), MPS off, then on
+#                                      # and ResNet-18 on 1, 2 and every GPU (DDP), MPS off, then on
 #   bash apps/loader/gpu.sh ddp        # the 2-GPU machine: gpipe on 1 and 2 GPUs (DDP)
 #   bash apps/loader/gpu.sh ddp quick
 #   MPS=on SM_PERCENT=25 bash apps/loader/gpu.sh ddp   # MPS only, producers at 25% of SMs
@@ -65,18 +65,20 @@ if [ "$mode" = scaling ]; then
   [ "${MPS:-on}" = on ] && mps_off
   exit 0
 elif [ "$mode" = loader ]; then
-  # ONE_S and DDP_S: seconds for the one-GPU and the all-GPU runs of each MPS setting.
-  G=$(gpu_count)
+  # WORLDS: the GPU counts to run (default 1, 2 and every GPU); ONE_S and DDP_S: seconds for
+  # the one-GPU run and for each DDP run of each MPS setting.
+  G=$(gpu_count); worlds=()
+  for w in ${WORLDS:-1 2 $G}; do
+    [ "$w" -le "$G" ] && [[ " ${worlds[*]} " != *" $w "* ]] && worlds+=("$w")
+  done
   for m in ${MPS_SETTINGS:-off on}; do
     [ "$m" = on ] && mps_on
-    echo "== gpipe.torch.Loader, one GPU, MPS $m"
-    run "${ONE_S:-130}" --label "lib-$m$P" --configs loader,ceiling --models "${MODELS:-resnet50,resnet18}" \
-      --budget $(( ${ONE_S:-130} - 10 ))
-    if [ "$G" -ge 2 ]; then
-      echo "== gpipe.torch.Loader, $G GPUs (DDP), MPS $m"
-      run "${DDP_S:-130}" --label "lib-$m$P" --world-size "$G" --configs loader,ceiling \
-        --models "${MODELS:-resnet50,resnet18}" --budget $(( ${DDP_S:-130} - 10 ))
-    fi
+    for w in "${worlds[@]}"; do
+      s=${DDP_S:-130}; [ "$w" = 1 ] && s=${ONE_S:-130}
+      echo "== gpipe.torch.Loader, $w GPU(s), MPS $m"
+      run "$s" --label "lib-$m$P" --world-size "$w" --ddp-only --configs loader,ceiling \
+        --models "${MODELS:-resnet50,resnet18}" --budget $(( s - 10 ))
+    done
     [ "$m" = on ] && mps_off
   done
 elif [ "$mode" = ddp ]; then

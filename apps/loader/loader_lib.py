@@ -83,6 +83,27 @@ def epochs(loader: gpipe.torch.Loader) -> Iterator[tuple[torch.Tensor, torch.Ten
         epoch += 1
 
 
+def settle(loader: gpipe.torch.Loader, step: TrainStep, batches: Iterator, ddp: bool, most: int) -> int:
+    """Trains until the loader's ``auto`` has its workers (``loader.settled``), at most `most`
+    steps; under DDP until every rank's has (the ranks agree every 8 steps, so they all run
+    the same number of steps). Returns the steps run."""
+    import torch.distributed as dist
+
+    done = 0
+    while done < most:
+        images, labels, _ = next(batches)
+        step(images, labels)
+        del images, labels
+        done += 1
+        if done % 8 == 0:
+            flag = torch.tensor([1 if loader.settled else 0], device=step.device)
+            if ddp:
+                dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            if flag.item():
+                break
+    return done
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True, help="data set folder or pack")
@@ -94,6 +115,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--warmup", type=int, default=10, help="steps before timing starts")
     ap.add_argument("--workers", default="auto", help="decode worker processes: a number or auto")
     ap.add_argument("--max-workers", type=int, default=None, help="auto's limit (default: the loader's)")
+    ap.add_argument("--settle", type=int, default=600,
+                    help="most steps to let workers=auto find its workers before warm-up and timing")
     ap.add_argument("--slots", type=int, default=4, help="batches in each worker's ring")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--world-size", type=int, default=1, help="DDP ranks (1: no process group)")
@@ -113,9 +136,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                             workers=workers, max_workers=a.max_workers, slots=a.slots,
                             seed=a.seed) as loader:
         step = TrainStep(a.model, data.classes, dev, ddp=ddp)
-        out = measure(step, epochs(loader), steps=a.steps, warmup=a.warmup, batch_size=a.batch,
+        batches = epochs(loader)
+        settled = settle(loader, step, batches, ddp, a.settle)
+        out = measure(step, batches, steps=a.steps, warmup=a.warmup, batch_size=a.batch,
                       profile=a.profile, profile_path=a.profile_out)
-        figures = {"workers": loader.workers, "workers_why": loader.why,
+        figures = {"workers": loader.workers, "workers_why": loader.why, "settle_steps": settled,
                    "batches_per_epoch": len(loader)}
     leave_group()
     emit({"role": "trainer", "label": a.label, "mode": "loader", "model": a.model, "device": str(dev),

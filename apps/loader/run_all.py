@@ -116,7 +116,7 @@ class Runner:
             self._kill(p)
 
 
-TRAINER_FIELDS = ("images_per_s", "workers", "workers_why", "wait_fraction", "host_wait_fraction", "gpu_util", "steps", "seconds",
+TRAINER_FIELDS = ("images_per_s", "workers", "workers_why", "settle_steps", "wait_fraction", "host_wait_fraction", "gpu_util", "steps", "seconds",
                   "startup_s", "epochs", "loss", "timeline", "mps", "gpu", "kernel", "cpus", "source")
 PRODUCER_FIELDS = ("images_per_s", "steady_images_per_s", "busy_images_per_s", "decode_wait_s", "acquire_s",
                    "work_s", "read_s", "decode_s", "batches", "end", "source")
@@ -157,6 +157,7 @@ def run_config(r: Runner, a: argparse.Namespace, model: str, config: str, world:
             device = "cpu" if a.cpu else f"cuda:{rank}" if world == 1 else "cuda"
             if config == "loader":  # gpipe.torch.Loader: its decode workers are its own
                 cmd = [PY, os.path.join(HERE, "loader_lib.py"), "--workers", a.loader_workers,
+                       "--settle", str(a.loader_settle),
                        "--slots", str(a.slots)]
             else:
                 cmd = [PY, os.path.join(HERE, "baselines.py"), config, "--workers", str(a.workers)]
@@ -412,6 +413,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "(16 workers x 2 = 32), which would otherwise be timed as if free")
     ap.add_argument("--workers", type=int, default=16, help="DataLoader workers")
     ap.add_argument("--slots", type=int, default=6, help="gpipe ring slots")
+    ap.add_argument("--ddp-only", action="store_true",
+                    help="with --world-size: only the runs on every GPU (not the one-GPU ones beside them)")
+    ap.add_argument("--loader-settle", type=int, default=600,
+                    help="loader runs: most steps for workers=auto to find its workers before warm-up")
     ap.add_argument("--loader-workers", default="auto",
                     help="decode workers of gpipe.torch.Loader (the loader runs): a number or auto")
     ap.add_argument("--decoders", type=int, default=1,
@@ -441,6 +446,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         ap.error("--decoders must be at least 1")
     if a.quick:
         a.steps, a.warmup, a.dl_steps, a.dl_warmup, a.probe_batches = 5, 3, 3, 2, 3
+        a.loader_settle = 16
     os.makedirs(a.out, exist_ok=True)
     jsonl = os.path.join(a.out, "loader.jsonl")
 
@@ -465,7 +471,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             for m in models:  # each feed on one GPU and on all, then the DDP ceiling
                 for c in ("loader", "gpipe"):
                     if c in configs:
-                        plan += [(m, c, 1), (m, c, w)]
+                        plan += [(m, c, w)] if a.ddp_only else [(m, c, 1), (m, c, w)]
                 if "ceiling" in configs:
                     plan.append((m, "ceiling", w))
         else:

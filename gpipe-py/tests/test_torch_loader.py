@@ -97,12 +97,18 @@ def test_ranks_split_each_epoch_between_them_without_overlap():
 
 def test_auto_adds_a_worker_when_the_trainer_waits_for_data():
     with Loader(Numbers(4000), decode_slow, batch_size=4, device="cpu", max_workers=3) as loader:
-        assert loader.workers == 1 and "auto" in loader.why
+        assert loader.workers == 1 and "auto" in loader.why and not loader.settled
         for i, _ in enumerate(loader):  # the trainer takes batches as fast as they come
-            if loader.workers >= 2 or i > 400:
+            if (loader.workers >= 2 and loader.settled) or i > 600:
                 break
-        assert loader.workers >= 2, loader.why
-        assert "waited" in loader.why and "worker 1 started" in loader.why, loader.why
+        # a trainer that does nothing but wait needs every worker it may have, at once
+        assert loader.workers == 3 and loader.settled, loader.why
+        assert "waited" in loader.why and "workers 1-2 started" in loader.why, loader.why
+
+
+def test_a_fixed_worker_count_is_settled_from_the_start():
+    with Loader(Numbers(64), decode, batch_size=4, device="cpu", workers=2) as loader:
+        assert loader.settled and loader.why == "2 worker(s), as asked"
 
 
 def test_a_failing_decode_ends_the_loop_naming_the_worker_and_its_error():
@@ -158,6 +164,40 @@ def test_bad_arguments_and_a_bad_decode_say_what_is_wrong():
     with Loader(Numbers(16), decode_wrong, batch_size=4, device="cpu", workers=1) as loader:
         with pytest.raises(gpipe.Error, match="decode must return a torch tensor.*returned str"):
             next(iter(loader))
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def decode_on_gpu_late(samples, device):
+    """A batch whose values come after a millisecond of GPU work on the worker's stream: a
+    trainer that read the slot before its ready signal would see the previous batch."""
+    torch.cuda._sleep(2_000_000)
+    d = decode(samples, device)
+    d["image"] = d["image"].repeat(1, 1, 32, 32).contiguous()  # 64 x 3 x 64 x 64 float
+    return d
+
+
+@cuda
+def test_on_a_gpu_every_batch_is_read_after_its_decode_and_before_its_slot_is_refilled():
+    dev = torch.device("cuda", torch.cuda.device_count() - 1)
+    torch.cuda.set_device(dev)
+    n, b = 2048, 64
+    sums, want = [], []
+    with Loader(Numbers(n), decode_on_gpu_late, batch_size=b, device=dev, workers=2, slots=2,
+                seed=9) as loader:
+        for epoch in range(2):
+            for batch in loader:
+                image = batch["image"]
+                assert image.device == dev and image.shape == (b, 3, 64, 64)
+                # the trainer's stream reads the slot late: a worker that refilled it before
+                # the trainer was done would change the sum
+                torch.cuda._sleep(1_000_000)
+                sums.append((image.double().sum(dim=(1, 2, 3)) - batch["index"].double() * 12288).abs().max())
+                want.append(batch["index"].cpu())
+                del batch, image
+        assert torch.stack(sums).max().item() == 0.0
+        assert torch.cat(want).tolist() == order(n, 9, 0) + order(n, 9, 1)
 
 
 class Unreadable(Numbers):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import math
 import multiprocessing
 import os
 import shutil
@@ -315,24 +316,51 @@ class Loader:
                      "the batches it had claimed are lost, so this epoch cannot be completed")
 
     def _maybe_scale(self, waited: float) -> None:
-        """auto: one more worker when the trainer waited too long over the last batches."""
+        """auto: more workers when the trainer waited too long over the last batches, as many
+        as the trainer's own pace needs (see :attr:`why`)."""
         now = time.monotonic()
         if self._last_t is not None:
             self._waits.append((waited, now - self._last_t))
         self._last_t = now
         if not self.auto or self.workers >= self.max_workers or len(self._waits) < WINDOW:
             return
-        if any(r.first_at is None or self._taken - r.first_at < WINDOW for r in self._rings):
+        if self._starting():
             return  # a worker is still starting, or only just started delivering
         wait = sum(w for w, _ in self._waits)
         span = sum(s for _, s in self._waits)
-        if span > 0 and wait / span > WAIT_SHARE:
+        if span <= 0 or wait / span <= WAIT_SHARE:
+            return
+        # While the trainer waits, the workers set the pace: a batch every span/WINDOW. The
+        # trainer's own time per batch is what is left; the workers must keep up with that,
+        # with a tenth to spare.
+        own = max(span - wait, 1e-6)
+        need = min(self.max_workers, max(self.workers + 1, math.ceil(self.workers * span / own * 1.1)))
+        first = self.workers
+        for _ in range(need - first):
             self._start_worker()
-            self.why = (f"auto: {self.workers} workers: worker {self.workers - 1} started at "
-                        f"batch {self._taken}, the trainer having waited {wait / span:.0%} of the "
-                        f"last {WINDOW} batches (more than {WAIT_SHARE:.0%}); at most "
-                        f"{self.max_workers}")
-            self._waits.clear()
+        started = f"worker {first}" if need - first == 1 else f"workers {first}-{need - 1}"
+        self.why = (f"auto: {need} workers: {started} started at batch {self._taken}, the trainer "
+                    f"having waited {wait / span:.0%} of the last {WINDOW} batches (more than "
+                    f"{WAIT_SHARE:.0%}): a batch came every {span / WINDOW * 1e3:.1f} ms and it "
+                    f"needed one every {own / WINDOW * 1e3:.1f} ms; at most {self.max_workers}")
+        self._waits.clear()
+
+    def _starting(self) -> bool:
+        """A worker has not delivered yet, or only its first few batches."""
+        return any(r.first_at is None or self._taken - r.first_at < WINDOW for r in self._rings)
+
+    @property
+    def settled(self) -> bool:
+        """Whether ``auto`` has stopped adding workers for now: every worker is delivering and
+        the trainer waited no more than its threshold over the last batches (always true for a
+        fixed number of workers). A benchmark times its steps once this holds."""
+        if not self.auto:
+            return True
+        if self._starting() or len(self._waits) < WINDOW:
+            return self.workers >= self.max_workers and not self._starting()
+        span = sum(s for _, s in self._waits)
+        return self.workers >= self.max_workers or span <= 0 or \
+            sum(w for w, _ in self._waits) / span <= WAIT_SHARE
 
     # -- batches -------------------------------------------------------------------------
 
