@@ -103,7 +103,38 @@ def test_auto_adds_a_worker_when_the_trainer_waits_for_data():
                 break
         # a trainer that does nothing but wait needs every worker it may have, at once
         assert loader.workers == 3 and loader.settled, loader.why
-        assert "waited" in loader.why and "workers 1-2 started" in loader.why, loader.why
+        # each step (1 -> 2 -> 3 here: at most twice the workers at a time) is kept only if
+        # the trainer then takes batches faster
+        assert "waited" in loader.why and "worker 2 started" in loader.why, loader.why
+        assert "kept" in loader.why, loader.why
+
+
+class Serialised:
+    """A decode that holds one lock across every worker: more workers make no more batches,
+    as decode processes time-slicing one GPU without MPS can."""
+
+    def __init__(self) -> None:
+        import multiprocessing
+
+        self.lock = multiprocessing.get_context("spawn").Lock()
+
+    def __call__(self, samples, device):
+        with self.lock:
+            time.sleep(0.01)
+            return decode(samples, device)
+
+
+def test_auto_retires_workers_that_do_not_make_the_trainer_faster_and_loses_no_batch():
+    n, b = 4000, 4
+    with Loader(Numbers(n), Serialised(), batch_size=b, device="cpu", max_workers=4, seed=2) as loader:
+        seen = []
+        for batch in loader:
+            seen += batch["index"].tolist()
+        # a step that gained nothing was retired and auto stopped: at 1 worker, or at 2 where
+        # the second overlapped the first one's work outside the lock (a real gain)
+        assert loader.workers in (1, 2) and loader.settled, loader.why
+        assert "retired" in loader.why and "auto stopped" in loader.why, loader.why
+        assert seen == order(n, 2, 0)  # the retired worker published every batch it claimed
 
 
 def test_a_fixed_worker_count_is_settled_from_the_start():

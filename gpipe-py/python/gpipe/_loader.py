@@ -8,9 +8,11 @@ what it returns (tensors on the trainer's GPU, or host tensors) into its ring. T
 takes the batches in batch-number order, whichever ring holds the next one, so every rank
 sees the same batches in the same order on every run with the same seed.
 
-How many workers: a fixed number, or ``"auto"``: one to start, and one more each time the
-trainer waited for data for more than a few percent of the last batches, up to a limit set by
-the CPUs per GPU of the node. Workers are processes (``spawn``), so the dataset and the decode
+How many workers: a fixed number, or ``"auto"``: one to start; while the trainer waits for
+data, more, as many as its pace needs but at most twice as many at a time, each step kept only
+if the trainer then takes batches faster (on a GPU without MPS, decode processes time-slice
+with the trainer and more of them can make it slower), up to a limit set by the CPUs per GPU
+of the node. Workers are processes (``spawn``), so the dataset and the decode
 function must be picklable, as for a torch DataLoader with workers.
 """
 
@@ -32,13 +34,16 @@ import torch
 
 from ._gpipe import TENSOR_ALIGN, Closed, Deadlock, Error, ProducerDied, Timeout
 
-# The header of a batch: a magic word, the batch number, what decode returned.
+# The header of a batch: a magic word, the batch number, what decode returned, when it was
+# published (CLOCK_MONOTONIC, ns: the same clock in every process of the machine).
 _MAGIC = 0x6770_6C6F_6164  # "gpload"
 _DICT, _TUPLE, _ONE = 0, 1, 2
-# auto: add a worker when the trainer waited more than this share of the last WINDOW batches
-# (the time between its asking for a batch and having it, over the time between batches).
+# auto: add workers when the trainer waited more than this share of the last WINDOW batches
+# (the time between its asking for a batch and having it, over the time between batches), and
+# keep them only if the trainer then takes batches at least GAIN times as fast.
 WAIT_SHARE = 0.03
 WINDOW = 16
+GAIN = 1.03
 
 
 def _is_cuda(device: torch.device) -> bool:
@@ -98,10 +103,11 @@ def _slot_bytes(tensors: dict[str, torch.Tensor]) -> int:
 
 
 def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim: Any,
-            stop: Any, errors: Any) -> None:
+            stop: Any, retire: Any, errors: Any) -> None:
     """One decode process: claims batch numbers until stopped (or the epochs are done) and
     publishes each decoded batch into its ring at `sock`. The next batch's samples are read on
-    a thread while this one decodes (file reads release the GIL)."""
+    a thread while this one decodes (file reads release the GIL). Retired, it claims no more
+    and ends once the batches it claimed are published."""
     import gpipe
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
@@ -131,7 +137,8 @@ def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim:
         while pending is not None and not stop.is_set():
             g = pending[0]
             samples = pending[1].result()  # a read that failed raises here, named with g
-            pending = claim_next()  # its reads run while this batch decodes
+            # its reads run while this batch decodes; a retired worker claims no more
+            pending = None if retire.is_set() else claim_next()
             tensors, kind = _named(decode(samples, device))
             if producer is None:
                 cuda = any(t.is_cuda for t in tensors.values())
@@ -150,7 +157,7 @@ def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim:
                         continue
             while not stop.is_set():
                 try:
-                    producer.send(tensors, meta=[_MAGIC, g, kind], timeout=0.2)
+                    producer.send(tensors, meta=[_MAGIC, g, kind, time.monotonic_ns()], timeout=0.2)
                     break
                 except Timeout:  # the trainer holds every slot: wait, unless stopped
                     continue
@@ -176,6 +183,8 @@ class _Ring:
         self.held: Optional[int] = None  # the batch number received from it and not yet taken
         self.first_at: Optional[int] = None  # the batch count when its first batch came
         self.done = False
+        self.retire: Any = None  # set: it publishes what it claimed, then ends
+        self.stamps: list[int] = []  # when its batches of auto's current window were published
 
 
 class Loader:
@@ -273,6 +282,9 @@ class Loader:
         self._taken = 0  # batches handed out
         self._waits: collections.deque = collections.deque(maxlen=WINDOW)
         self._last_t: Optional[float] = None
+        # auto's step on trial: (workers before it, batches/s before it, workers with it)
+        self._trial: Optional[tuple[int, float, int]] = None
+        self._frozen = False  # auto found that more workers do not help
         self._closed = False
         for _ in range(1 if self.auto else self.max_workers):
             self._start_worker()
@@ -281,19 +293,22 @@ class Loader:
 
     @property
     def workers(self) -> int:
-        """Decode processes started so far."""
-        return len(self._rings)
+        """Decode processes making batches now (started and not retired)."""
+        return sum(1 for r in self._rings if not r.retire.is_set())
 
     def _start_worker(self) -> None:
         k = len(self._rings)
         sock = os.path.join(self._dir, f"w{k}.sock")
+        retire = self._ctx.Event()
         p = self._ctx.Process(
             target=_worker, name=f"gpipe-loader-worker-{k}", daemon=True,
             args=(k, sock, self.dataset, self.decode, self._cfg, self._claim, self._stop,
-                  self._errors),
+                  retire, self._errors),
         )
         p.start()
-        self._rings.append(_Ring(k, sock, p))
+        ring = _Ring(k, sock, p)
+        ring.retire = retire
+        self._rings.append(ring)
 
     def _failed(self, ring: _Ring) -> Error:
         """The error of a worker that ended: its own exception if it sent one."""
@@ -316,50 +331,98 @@ class Loader:
                      "the batches it had claimed are lost, so this epoch cannot be completed")
 
     def _maybe_scale(self, waited: float) -> None:
-        """auto: more workers when the trainer waited too long over the last batches, as many
-        as the trainer's own pace needs (see :attr:`why`)."""
+        """auto: more workers when the trainer waited too long over the last batches, and a
+        step kept only if the trainer then takes batches faster (see :attr:`why`)."""
         now = time.monotonic()
         if self._last_t is not None:
             self._waits.append((waited, now - self._last_t))
         self._last_t = now
-        if not self.auto or self.workers >= self.max_workers or len(self._waits) < WINDOW:
+        if not self.auto or self._frozen:
             return
         if self._starting():
-            return  # a worker is still starting, or only just started delivering
+            self._new_window()  # a window counts only once every worker delivers
+            return
+        rate = self._rate()
+        if len(self._waits) < WINDOW or rate is None:
+            return
         wait = sum(w for w, _ in self._waits)
         span = sum(s for _, s in self._waits)
-        if span <= 0 or wait / span <= WAIT_SHARE:
+        if self._trial is not None:
+            before, was, tried = self._trial
+            self._trial = None
+            if rate < was * GAIN:  # the step did not pay: back to the workers before it
+                for r in [r for r in self._rings if not r.retire.is_set()][before:]:
+                    r.retire.set()
+                self._frozen = True
+                self.why = (f"auto: {before} worker(s): {tried} made the trainer take "
+                            f"{rate:.2f} batches/s against {was:.2f} with {before}, so the "
+                            f"added ones were retired at batch {self._taken} and auto stopped "
+                            f"there ({self._shared_by})")
+                self._new_window()
+                return
+            self.why += (f"; kept: {rate:.2f} batches/s against {was:.2f} with {before}")
+        if self.workers >= self.max_workers or span <= 0 or wait / span <= WAIT_SHARE:
             return
         # While the trainer waits, the workers set the pace: a batch every span/WINDOW. The
-        # trainer's own time per batch is what is left; the workers must keep up with that,
-        # with a tenth to spare.
+        # trainer's own time per batch is what is left; the workers should keep up with that,
+        # with a tenth to spare; at most twice as many at a time, each step on trial.
         own = max(span - wait, 1e-6)
-        need = min(self.max_workers, max(self.workers + 1, math.ceil(self.workers * span / own * 1.1)))
         first = self.workers
+        need = min(self.max_workers, 2 * first,
+                   max(first + 1, math.ceil(first * span / own * 1.1)))
         for _ in range(need - first):
             self._start_worker()
-        started = f"worker {first}" if need - first == 1 else f"workers {first}-{need - 1}"
+        self._trial = (first, rate, need)
+        started = f"worker {len(self._rings) - 1}" if need - first == 1 else \
+            f"workers {len(self._rings) - (need - first)}-{len(self._rings) - 1}"
         self.why = (f"auto: {need} workers: {started} started at batch {self._taken}, the trainer "
                     f"having waited {wait / span:.0%} of the last {WINDOW} batches (more than "
                     f"{WAIT_SHARE:.0%}): a batch came every {span / WINDOW * 1e3:.1f} ms and it "
                     f"needed one every {own / WINDOW * 1e3:.1f} ms; at most {self.max_workers}")
+        self._new_window()
+
+    @property
+    def _shared_by(self) -> str:
+        if _is_cuda(self.device):
+            return ("the workers share the trainer's GPU: without MPS their kernels and the "
+                    "trainer's take turns on it")
+        return "the workers share what limits them: the CPUs, the disk, a lock in decode"
+
+    def _new_window(self) -> None:
         self._waits.clear()
+        for r in self._rings:
+            r.stamps.clear()
+
+    def _rate(self) -> Optional[float]:
+        """Batches a second the workers publish, each at its own pace over the window (the
+        trainer's rate in steady state: workers wait for free slots when it is the slower),
+        once each has published a few; None before. Each worker's own series is free of the
+        bursts the trainer sees when it takes batches in order from several rings."""
+        active = [r for r in self._rings if not r.retire.is_set()]
+        if any(len(r.stamps) < 5 for r in active):
+            return None
+        return sum((len(r.stamps) - 1) * 1e9 / max(r.stamps[-1] - r.stamps[0], 1) for r in active)
 
     def _starting(self) -> bool:
-        """A worker has not delivered yet, or only its first few batches."""
-        return any(r.first_at is None or self._taken - r.first_at < WINDOW for r in self._rings)
+        """A worker has not delivered yet, or only its first few batches: while a new worker
+        starts, the trainer waits for its first batch and the others fill their rings, so the
+        pace is the workers' own only once that backlog is gone too."""
+        active = [r for r in self._rings if not r.retire.is_set()]
+        settle = WINDOW + self._cfg["slots"] * len(active)
+        return any(r.first_at is None or self._taken - r.first_at < settle for r in active)
 
     @property
     def settled(self) -> bool:
-        """Whether ``auto`` has stopped adding workers for now: every worker is delivering and
-        the trainer waited no more than its threshold over the last batches (always true for a
-        fixed number of workers). A benchmark times its steps once this holds."""
+        """Whether ``auto`` is done for now: every worker delivers, no step is on trial, and
+        over the last batches the trainer waited no more than its threshold, or auto may not
+        add more (always true for a fixed number of workers). A benchmark times its steps once
+        this holds."""
         if not self.auto:
             return True
-        if self._starting() or len(self._waits) < WINDOW:
-            return self.workers >= self.max_workers and not self._starting()
+        if self._starting() or self._trial is not None or len(self._waits) < WINDOW:
+            return False
         span = sum(s for _, s in self._waits)
-        return self.workers >= self.max_workers or span <= 0 or \
+        return self._frozen or self.workers >= self.max_workers or span <= 0 or \
             sum(w for w, _ in self._waits) / span <= WAIT_SHARE
 
     # -- batches -------------------------------------------------------------------------
@@ -404,6 +467,7 @@ class Loader:
             raise Error(f"the ring of decode worker {ring.k} at {ring.sock} carries a batch that "
                         f"is not a loader's (header {meta[0]:#x})")
         ring.held = meta[1]
+        ring.stamps.append(meta[3])
         if ring.first_at is None:
             ring.first_at = self._taken
         self._held[meta[1]] = (ring, b)
