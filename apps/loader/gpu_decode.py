@@ -448,6 +448,15 @@ class Augment:
         mean_t = torch.tensor(mean, dtype=torch.float32)
         self.mul = (1.0 / (255.0 * std_t)).view(1, 3, 1, 1).to(self.device)
         self.add = (-mean_t / std_t).view(1, 3, 1, 1).to(self.device)
+        # On a GPU with CuPy, one fused kernel (fused_augment.py) unless GPIPE_AUGMENT=torch.
+        self.kernel = "torch"
+        if self.device.type == "cuda" and os.environ.get("GPIPE_AUGMENT", "fused") != "torch":
+            import fused_augment
+
+            if fused_augment.available():
+                self.kernel = "fused"
+                self.fused_mul = [1.0 / (255.0 * v) for v in std]
+                self.fused_add = [-m / v for m, v in zip(mean, std)]
 
     def boxes(self, heights: torch.Tensor, widths: torch.Tensor, tries: int = 10) -> torch.Tensor:
         """B x 4 crop boxes (x1, y1, x2, y2) in pixel-centre coordinates, inside each image."""
@@ -487,6 +496,12 @@ class Augment:
                 im.record_stream(stream)
         heights = torch.tensor([im.shape[-2] for im in images])
         widths = torch.tensor([im.shape[-1] for im in images])
+        if self.kernel == "fused" and dev.type == "cuda":
+            import fused_augment
+
+            boxes = self.boxes(heights, widths)
+            flips = torch.rand(n, generator=self.generator) < self.flip_p
+            return fused_augment.crop_resize(images, boxes, flips, s, self.fused_mul, self.fused_add, out)
         pad = torch.zeros((n, 3, int(heights.max()), int(widths.max())), dtype=torch.float32, device=dev)
         views = [pad[i, :, : im.shape[-2], : im.shape[-1]] for i, im in enumerate(images)]
         if hasattr(torch, "_foreach_copy_"):
