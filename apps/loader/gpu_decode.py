@@ -18,7 +18,9 @@ module, so the two compare the same work:
   batch, ``torchvision.ops.roi_align`` cuts each one's random-resized-crop box and resizes it to
   S x S (one kernel for the batch; it averages several samples per output pixel when it shrinks,
   so it does not alias), a random half is flipped, and one fused multiply-add normalises and
-  writes the channels_last output, in place if given one (a gpipe slot).
+  writes the channels_last output, in place if given one (a gpipe slot). On a GPU with CuPy
+  it is one kernel instead (fused_augment.py, the same samples; ``GPIPE_AUGMENT=torch`` keeps
+  the torch kernels).
 
 Everything also runs on the CPU (``device="cpu"``), which is what CI tests.
 
