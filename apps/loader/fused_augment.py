@@ -11,7 +11,8 @@ shrinks), for every image of the batch at once, from a table of the images' addr
 writes the float16 channels_last output (a gpipe slot, say) directly.
 
 It is compiled at run time by CuPy (NVRTC) and launched on torch's current stream. Without
-CuPy, :func:`available` is False and ``Augment`` keeps its torch path.
+CuPy (or where it cannot compile the kernel), :func:`ready` is False and ``Augment`` keeps its
+torch path.
 """
 
 from __future__ import annotations
@@ -74,11 +75,16 @@ extern "C" __global__ void gpipe_crop_resize(
 _kernels: dict[int, Any] = {}
 
 
-def available() -> bool:
-    """Whether the fused kernel can run here (CuPy importable)."""
+def ready(device: torch.device) -> bool:
+    """Whether the fused kernel runs on ``device``: CuPy imports and compiles it there (a CuPy
+    built for another CUDA, or without NVRTC, fails here rather than at the first batch)."""
     try:
-        import cupy  # noqa: F401
-    except Exception:
+        _kernel(device)
+    except Exception as e:  # noqa: BLE001 - any failure means: use the torch path
+        import sys
+
+        print(f"fused_augment: the fused kernel is not available on {device} ({type(e).__name__}: {e}); "
+              "the torch kernels augment instead", file=sys.stderr)
         return False
     return True
 

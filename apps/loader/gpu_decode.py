@@ -455,7 +455,7 @@ class Augment:
         if self.device.type == "cuda" and os.environ.get("GPIPE_AUGMENT", "fused") != "torch":
             import fused_augment
 
-            if fused_augment.available():
+            if fused_augment.ready(self.device):
                 self.kernel = "fused"
                 self.fused_mul = [1.0 / (255.0 * v) for v in std]
                 self.fused_add = [-m / v for m, v in zip(mean, std)]

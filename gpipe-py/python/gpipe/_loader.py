@@ -43,7 +43,11 @@ _DICT, _TUPLE, _ONE = 0, 1, 2
 # keep them only if the trainer then takes batches at least GAIN times as fast.
 WAIT_SHARE = 0.03
 WINDOW = 16
-GAIN = 1.03
+# A step is kept if the rate rose by at least half the gain it was predicted to bring, and by
+# at least MIN_GAIN (a step that brings nothing, or slows the trainer, is retired).
+MIN_GAIN = 0.01
+# How long an ending worker waits for the trainer to take its last batches.
+_DRAIN_S = 24 * 3600.0
 
 
 def _is_cuda(device: torch.device) -> bool:
@@ -142,8 +146,11 @@ def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim:
             tensors, kind = _named(decode(samples, device))
             if producer is None:
                 cuda = any(t.is_cuda for t in tensors.values())
+                # A worker that ends (retired, or its epochs done) waits in close() until the
+                # trainer has taken what it published and let go of its ring, however long
+                # the trainer's steps take; a dead trainer is let go at once.
                 producer = gpipe.Producer(
-                    sock, batch_bytes=_slot_bytes(tensors), slots=cfg["slots"],
+                    sock, batch_bytes=_slot_bytes(tensors), slots=cfg["slots"], drain_timeout=_DRAIN_S,
                     backend="cuda" if cuda else "host",
                     **({"device": device.index or 0} if cuda else {}),
                 )
@@ -184,7 +191,8 @@ class _Ring:
         self.first_at: Optional[int] = None  # the batch count when its first batch came
         self.done = False
         self.retire: Any = None  # set: it publishes what it claimed, then ends
-        self.stamps: list[int] = []  # when its batches of auto's current window were published
+        # when its latest batches were published (auto's rates), those of the current window
+        self.stamps: collections.deque = collections.deque(maxlen=WINDOW)
 
 
 class Loader:
@@ -282,9 +290,11 @@ class Loader:
         self._taken = 0  # batches handed out
         self._waits: collections.deque = collections.deque(maxlen=WINDOW)
         self._last_t: Optional[float] = None
-        # auto's step on trial: (workers before it, batches/s before it, workers with it)
-        self._trial: Optional[tuple[int, float, int]] = None
+        # auto's step on trial: (workers before it, batches/s before it, workers with it, the
+        # gain it should bring), or None
+        self._trial: Optional[tuple[int, float, int, float]] = None
         self._frozen = False  # auto found that more workers do not help
+        self._armed = False  # the last window of waiting called for a step
         self._closed = False
         for _ in range(1 if self.auto else self.max_workers):
             self._start_worker()
@@ -348,21 +358,31 @@ class Loader:
         wait = sum(w for w, _ in self._waits)
         span = sum(s for _, s in self._waits)
         if self._trial is not None:
-            before, was, tried = self._trial
+            before, was, tried, predicted = self._trial
             self._trial = None
-            if rate < was * GAIN:  # the step did not pay: back to the workers before it
+            want = 1 + max(MIN_GAIN, (predicted - 1) / 2)
+            if rate < was * want:  # the step did not pay: back to the workers before it
                 for r in [r for r in self._rings if not r.retire.is_set()][before:]:
                     r.retire.set()
                 self._frozen = True
                 self.why = (f"auto: {before} worker(s): {tried} made the trainer take "
-                            f"{rate:.2f} batches/s against {was:.2f} with {before}, so the "
-                            f"added ones were retired at batch {self._taken} and auto stopped "
+                            f"{rate:.2f} batches/s against {was:.2f} with {before} (it needed "
+                            f"{want:.2f}x), so the added ones were retired at batch {self._taken} and auto stopped "
                             f"there ({self._shared_by})")
                 self._new_window()
                 return
-            self.why += (f"; kept: {rate:.2f} batches/s against {was:.2f} with {before}")
+            self.why += (f"; kept: {rate:.2f} batches/s against {was:.2f} with {before} (it "
+                         f"needed {want:.2f}x)")
         if self.workers >= self.max_workers or span <= 0 or wait / span <= WAIT_SHARE:
+            self._armed = False
             return
+        if not self._armed:
+            # The first window of waiting may straddle a change in the trainer's own pace, and
+            # its rate is then not the workers': act on a second window, all of it waiting.
+            self._armed = True
+            self._new_window()
+            return
+        self._armed = False
         # While the trainer waits, the workers set the pace: a batch every span/WINDOW. The
         # trainer's own time per batch is what is left; the workers should keep up with that,
         # with a tenth to spare; at most twice as many at a time, each step on trial.
@@ -372,7 +392,8 @@ class Loader:
                    max(first + 1, math.ceil(first * span / own * 1.1)))
         for _ in range(need - first):
             self._start_worker()
-        self._trial = (first, rate, need)
+        # what the step should bring: the trainer's own pace, or the added workers' share of it
+        self._trial = (first, rate, need, min(span / own, need / first))
         started = f"worker {len(self._rings) - 1}" if need - first == 1 else \
             f"workers {len(self._rings) - (need - first)}-{len(self._rings) - 1}"
         self.why = (f"auto: {need} workers: {started} started at batch {self._taken}, the trainer "
@@ -449,8 +470,9 @@ class Loader:
             if not ring.proc.is_alive() and ring.proc.exitcode != 0:
                 raise self._failed(ring) from None
             return False
-        except Closed:
+        except Closed:  # every batch it published was received: let its worker end now
             ring.done = True
+            ring.consumer.close()
             return False
         except ProducerDied:
             raise self._failed(ring) from None
@@ -537,7 +559,10 @@ class Loader:
         self._closed = True
         self._stop.set()
         for _, b in self._held.values():
-            b.release()
+            try:
+                b.release()
+            except Error:  # its worker is gone and took the slot back: nothing to give
+                pass
         self._held.clear()
         for r in self._rings:
             if r.consumer is not None:
