@@ -446,10 +446,10 @@ class Augment:
         self.device = torch.device(device)
         self.generator = torch.Generator().manual_seed(seed)
         # (x / 255 - mean) / std  ==  x * scale + bias
-        std_t = torch.tensor(std, dtype=torch.float32)
-        mean_t = torch.tensor(mean, dtype=torch.float32)
-        self.mul = (1.0 / (255.0 * std_t)).view(1, 3, 1, 1).to(self.device)
-        self.add = (-mean_t / std_t).view(1, 3, 1, 1).to(self.device)
+        self.mul_c = [1.0 / (255.0 * v) for v in std]
+        self.add_c = [-m / v for m, v in zip(mean, std)]
+        self.mul = torch.tensor(self.mul_c, dtype=torch.float32).view(1, 3, 1, 1).to(self.device)
+        self.add = torch.tensor(self.add_c, dtype=torch.float32).view(1, 3, 1, 1).to(self.device)
         # On a GPU with CuPy, one fused kernel (fused_augment.py) unless GPIPE_AUGMENT=torch.
         self.kernel = "torch"
         if self.device.type == "cuda" and os.environ.get("GPIPE_AUGMENT", "fused") != "torch":
@@ -457,8 +457,6 @@ class Augment:
 
             if fused_augment.ready(self.device):
                 self.kernel = "fused"
-                self.fused_mul = [1.0 / (255.0 * v) for v in std]
-                self.fused_add = [-m / v for m, v in zip(mean, std)]
 
     def boxes(self, heights: torch.Tensor, widths: torch.Tensor, tries: int = 10) -> torch.Tensor:
         """B x 4 crop boxes (x1, y1, x2, y2) in pixel-centre coordinates, inside each image."""
@@ -503,7 +501,7 @@ class Augment:
 
             boxes = self.boxes(heights, widths)
             flips = torch.rand(n, generator=self.generator) < self.flip_p
-            return fused_augment.crop_resize(images, boxes, flips, s, self.fused_mul, self.fused_add, out)
+            return fused_augment.crop_resize(images, boxes, flips, s, self.mul_c, self.add_c, out)
         pad = torch.zeros((n, 3, int(heights.max()), int(widths.max())), dtype=torch.float32, device=dev)
         views = [pad[i, :, : im.shape[-2], : im.shape[-1]] for i, im in enumerate(images)]
         if hasattr(torch, "_foreach_copy_"):

@@ -39,8 +39,7 @@ from ._gpipe import TENSOR_ALIGN, Closed, Deadlock, Error, ProducerDied, Timeout
 _MAGIC = 0x6770_6C6F_6164  # "gpload"
 _DICT, _TUPLE, _ONE = 0, 1, 2
 # auto: add workers when the trainer waited more than this share of the last WINDOW batches
-# (the time between its asking for a batch and having it, over the time between batches), and
-# keep them only if the trainer then takes batches at least GAIN times as fast.
+# (the time between its asking for a batch and having it, over the time between batches).
 WAIT_SHARE = 0.03
 WINDOW = 16
 # A step is kept if the rate rose by at least half the gain it was predicted to bring, and by
@@ -184,13 +183,13 @@ def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim:
 class _Ring:
     """The trainer's side of one worker: its process, its ring, the batch held from it."""
 
-    def __init__(self, k: int, sock: str, proc: Any) -> None:
+    def __init__(self, k: int, sock: str, proc: Any, retire: Any) -> None:
         self.k, self.sock, self.proc = k, sock, proc
         self.consumer: Any = None
         self.held: Optional[int] = None  # the batch number received from it and not yet taken
         self.first_at: Optional[int] = None  # the batch count when its first batch came
         self.done = False
-        self.retire: Any = None  # set: it publishes what it claimed, then ends
+        self.retire = retire  # set: it publishes what it claimed, then ends
         # when its latest batches were published (auto's rates), those of the current window
         self.stamps: collections.deque = collections.deque(maxlen=WINDOW)
 
@@ -304,7 +303,11 @@ class Loader:
     @property
     def workers(self) -> int:
         """Decode processes making batches now (started and not retired)."""
-        return sum(1 for r in self._rings if not r.retire.is_set())
+        return len(self._active())
+
+    def _active(self) -> list[_Ring]:
+        """The workers' rings that are not retired."""
+        return [r for r in self._rings if not r.retire.is_set()]
 
     def _start_worker(self) -> None:
         k = len(self._rings)
@@ -316,9 +319,7 @@ class Loader:
                   retire, self._errors),
         )
         p.start()
-        ring = _Ring(k, sock, p)
-        ring.retire = retire
-        self._rings.append(ring)
+        self._rings.append(_Ring(k, sock, p, retire))
 
     def _failed(self, ring: _Ring) -> Error:
         """The error of a worker that ended: its own exception if it sent one."""
@@ -355,14 +356,13 @@ class Loader:
         rate = self._rate()
         if len(self._waits) < WINDOW or rate is None:
             return
-        wait = sum(w for w, _ in self._waits)
-        span = sum(s for _, s in self._waits)
+        wait, span = self._window()
         if self._trial is not None:
             before, was, tried, predicted = self._trial
             self._trial = None
             want = 1 + max(MIN_GAIN, (predicted - 1) / 2)
             if rate < was * want:  # the step did not pay: back to the workers before it
-                for r in [r for r in self._rings if not r.retire.is_set()][before:]:
+                for r in self._active()[before:]:
                     r.retire.set()
                 self._frozen = True
                 self.why = (f"auto: {before} worker(s): {tried} made the trainer take "
@@ -409,6 +409,10 @@ class Loader:
                     "trainer's take turns on it")
         return "the workers share what limits them: the CPUs, the disk, a lock in decode"
 
+    def _window(self) -> tuple[float, float]:
+        """Over the window: the trainer's time waiting for batches, and the time they took."""
+        return sum(w for w, _ in self._waits), sum(s for _, s in self._waits)
+
     def _new_window(self) -> None:
         self._waits.clear()
         for r in self._rings:
@@ -419,7 +423,7 @@ class Loader:
         trainer's rate in steady state: workers wait for free slots when it is the slower),
         once each has published a few; None before. Each worker's own series is free of the
         bursts the trainer sees when it takes batches in order from several rings."""
-        active = [r for r in self._rings if not r.retire.is_set()]
+        active = self._active()
         if any(len(r.stamps) < 5 for r in active):
             return None
         return sum((len(r.stamps) - 1) * 1e9 / max(r.stamps[-1] - r.stamps[0], 1) for r in active)
@@ -428,7 +432,7 @@ class Loader:
         """A worker has not delivered yet, or only its first few batches: while a new worker
         starts, the trainer waits for its first batch and the others fill their rings, so the
         pace is the workers' own only once that backlog is gone too."""
-        active = [r for r in self._rings if not r.retire.is_set()]
+        active = self._active()
         settle = WINDOW + self._cfg["slots"] * len(active)
         return any(r.first_at is None or self._taken - r.first_at < settle for r in active)
 
@@ -442,9 +446,8 @@ class Loader:
             return True
         if self._starting() or self._trial is not None or len(self._waits) < WINDOW:
             return False
-        span = sum(s for _, s in self._waits)
-        return self._frozen or self.workers >= self.max_workers or span <= 0 or \
-            sum(w for w, _ in self._waits) / span <= WAIT_SHARE
+        wait, span = self._window()
+        return self._frozen or self.workers >= self.max_workers or span <= 0 or wait / span <= WAIT_SHARE
 
     # -- batches -------------------------------------------------------------------------
 
