@@ -4,6 +4,8 @@
 inproc    One process, no hand-off: the frame is filled in place (as the gpipe source fills
           a slot) and the models run on it. Prints one JSON line per run:
             solo        each model alone (--modes eager,graph);
+                        (--barrier: one such process per model, started together, time
+                        the same seconds; run_all.py's "together" part)
             sequential  all the models one after the other on each frame (eager: op by op;
                         graph: their graphs replayed one after the other on one stream);
             streams     graph mode only: each model's graph replayed on a stream of its own,
@@ -96,6 +98,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ip.add_argument(
         "--runs", default="solo,sequential,streams", help="which runs (default all three)"
     )
+    ip.add_argument(
+        "--barrier",
+        default="",
+        help="a folder: after its warm-up, wait until --barrier-count processes reached it "
+        "(several processes, one model each, timing the same seconds)",
+    )
+    ip.add_argument("--barrier-count", type=int, default=1)
+    ip.add_argument("--barrier-timeout", type=float, default=120.0)
     mq = sub.add_parser("mp-queue", help="torch.multiprocessing queues to one process per model")
     common_args(mq)
     mq.add_argument("--mode", choices=("eager", "graph"), default="eager")
@@ -132,6 +142,8 @@ def timed_loop(step, finish, a: argparse.Namespace, device: torch.device) -> tup
     for i in range(a.warmup):
         step(i)
     finish()
+    if getattr(a, "barrier", None):
+        meet(a.barrier, a.barrier_count, a.barrier_timeout)
     t0 = time.monotonic_ns()
     deadline = t0 + int(a.duration * 1e9) if a.duration > 0 else None
     n = 0
@@ -140,6 +152,21 @@ def timed_loop(step, finish, a: argparse.Namespace, device: torch.device) -> tup
         n += 1
     finish()
     return n, (time.monotonic_ns() - t0) / 1e9
+
+
+def meet(folder: str, count: int, timeout: float) -> None:
+    """Waits until `count` processes (this one included) reached this point: each leaves a
+    file named by its pid in `folder`. So processes started together time the same seconds."""
+    os.makedirs(folder, exist_ok=True)
+    open(os.path.join(folder, str(os.getpid())), "w").close()
+    deadline = time.monotonic() + timeout
+    while len(os.listdir(folder)) < count:
+        if time.monotonic() > deadline:
+            raise SystemExit(
+                f"baselines: {len(os.listdir(folder))} of {count} processes reached the barrier "
+                f"{folder} in {timeout:.0f} s"
+            )
+        time.sleep(0.001)
 
 
 def inproc(a: argparse.Namespace) -> int:

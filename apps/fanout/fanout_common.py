@@ -310,6 +310,9 @@ class Tally:
         # released -> the result on the host.
         self.steps: dict[str, list[int]] = {}
         self.graphs = 0
+        # Host time spent waiting for timed frames (in recv): a consumer that waits little
+        # is bound by its own work; one that waits much, by what feeds it.
+        self.wait_ns = 0
 
     def frame(self, frame_no: int, warmup: int) -> bool:
         """Counts one frame; True if it is a timed one."""
@@ -325,6 +328,12 @@ class Tally:
             self.t_first_timed_ns = time.monotonic_ns()
         self.timed += 1
         return True
+
+    def waited(self, ns: int) -> None:
+        """Host time spent in recv for the frame about to be counted (timed frames only
+        count once the first timed frame arrived)."""
+        if self.t_first_timed_ns is not None:
+            self.wait_ns += ns
 
     def latency(self, t_publish_ns: int, marks: Optional[dict[str, int]] = None) -> None:
         """One timed frame's latency: now minus its publish time (CLOCK_MONOTONIC is the same
@@ -351,6 +360,9 @@ class Tally:
             # first frame's processing is inside the span, so (timed) frames over it.
             span = (self.t_end_ns - self.t_first_timed_ns) / 1e9
             fps = round(self.timed / span, 1) if span > 0 else None
+            wait_share = round(self.wait_ns / 1e9 / span, 3) if span > 0 else None
+        else:
+            wait_share = None
         return {
             "role": "consumer",
             "model": self.model,
@@ -364,6 +376,7 @@ class Tally:
             "check_failures": self.check_failures,
             "graphs": self.graphs,
             "fps": fps,
+            "wait_share": wait_share,
             "t_first_timed_ns": self.t_first_timed_ns,
             "t_end_ns": self.t_end_ns,
             "latency": latency_summary(self.latencies),

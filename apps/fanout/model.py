@@ -87,10 +87,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="seconds to busy-wait for a frame before sleeping (gpipe.Consumer(spin=...))",
     )
+    ap.add_argument(
+        "--delivery",
+        choices=("auto", "in-place", "mirror"),
+        default="auto",
+        help="gpipe.Consumer(delivery=...): on another GPU than the source's, auto mirrors",
+    )
     return ap.parse_args(argv)
 
 
-def attach(socket: str, device: torch.device, timeout: float, spin=None) -> gpipe.Consumer:
+def attach(
+    socket: str, device: torch.device, timeout: float, spin=None, delivery: str = "auto"
+) -> gpipe.Consumer:
     """Attaches once the source's socket exists (waiting up to `timeout` seconds for it).
     A refusal for another reason (a backend or device mismatch) is raised after a few tries."""
     deadline = time.monotonic() + timeout
@@ -100,7 +108,7 @@ def attach(socket: str, device: torch.device, timeout: float, spin=None) -> gpip
         time.sleep(0.05)
     for attempt in range(20):
         try:
-            return gpipe.Consumer(socket, device=str(device), spin=spin)
+            return gpipe.Consumer(socket, device=str(device), spin=spin, delivery=delivery)
         except gpipe.AttachError:
             if attempt == 19:
                 raise
@@ -164,18 +172,20 @@ def main(argv=None) -> int:
         model = build_model(a.model, device, dtype, a.size)
         warm_up(model, shape, dtype, device)
         graphs = GraphPerSlot(model) if use_graphs else None
-        c = attach(a.socket, device, a.attach_timeout, a.spin)
+        c = attach(a.socket, device, a.attach_timeout, a.spin, a.delivery)
         if c.device != str(device):
             log(f"model: the ring is on {c.device}, this model on {device}")
             return 2
         log(f"model {a.model} ({a.mode}): attached as consumer {c.index}, ready")
         try:
             while True:
+                t_ask = time.monotonic_ns()
                 try:
                     batch = c.recv(timeout=a.idle_timeout)
                 except gpipe.Closed:
                     break
                 t_recv = time.monotonic_ns()
+                tally.waited(t_recv - t_ask)
                 with batch:
                     frame_no, t_pub, warmup = batch.meta[0], batch.meta[1], batch.meta[2]
                     timed = tally.frame(frame_no, warmup)

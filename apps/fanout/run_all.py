@@ -7,7 +7,9 @@ In order, each run in processes of its own, under a time limit:
    after the other in one process, eager and graph; graph replays on three streams.
 2. Throughput, the source as fast as possible: gpipe fan-out (source.py + one model.py
    process per model), eager and graph; the torch.multiprocessing baseline (baselines.py
-   mp-queue), eager and graph.
+   mp-queue), eager and graph. With --only together (not run by default), before them: each
+   model alone in a process of its own (on its --model-devices GPU), all at once, no
+   transport: what the machine gives the models at a time, to read the fan-out against.
 3. Latency at a fixed rate (--rate, or 0.8× the lowest eager throughput measured above: the
    slowest model alone, the gpipe and the mp-queue fan-outs), every model waiting for each
    result: gpipe and mp-queue, eager and graph; then the same with the empty model in every
@@ -32,6 +34,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import signal
 import subprocess
@@ -70,6 +73,8 @@ class Config:
     spin: float = 0.0
     # The GPU of each model's process in the gpipe runs (None: the source's, GPU 0).
     model_devices: Optional[list[int]] = None
+    # gpipe.Consumer(delivery=...) of the models' processes.
+    delivery: str = "auto"
 
     @property
     def device(self) -> str:
@@ -175,6 +180,8 @@ def run_gpipe(
             argv.append("--check")
         if cfg.spin > 0:
             argv += ["--spin", str(cfg.spin)]
+        if cfg.delivery != "auto":
+            argv += ["--delivery", cfg.delivery]
         cons.append(Proc(f"{label}-{k}-{m}", argv, cfg))
     deadline = time.monotonic() + cfg.run_timeout
     t0 = time.monotonic()
@@ -250,6 +257,58 @@ def run_baseline(
     return recs
 
 
+def run_together(cfg: Config, mode: str, models: list[str], frames: int, duration: float) -> dict:
+    """Each model alone in a process of its own (on its --model-devices GPU), all at once,
+    timing the same seconds, no transport: what the machine gives three models at a time,
+    against which a fan-out's consumers can be read. The record's frames/s is the slowest's."""
+    devices = [
+        f"cuda:{cfg.model_devices[k]}" if cfg.model_devices and cfg.backend == "cuda" else cfg.device
+        for k in range(len(models))
+    ]
+    # the empty model has no solo run: it is left out
+    devices = [d for d, m in zip(devices, models) if m != "empty"]
+    models = [m for m in models if m != "empty"]
+    folder = tempfile.mkdtemp(prefix="fan-barrier-", dir="/tmp")
+    procs = []
+    for k, (m, device) in enumerate(zip(models, devices)):
+        argv = [cfg.python, os.path.join(HERE, "baselines.py"), "inproc", "--models", m]
+        argv += ["--modes", mode, "--runs", "solo", "--frames", str(frames)]
+        argv += ["--duration", str(duration), "--barrier", folder]
+        argv += ["--barrier-count", str(len(models)), "--barrier-timeout", str(cfg.run_timeout)]
+        argv += ["--device", device, "--size", str(cfg.size), "--slots", str(cfg.slots)]
+        argv += ["--warmup", str(cfg.warmup), "--threads", str(cfg.threads)] + cfg.shape_args()
+        procs.append(Proc(f"together-{mode}-{k}-{m}", argv, cfg))
+    t0 = time.monotonic()
+    deadline = t0 + cfg.run_timeout
+    codes = [pr.wait(deadline) for pr in procs]
+    shutil.rmtree(folder, ignore_errors=True)
+    each = [(pr.json_lines() or [None])[-1] for pr in procs]
+    fps = [r.get("fps") for r in each if r]
+    rec = {
+        "run": "together",
+        "mode": mode,
+        "models": models,
+        "rate": 0.0,
+        "fps": min(fps) if len(fps) == len(models) and all(fps) else None,
+        "ok": all(c == 0 for c in codes) and all(r and r.get("ok") for r in each),
+        "consumers": [
+            {"model": m, "fps": (r or {}).get("fps"), "device": d}
+            for m, r, d in zip(models, each, devices)
+        ],
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
+    errors = [
+        f"{pr.label}: {'timed out' if c is None else f'exit {c}'}: {pr.err_tail(300)}"
+        for pr, c in zip(procs, codes)
+        if c != 0
+    ]
+    if errors:
+        rec["error"] = " | ".join(errors)
+    if cfg.model_devices:
+        rec["model_devices"] = cfg.model_devices
+    return rec
+
+
 # ---------------------------------------------------------------------------------------
 # the report
 
@@ -286,7 +345,7 @@ def summary(recs: list[dict], models: list[str], mps: str) -> list[str]:
             continue
         fps = r.get("fps")
         per = ""
-        if r.get("run") in ("gpipe", "mp-queue"):
+        if r.get("run") in ("gpipe", "mp-queue", "together"):
             per = ", ".join(
                 f"{c.get('model')} {c.get('fps')}" for c in r.get("consumers") or [] if c
             )
@@ -325,6 +384,14 @@ def summary(recs: list[dict], models: list[str], mps: str) -> list[str]:
         out.append(
             f"  eager: gpipe fan-out {g_eager} / slowest model alone {min(solo)} = {ratio:.2f}{med} "
             f"(target >= {TARGET_EAGER}) {'PASS' if ratio >= TARGET_EAGER else 'MISS'}"
+        )
+    together = _fps(recs, "together", "eager")
+    if together and g_eager:
+        # not a target: how much of a gap to the model alone is the machine's, running the
+        # models at once without gpipe
+        out.append(
+            f"  eager: gpipe fan-out {g_eager} / the models alone at once, no transport "
+            f"{together} = {g_eager / together:.2f}{med}"
         )
     g_graph = _fps(recs, "gpipe", "graph")
     streams = _fps(recs, "streams", "graph")
@@ -375,7 +442,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--only",
         default="inproc,gpipe,mp-queue,latency,empty",
-        help="which parts to run (default all)",
+        help="which parts to run (default all but together: the models alone in processes of "
+        "their own, all at once, no transport)",
     )
     ap.add_argument(
         "--frames", type=int, default=600, help="timed frames of a throughput run (default 600)"
@@ -437,6 +505,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="gpipe consumers busy-wait this many seconds for a frame before sleeping "
         "(gpipe.Consumer(spin=...); 0: the package's default, 100 µs)",
     )
+    ap.add_argument(
+        "--delivery",
+        choices=("auto", "in-place", "mirror"),
+        default="auto",
+        help="the gpipe consumers' delivery (default auto: in place on GPU 0, mirrored on "
+        "another GPU)",
+    )
     return ap.parse_args(argv)
 
 
@@ -468,6 +543,7 @@ def main(argv=None) -> int:
         run_timeout=a.run_timeout,
         check=a.check,
         spin=a.spin,
+        delivery=a.delivery,
         model_devices=[int(d) for d in a.model_devices.split(",")] if a.model_devices else None,
     )
     if cfg.model_devices is not None and len(cfg.model_devices) != len(models):
@@ -490,6 +566,7 @@ def main(argv=None) -> int:
         rec["backend"] = a.backend
         rec["quick"] = a.quick
         rec["spin"] = a.spin
+        rec["delivery"] = a.delivery
         rec["torch_threads"] = a.threads
         rec["cpus"] = os.cpu_count()
         recs.append(rec)
@@ -524,6 +601,8 @@ def main(argv=None) -> int:
             ):
                 keep(rec, rep)
         for mode in modes:
+            if "together" in only and not over_budget():
+                keep(run_together(cfg, mode, models, a.frames, a.duration), rep)
             if "gpipe" in only and not over_budget():
                 keep(run_gpipe(cfg, mode, models, **tput), rep)
             if "mp-queue" in only and not over_budget():

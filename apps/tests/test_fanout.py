@@ -211,6 +211,33 @@ def test_run_all_writes_records_and_a_summary(tmp_path):
     assert any("added latency, gpipe (2 empty models)" in ln for ln in lines), lines
 
 
+def test_the_models_alone_at_once_and_gpipe_in_place_with_wait_shares(tmp_path):
+    out = tmp_path / "out"
+    code = run_all.main(
+        [
+            "--backend", "host", "--models", "tiny,tiny", "--modes", "eager",
+            "--only", "together,gpipe", "--quick", "--delivery", "in-place",
+            "--height", str(H), "--width", str(W), "--size", str(SIZE),
+            "--slots", str(SLOTS), "--warmup", str(WARMUP),
+            "--out", str(out), "--run-timeout", "60", "--check",
+        ]
+    )  # fmt: skip
+    recs = [json.loads(line) for line in (out / "fanout.jsonl").read_text().splitlines()]
+    assert code == 0, f"{recs}\n{logs(out / 'logs' / 'mps-off')}"
+    assert [r["run"] for r in recs] == ["together", "gpipe"]
+    together, fan = recs
+    # each model alone in a process of its own, both timing the same seconds
+    assert together["ok"] and [c["model"] for c in together["consumers"]] == ["tiny", "tiny"]
+    assert all(c["fps"] > 0 for c in together["consumers"])
+    assert together["fps"] == min(c["fps"] for c in together["consumers"])
+    # the consumers delivered in place, and each says how much of its time it waited
+    assert fan["delivery"] == "in-place"
+    assert_every_frame(fan, 2, latency=False)
+    assert all(0 <= c["wait_share"] <= 1 for c in fan["consumers"])
+    lines = run_all.summary(recs, ["tiny", "tiny"], "off")
+    assert any("the models alone at once, no transport" in ln for ln in lines), lines
+
+
 def test_summary_targets():
     def consumer(model, fps=None, p99=None):
         lat = (

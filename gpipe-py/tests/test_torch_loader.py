@@ -163,6 +163,50 @@ def test_a_step_is_judged_against_the_recent_rate_not_a_slow_start():
         assert loader.workers == 1 and "retired" in loader.why, loader.why
 
 
+class Device:
+    """A trainer's GPU as its host sees it: `submit()` returns at once unless the last job is
+    still running (then it waits for that one), so while the trainer waits for data its own
+    time per batch is only the launch, as a CUDA trainer's is."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.busy_until = 0.0
+
+    def submit(self) -> None:
+        now = time.monotonic()
+        if self.busy_until > now:
+            time.sleep(self.busy_until - now)
+            now = self.busy_until
+        self.busy_until = now + self.seconds
+
+
+def decode_20ms(samples, device):
+    time.sleep(0.02)
+    return decode(samples, device)
+
+
+def test_a_step_that_lets_the_trainer_keep_its_own_pace_is_kept():
+    # One worker makes a batch every 20 ms; the trainer's device needs 16 ms a batch, which its
+    # host does not see while it waits for data. `auto` predicts 2x from the host's times; a
+    # second worker brings 1.25x (the device's pace), and the trainer no longer waits: kept.
+    dev = Device(0.016)
+    n, b = 4000, 4
+    with Loader(Numbers(n), decode_20ms, batch_size=b, device="cpu", max_workers=2, seed=3) as loader:
+        deadline = time.monotonic() + 120
+        epochs = []
+        while not epochs or not loader.settled:
+            assert time.monotonic() < deadline, f"auto did not settle: {loader.why}"
+            seen = []
+            for batch in loader:
+                seen.extend(batch["index"].tolist())
+                del batch
+                dev.submit()
+            epochs.append(seen)
+        assert loader.workers == 2 and "kept" in loader.why, loader.why
+        assert "no longer waiting" in loader.why, loader.why
+        assert all(seen == order(n, 3, e) for e, seen in enumerate(epochs))
+
+
 def test_a_pause_after_a_worker_ends_loses_none_of_its_batches():
     # A worker that ends (retired here; or its epochs done) waits for the trainer to take
     # what it published, however long the trainer pauses (a validation, a checkpoint).

@@ -42,8 +42,9 @@ _DICT, _TUPLE, _ONE = 0, 1, 2
 # (the time between its asking for a batch and having it, over the time between batches).
 WAIT_SHARE = 0.03
 WINDOW = 16
-# A step is kept if the rate rose by at least half the gain it was predicted to bring, and by
-# at least MIN_GAIN (a step that brings nothing, or slows the trainer, is retired).
+# A step is kept if the rate rose by at least half the gain it was predicted to bring, or by
+# at least MIN_GAIN with the trainer no longer waiting (a step that brings nothing, or slows
+# the trainer, is retired).
 MIN_GAIN = 0.01
 # How long an ending worker waits for the trainer to take its last batches.
 _DRAIN_S = 24 * 3600.0
@@ -361,18 +362,24 @@ class Loader:
             before, was, tried, predicted = self._trial
             self._trial = None
             want = 1 + max(MIN_GAIN, (predicted - 1) / 2)
-            if rate < was * want:  # the step did not pay: back to the workers before it
+            # The step paid if the rate rose by half its predicted gain, or if it rose and the
+            # trainer no longer waits: the prediction cannot know the trainer's GPU-bound pace
+            # (its host time per batch, all it sees while waiting, is only the launches).
+            fed = span > 0 and wait / span <= WAIT_SHARE
+            if rate < was * (1 + MIN_GAIN) or (rate < was * want and not fed):
                 for r in self._active()[before:]:
                     r.retire.set()
                 self._frozen = True
                 self.why = (f"auto: {before} worker(s): {tried} made the trainer take "
                             f"{rate:.2f} batches/s against {was:.2f} with {before} (it needed "
-                            f"{want:.2f}x), so the added ones were retired at batch {self._taken} and auto stopped "
+                            f"{want:.2f}x, or {1 + MIN_GAIN:.2f}x with the trainer no longer "
+                            f"waiting: it waited {wait / span:.0%}), so the added ones were retired at batch {self._taken} and auto stopped "
                             f"there ({self._shared_by})")
                 self._new_window()
                 return
             self.why += (f"; kept: {rate:.2f} batches/s against {was:.2f} with {before} (it "
-                         f"needed {want:.2f}x)")
+                         f"needed {want:.2f}x, or {1 + MIN_GAIN:.2f}x with the trainer no "
+                         f"longer waiting: it waited {wait / span:.0%})")
         if self.workers >= self.max_workers or span <= 0 or wait / span <= WAIT_SHARE:
             self._armed = False
             return
@@ -406,7 +413,7 @@ class Loader:
     def _shared_by(self) -> str:
         if _is_cuda(self.device):
             return ("the workers share the trainer's GPU: without MPS their kernels and the "
-                    "trainer's take turns on it")
+                    "trainer's take turns on it, with MPS they share its SMs")
         return "the workers share what limits them: the CPUs, the disk, a lock in decode"
 
     def _window(self) -> tuple[float, float]:
