@@ -10,6 +10,7 @@
 #   bash apps/loader/gpu.sh quick      # a few steps of every run, to check that all work
 #   bash apps/loader/gpu.sh loader     # gpipe.torch.Loader against the training ceiling: ResNet-50
 #                                      # and ResNet-18 on 1, 2 and every GPU (DDP), MPS off, then on
+#   HOST_DECODE=1 bash apps/loader/gpu.sh loader   # the same, decoding on the CPU (host_decode.py)
 #   bash apps/loader/gpu.sh ddp        # the 2-GPU machine: gpipe on 1 and 2 GPUs (DDP)
 #   bash apps/loader/gpu.sh ddp quick
 #   MPS=on SM_PERCENT=25 bash apps/loader/gpu.sh ddp   # MPS only, producers at 25% of SMs
@@ -67,6 +68,10 @@ if [ "$mode" = scaling ]; then
 elif [ "$mode" = loader ]; then
   # WORLDS: the GPU counts to run (default 1, 2 and every GPU); ONE_S and DDP_S: seconds for
   # the one-GPU run and for each DDP run of each MPS setting.
+  # HOST_DECODE=1: the workers decode on the CPU, the trainer augments on its GPU
+  # (loader_lib.py --host-decode), auto up to MAX_WORKERS (default the loader's); labels end in -host.
+  HD=(); H=
+  [ -n "${HOST_DECODE:-}" ] && { HD=(--loader-host-decode --loader-max-workers "${MAX_WORKERS:-0}"); H=-host; }
   G=$(gpu_count); worlds=()
   for w in ${WORLDS:-1 2 $G}; do
     [ "$w" -le "$G" ] && [[ " ${worlds[*]} " != *" $w "* ]] && worlds+=("$w")
@@ -75,9 +80,9 @@ elif [ "$mode" = loader ]; then
     [ "$m" = on ] && mps_on
     for w in "${worlds[@]}"; do
       s=${DDP_S:-130}; [ "$w" = 1 ] && s=${ONE_S:-130}
-      echo "== gpipe.torch.Loader, $w GPU(s), MPS $m"
-      run "$s" --label "lib-$m$P" --world-size "$w" --ddp-only --configs loader,ceiling \
-        --models "${MODELS:-resnet50,resnet18}" --budget $(( s - 10 ))
+      echo "== gpipe.torch.Loader, $w GPU(s), MPS $m${HOST_DECODE:+, decode on the host}"
+      run "$s" --label "lib-$m$P$H" --world-size "$w" --ddp-only --configs loader,ceiling \
+        --models "${MODELS:-resnet50,resnet18}" --budget $(( s - 10 )) "${HD[@]}"
     done
     [ "$m" = on ] && mps_off
   done

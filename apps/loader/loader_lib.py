@@ -12,6 +12,10 @@ Prints one JSON line with the same figures as train.py and baselines.py, and the
 workers and why.
 
     python3 apps/loader/loader_lib.py --data /tmp/loader-data --model resnet50 --steps 60
+
+``--host-decode``: the workers decode on the CPU into host rings and this process augments
+on its GPU (host_decode.py), for a GPU without MPS, where decode processes on it would take
+turns with the trainer.
 """
 
 from __future__ import annotations
@@ -74,12 +78,13 @@ class DecodeAugment:
         return images, labels.to(device, non_blocking=True)
 
 
-def epochs(loader: gpipe.torch.Loader) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict]]:
-    """Batches for measure(), epoch after epoch."""
+def epochs(loader: gpipe.torch.Loader) -> Iterator[tuple]:
+    """Batches for measure(), epoch after epoch: what decode returned, then {"epoch": N}."""
     epoch = 0
     while True:
-        for images, labels in loader:
-            yield images, labels, {"epoch": epoch}
+        for batch in loader:
+            yield (*batch, {"epoch": epoch})
+            del batch
         epoch += 1
 
 
@@ -125,6 +130,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--profile", type=int, default=0, help="steps under torch.profiler after the timed ones")
     ap.add_argument("--profile-out", default=None)
     ap.add_argument("--label", default="loader")
+    ap.add_argument("--host-decode", action="store_true",
+                    help="decode on the CPU in the workers (host rings), augment on the GPU in this "
+                         "process (host_decode.py): no other process touches the GPU")
     a = ap.parse_args(argv)
     workers: Any = a.workers if a.workers == "auto" else int(a.workers)
 
@@ -132,16 +140,35 @@ def main(argv: Optional[list[str]] = None) -> int:
     dev = setup_rank(a.device, a.world_size, a.rank, a.dist_url)
     torch.manual_seed(a.seed)
     data = EncodedImages(a.data)
-    with gpipe.torch.Loader(data, DecodeAugment(a.size, a.seed), batch_size=a.batch, device=dev,
+    upload = None
+    if a.host_decode:
+        from host_decode import HostDecode, largest_image
+
+        decode_fn: Any = HostDecode(a.batch, largest_image(a.data))
+        ring_device = torch.device("cpu")
+    else:
+        decode_fn = DecodeAugment(a.size, a.seed)
+        ring_device = dev
+    with gpipe.torch.Loader(data, decode_fn, batch_size=a.batch, device=ring_device,
                             workers=workers, max_workers=a.max_workers, slots=a.slots,
                             seed=a.seed) as loader:
         step = TrainStep(a.model, data.classes, dev, ddp=ddp)
-        batches = epochs(loader)
-        settled = settle(loader, step, batches, ddp, a.settle)
-        out = measure(step, batches, steps=a.steps, warmup=a.warmup, batch_size=a.batch,
-                      profile=a.profile, profile_path=a.profile_out)
+        batches: Iterator = epochs(loader)
+        if a.host_decode:
+            from host_decode import Upload
+
+            batches = upload = Upload(batches, dev, a.size, seed=a.seed * 1000 + a.rank)
+        try:
+            settled = settle(loader, step, batches, ddp, a.settle)
+            out = measure(step, batches, steps=a.steps, warmup=a.warmup, batch_size=a.batch,
+                          profile=a.profile, profile_path=a.profile_out)
+        finally:
+            if upload is not None:
+                upload.close()
         figures = {"workers": loader.workers, "workers_why": loader.why, "settle_steps": settled,
-                   "batches_per_epoch": len(loader)}
+                   "batches_per_epoch": len(loader), "host_decode": a.host_decode}
+        if upload is not None:
+            figures["slots_pinned_in_place"] = upload.pinned
     leave_group()
     emit({"role": "trainer", "label": a.label, "mode": "loader", "model": a.model, "device": str(dev),
           "rank": a.rank, "world_size": a.world_size, "source": data.kind, **figures, **out,

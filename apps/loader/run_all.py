@@ -117,7 +117,8 @@ class Runner:
 
 
 TRAINER_FIELDS = ("images_per_s", "workers", "workers_why", "settle_steps", "wait_fraction", "host_wait_fraction", "gpu_util", "steps", "seconds",
-                  "startup_s", "epochs", "loss", "timeline", "mps", "gpu", "kernel", "cpus", "source")
+                  "startup_s", "epochs", "loss", "timeline", "mps", "gpu", "kernel", "cpus", "source",
+                  "host_decode", "slots_pinned_in_place")
 PRODUCER_FIELDS = ("images_per_s", "steady_images_per_s", "busy_images_per_s", "decode_wait_s", "acquire_s",
                    "work_s", "read_s", "decode_s", "batches", "end", "source")
 
@@ -159,6 +160,10 @@ def run_config(r: Runner, a: argparse.Namespace, model: str, config: str, world:
                 cmd = [PY, os.path.join(HERE, "loader_lib.py"), "--workers", a.loader_workers,
                        "--settle", str(a.loader_settle),
                        "--slots", str(a.slots)]
+                if a.loader_host_decode:
+                    cmd.append("--host-decode")
+                if a.loader_max_workers:
+                    cmd += ["--max-workers", str(a.loader_max_workers)]
             else:
                 cmd = [PY, os.path.join(HERE, "baselines.py"), config, "--workers", str(a.workers)]
             cmd += ["--model", model, "--batch", str(a.batch), "--size", str(a.size), "--steps", str(steps),
@@ -419,6 +424,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="loader runs: most steps for workers=auto to find its workers before warm-up")
     ap.add_argument("--loader-workers", default="auto",
                     help="decode workers of gpipe.torch.Loader (the loader runs): a number or auto")
+    ap.add_argument("--loader-host-decode", action="store_true",
+                    help="loader runs: decode on the CPU in the workers, augment on the GPU in the "
+                    "trainer's process (loader_lib.py --host-decode)")
+    ap.add_argument("--loader-max-workers", type=int, default=0,
+                    help="loader runs: auto's most workers (0: the loader's default)")
     ap.add_argument("--decoders", type=int, default=1,
                     help="producer (decode) processes per GPU in the gpipe runs, each its own ring and "
                     "shard; the trainer reads them in turn")

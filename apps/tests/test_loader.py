@@ -564,3 +564,75 @@ def test_the_fused_augment_kernel_computes_what_the_torch_path_does():
     assert diff.mean().item() <= 1e-3, diff.mean().item()
     out = torch.empty_like(a)
     assert fused(images, out=out) is out  # in place (a gpipe slot), the next batch's crops
+
+
+# ---- host decode: CPU decode in the workers, augmentation in the trainer's process ---------
+
+
+def _jpegs(data: str, n: int) -> list:
+    images = gpu_decode.open_images(data)
+    return [(images.read(i), int(images.labels[i])) for i in range(n)]
+
+
+def test_host_decode_packs_a_batch_and_upload_augments_what_augment_would(data):
+    import host_decode
+
+    samples = _jpegs(data, 6)
+    buf, table, labels = host_decode.HostDecode(6, (64, 64))(samples, torch.device("cpu"))
+    assert buf.dtype == torch.uint8 and buf.numel() == 6 * 3 * 64 * 64
+    assert labels.tolist() == [s[1] for s in samples]
+    # each image where its row says, as torchvision decodes it (Pillow and libjpeg agree to a
+    # level or two)
+    decoded = gpu_decode.decode([s[0] for s in samples], torch.device("cpu"))
+    for (o, h, w), im in zip(table.tolist(), decoded):
+        assert (h, w) == tuple(im.shape[1:])
+        got = buf[o : o + 3 * h * w].view(3, h, w)
+        assert (got.int() - im.int()).abs().max().item() <= 2
+    # the trainer's side, on the CPU: Augment's torch path with the same draws
+    up = host_decode.Upload(iter([(buf, table, labels, {"epoch": 0})]), torch.device("cpu"), SIZE, seed=3)
+    out, lab, info = next(up)
+    ref_aug = gpu_decode.Augment(SIZE, "cpu", seed=3)
+    images = [buf[o : o + 3 * h * w].view(3, h, w) for o, h, w in table.tolist()]
+    ref = ref_aug(images)
+    assert out.shape == (6, 3, SIZE, SIZE) and out.dtype == torch.float16
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(out, ref) and lab.tolist() == labels.tolist() and info == {"epoch": 0}
+
+
+def test_host_decode_refuses_an_image_larger_than_its_buffer(data):
+    import host_decode
+
+    with pytest.raises(ValueError, match="larger than the 32x32"):
+        host_decode.HostDecode(2, (32, 32))(_jpegs(data, 2), torch.device("cpu"))
+
+
+def test_the_library_loader_feeds_a_trainer_decoding_on_the_host(data, procs):
+    t = procs("loader_lib.py", "--data", data, "--device", "cpu", "--model", "resnet18",
+              "--batch", "4", "--size", str(SIZE), "--steps", "3", "--warmup", "1",
+              "--workers", "2", "--host-decode").result()
+    assert t["mode"] == "loader" and t["host_decode"] and t["workers"] == 2
+    assert t["steps"] == 3 and t["images_per_s"] > 0 and math.isfinite(t["loss"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _has_cupy(), reason="needs a CUDA GPU and CuPy")
+def test_host_decode_upload_on_a_gpu_matches_the_cpu_path_and_outlives_its_slot(data):
+    """Upload on CUDA: one copy of the packed images from page-locked host memory and the fused
+    kernel, against the CPU path with the same draws; the buffer is overwritten after the
+    call, as a refilled slot would be, and the result must not change."""
+    import host_decode
+
+    dev = torch.device("cuda", 0)
+    samples = _jpegs(data, 8)
+    buf, table, labels = host_decode.HostDecode(8, (64, 64))(samples, torch.device("cpu"))
+    ref, _, _ = next(host_decode.Upload(iter([(buf.clone(), table, labels, {})]), torch.device("cpu"), SIZE, seed=9))
+    up = host_decode.Upload(iter([(buf, table, labels, {}), (buf, table, labels, {})]), dev, SIZE, seed=9)
+    out, lab, _ = next(up)
+    torch.cuda.current_stream(dev).synchronize()
+    first = out.float().cpu()
+    next(up)  # the second batch: the first one's slot is let go after its copy ran
+    buf.fill_(0)  # the slot refilled
+    torch.cuda.synchronize(dev)
+    up.close()
+    assert torch.equal(out.float().cpu(), first)
+    assert lab.device == dev and lab.tolist() == labels.tolist()
+    assert (first - ref.float()).abs().max().item() <= 1.6e-2
