@@ -154,9 +154,15 @@ def timed_loop(step, finish, a: argparse.Namespace, device: torch.device) -> tup
     return n, (time.monotonic_ns() - t0) / 1e9
 
 
+_MEETINGS = [0]
+
+
 def meet(folder: str, count: int, timeout: float) -> None:
     """Waits until `count` processes (this one included) reached this point: each leaves a
-    file named by its pid in `folder`. So processes started together time the same seconds."""
+    file named by its pid in `folder`. So processes started together time the same seconds.
+    Each call meets in a subfolder of its own (the processes run the same timed loops)."""
+    _MEETINGS[0] += 1
+    folder = os.path.join(folder, str(_MEETINGS[0]))
     os.makedirs(folder, exist_ok=True)
     open(os.path.join(folder, str(os.getpid())), "w").close()
     deadline = time.monotonic() + timeout

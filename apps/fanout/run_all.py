@@ -259,8 +259,9 @@ def run_baseline(
 
 def run_together(cfg: Config, mode: str, models: list[str], frames: int, duration: float) -> dict:
     """Each model alone in a process of its own (on its --model-devices GPU), all at once,
-    timing the same seconds, no transport: what the machine gives three models at a time,
-    against which a fan-out's consumers can be read. The record's frames/s is the slowest's."""
+    timing the same seconds (`duration`; `frames` only where no duration is given), no
+    transport: what the machine gives the models at a time, against which a fan-out's
+    consumers can be read. The record's frames/s is the slowest's."""
     devices = [
         f"cuda:{cfg.model_devices[k]}" if cfg.model_devices and cfg.backend == "cuda" else cfg.device
         for k in range(len(models))
@@ -268,35 +269,48 @@ def run_together(cfg: Config, mode: str, models: list[str], frames: int, duratio
     # the empty model has no solo run: it is left out
     devices = [d for d, m in zip(devices, models) if m != "empty"]
     models = [m for m in models if m != "empty"]
+    rec: dict = {"run": "together", "mode": mode, "models": models, "rate": 0.0, "fps": None}
+    if not models:
+        rec.update(ok=False, error="together: no model but empty to run")
+        return rec
     folder = tempfile.mkdtemp(prefix="fan-barrier-", dir="/tmp")
-    procs = []
-    for k, (m, device) in enumerate(zip(models, devices)):
-        argv = [cfg.python, os.path.join(HERE, "baselines.py"), "inproc", "--models", m]
-        argv += ["--modes", mode, "--runs", "solo", "--frames", str(frames)]
-        argv += ["--duration", str(duration), "--barrier", folder]
-        argv += ["--barrier-count", str(len(models)), "--barrier-timeout", str(cfg.run_timeout)]
-        argv += ["--device", device, "--size", str(cfg.size), "--slots", str(cfg.slots)]
-        argv += ["--warmup", str(cfg.warmup), "--threads", str(cfg.threads)] + cfg.shape_args()
-        procs.append(Proc(f"together-{mode}-{k}-{m}", argv, cfg))
+    procs: list[Proc] = []
     t0 = time.monotonic()
     deadline = t0 + cfg.run_timeout
-    codes = [pr.wait(deadline) for pr in procs]
-    shutil.rmtree(folder, ignore_errors=True)
+    codes: list[Optional[int]] = []
+    try:
+        for k, (m, device) in enumerate(zip(models, devices)):
+            argv = [cfg.python, os.path.join(HERE, "baselines.py"), "inproc", "--models", m]
+            # all stop after the same seconds: a frame count that does not end it first
+            argv += ["--modes", mode, "--runs", "solo", "--frames", str(10**9 if duration > 0 else frames)]
+            argv += ["--duration", str(duration), "--barrier", folder]
+            argv += ["--barrier-count", str(len(models))]
+            argv += ["--barrier-timeout", str(max(1.0, 0.8 * cfg.run_timeout))]
+            argv += ["--device", device, "--size", str(cfg.size), "--slots", str(cfg.slots)]
+            argv += ["--warmup", str(cfg.warmup), "--threads", str(cfg.threads)] + cfg.shape_args()
+            procs.append(Proc(f"together-{mode}-{k}-{m}", argv, cfg))
+        # one failing process would leave the others at the barrier: end them all at once
+        while time.monotonic() < deadline:
+            codes = [pr.p.poll() for pr in procs]
+            if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
+                break
+            time.sleep(0.1)
+        codes = [pr.p.poll() for pr in procs]
+    finally:
+        for pr in procs:
+            pr.kill()
+        shutil.rmtree(folder, ignore_errors=True)
     each = [(pr.json_lines() or [None])[-1] for pr in procs]
     fps = [r.get("fps") for r in each if r]
-    rec = {
-        "run": "together",
-        "mode": mode,
-        "models": models,
-        "rate": 0.0,
-        "fps": min(fps) if len(fps) == len(models) and all(fps) else None,
-        "ok": all(c == 0 for c in codes) and all(r and r.get("ok") for r in each),
-        "consumers": [
+    rec.update(
+        fps=min(fps) if len(fps) == len(models) and all(fps) else None,
+        ok=all(c == 0 for c in codes) and all(r and r.get("ok") for r in each),
+        consumers=[
             {"model": m, "fps": (r or {}).get("fps"), "device": d}
             for m, r, d in zip(models, each, devices)
         ],
-        "wall_s": round(time.monotonic() - t0, 1),
-    }
+        wall_s=round(time.monotonic() - t0, 1),
+    )
     errors = [
         f"{pr.label}: {'timed out' if c is None else f'exit {c}'}: {pr.err_tail(300)}"
         for pr, c in zip(procs, codes)

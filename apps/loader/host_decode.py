@@ -7,7 +7,7 @@ process but the trainer's touches the GPU. The workers (processes of ``gpipe.tor
 on host rings) decode with Pillow and pack a batch's images, 3 x H x W uint8 one after the
 other, into one buffer of the slot, with a table of where each one is. The trainer's
 :class:`Upload` copies the used part of that buffer to the GPU in one transfer (from the slot
-itself, page-locked in place once per slot), then runs the fused augmentation kernel
+itself, page-locked where it lies for that copy), then runs the fused augmentation kernel
 (``fused_augment.py``) on a side stream; the training stream waits for it. On the CPU (tests)
 the same unpacking feeds ``gpu_decode.Augment``'s torch path.
 
@@ -20,6 +20,7 @@ import io
 import json
 import os
 import sys
+import time
 from typing import Any, Iterator, Optional
 
 import torch
@@ -51,6 +52,10 @@ class HostDecode:
 
     def __init__(self, batch: int, max_hw: tuple[int, int]) -> None:
         self.batch, self.max_hw = batch, max_hw
+        self._buf: Optional[torch.Tensor] = None
+
+    def __getstate__(self) -> dict:
+        return {"batch": self.batch, "max_hw": self.max_hw, "_buf": None}
 
     def __call__(self, samples: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         import numpy as np
@@ -59,7 +64,9 @@ class HostDecode:
         if len(samples) != self.batch:
             raise ValueError(f"host decode packs batches of {self.batch} images; got {len(samples)}")
         mh, mw = self.max_hw
-        buf = torch.empty(self.batch * 3 * mh * mw, dtype=torch.uint8)
+        if self._buf is None:  # one per worker: the loader copies it into the slot
+            self._buf = torch.empty(self.batch * 3 * mh * mw, dtype=torch.uint8)
+        buf = self._buf
         flat = buf.numpy()
         table = torch.empty((self.batch, 3), dtype=torch.int64)
         at = 0
@@ -84,17 +91,15 @@ class Upload:
     slot become (images, labels) on `device`, augmented (random-resized crop to `size`, flip,
     normalise; float16 channels_last).
 
-    On CUDA, per batch: the buffer's used bytes go to the GPU in one copy on a side stream,
-    the fused kernel reads the images there, and the current stream waits for the side
-    stream. The copy reads the slot directly: each slot is page-locked in place the first
-    time it is seen (``cudaHostRegister``; where that fails, the buffer goes through a
-    page-locked staging copy instead, and ``pinned`` says so). A batch is let go one step
-    later, once its copy has run, so its slot is not refilled under the copy.
-
-    A registration outlives its slot's mapping if the loader closes that ring, and a later
-    mapping at the same address would then read the old pages. This relies on the loader
-    opening no ring after it closed one (rings close when their worker retires, which stops
-    ``auto``, or when the epochs are done); :meth:`close` unpins before the loader unmaps.
+    On CUDA, per batch: the used part of the buffer is page-locked where it lies, in the
+    slot (``cudaHostRegister``, read-only), copied to the GPU in one transfer on a side
+    stream, and read there by the fused kernel; the current stream waits for the side
+    stream. The batch is held until the next one has been taken; then the trainer waits for
+    its copy, unpins it and lets it go, so the slot is neither refilled nor unmapped while a
+    copy reads it or while it is pinned. Where CUDA refuses the registration, the buffer goes
+    through a page-locked copy instead (``pinned`` is then False) and the slot goes at once.
+    ``seconds`` says where this process's time went: pinning, waiting for the last batch's
+    copy, unpinning, and all of it.
     """
 
     def __init__(self, batches: Iterator, device: torch.device, size: int, seed: int) -> None:
@@ -102,9 +107,10 @@ class Upload:
         self.augment = Augment(size, "cpu", seed=seed)  # its boxes and flips; CPU generator
         self.cuda = device.type == "cuda"
         self.side = torch.cuda.Stream(device) if self.cuda else None
-        self.registered: dict[int, int] = {}
         self.pinned: Optional[bool] = None
-        self.held: Optional[tuple[Any, Any]] = None
+        # the last batch: its tensors, its copy's event, its registered address (or None)
+        self.held: Optional[tuple[Any, Any, Optional[int]]] = None
+        self.seconds = {"pin": 0.0, "wait_last_copy": 0.0, "unpin": 0.0, "upload": 0.0}
         if self.cuda:
             import fused_augment
 
@@ -115,21 +121,43 @@ class Upload:
     def __iter__(self) -> "Upload":
         return self
 
-    def _register(self, t: torch.Tensor) -> bool:
-        """Page-locks the slot under `t` in place, once; False where CUDA refuses."""
-        ptr, size = t.data_ptr(), t.numel() * t.element_size()
-        if self.registered.get(ptr) == size:
-            return True
+    def _pin(self, t: torch.Tensor) -> Optional[int]:
+        """Page-locks `t`'s memory where it lies; its address, or None where CUDA refuses
+        (the first refusal is said on stderr)."""
+        t0 = time.perf_counter()
+        ptr = t.data_ptr()
         # 8: cudaHostRegisterReadOnly; a consumer maps its slots read-only, and the GPU only
         # reads them
-        if int(torch.cuda.cudart().cudaHostRegister(ptr, size, 8)) == 0:
-            self.registered[ptr] = size
-            return True
+        err = int(torch.cuda.cudart().cudaHostRegister(ptr, t.numel() * t.element_size(), 8))
+        self.seconds["pin"] += time.perf_counter() - t0
+        if err == 0:
+            return ptr
         _clear_cuda_error()
-        return False
+        if self.pinned is not False:
+            print(f"host decode: cudaHostRegister refused a ring slot (cudaError {err}); copying "
+                  "through page-locked memory instead", file=sys.stderr)
+        return None
+
+    def _let_go(self) -> None:
+        """Waits for the held batch's copy, unpins it, and drops it (its slot goes back)."""
+        if self.held is None:
+            return
+        _, done, ptr = self.held
+        t0 = time.perf_counter()
+        done.synchronize()
+        t1 = time.perf_counter()
+        self.seconds["wait_last_copy"] += t1 - t0
+        if ptr is not None:
+            err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+            if err != 0:
+                _clear_cuda_error()
+                print(f"host decode: cudaHostUnregister failed (cudaError {err})", file=sys.stderr)
+        self.seconds["unpin"] += time.perf_counter() - t1
+        self.held = None
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor, dict]:
         buf, table, labels, info = next(self.batches)
+        t_start = time.perf_counter()
         rows = table.tolist()
         used = max(o + 3 * h * w for o, h, w in rows)
         heights = torch.tensor([h for _, h, _ in rows])
@@ -143,13 +171,9 @@ class Upload:
         import fused_augment
 
         dev = self.device
-        if self.pinned is None or self.pinned:
-            ok = self._register(buf)
-            if self.pinned is None and not ok:
-                print("host decode: cudaHostRegister refused the ring's slots; copying through "
-                      "page-locked memory instead", file=sys.stderr)
-            self.pinned = ok
-        src = buf[:used] if self.pinned else buf[:used].pin_memory()
+        ptr = self._pin(buf[:used]) if self.pinned is not False else None
+        self.pinned = ptr is not None
+        src = buf[:used] if ptr is not None else buf[:used].pin_memory()
         cur = torch.cuda.current_stream(dev)
         with torch.cuda.stream(self.side):
             staging = torch.empty(used, dtype=torch.uint8, device=dev)
@@ -158,27 +182,23 @@ class Upload:
             out = fused_augment.crop_resize(images, boxes, flips, self.size, self.augment.mul_c,
                                             self.augment.add_c)
             labels_d = labels.pin_memory().to(dev, non_blocking=True)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(blocking=True)  # a wait for it sleeps: the CPUs decode
             done.record(self.side)
         cur.wait_event(done)
         out.record_stream(cur)
         labels_d.record_stream(cur)
-        # the last batch's copy has long run by now: let its slot go
-        if self.held is not None:
-            self.held[1].synchronize()
-        self.held = ((buf, table, labels, src), done)
+        self._let_go()
+        if ptr is not None:
+            self.held = ((buf, table, labels), done, ptr)
+        else:  # the slot was copied out already: it may go now; the copy is held instead
+            self.held = ((src,), done, None)
+        self.seconds["upload"] += time.perf_counter() - t_start
         return out, labels_d, info
 
     def close(self) -> None:
-        """Waits for the last copy and unpins the slots (before the loader unmaps them)."""
-        if self.held is not None:
-            self.held[1].synchronize()
-            self.held = None
+        """Waits for the last copy and unpins its slot (before the loader unmaps it)."""
         if self.cuda:
-            rt = torch.cuda.cudart()
-            for ptr in self.registered:
-                rt.cudaHostUnregister(ptr)
-            self.registered.clear()
+            self._let_go()
 
 
 def _clear_cuda_error() -> None:
@@ -186,13 +206,14 @@ def _clear_cuda_error() -> None:
     would otherwise report at its next kernel launch as that kernel's error."""
     import ctypes
 
-    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
-        try:
-            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)  # torch's own copy
-        except OSError:
-            continue
-        lib.cudaGetLastError()
+    major = (torch.version.cuda or "").split(".")[0]
+    try:  # torch's own copy of the runtime, already loaded
+        lib = ctypes.CDLL(f"libcudart.so.{major}", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError:
+        print(f"host decode: libcudart.so.{major} is not loaded; a refused registration may be "
+              "reported at torch's next kernel launch", file=sys.stderr)
         return
+    lib.cudaGetLastError()
 
 
 def _augment_cpu(aug: Augment, images: list, boxes: torch.Tensor, flips: torch.Tensor, size: int) -> torch.Tensor:

@@ -83,6 +83,7 @@ def epochs(loader: gpipe.torch.Loader) -> Iterator[tuple]:
     epoch = 0
     while True:
         for batch in loader:
+            assert isinstance(batch, tuple), "this app's decode functions return tuples"
             yield (*batch, {"epoch": epoch})
             del batch
         epoch += 1
@@ -169,6 +170,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                    "batches_per_epoch": len(loader), "host_decode": a.host_decode}
         if upload is not None:
             figures["slots_pinned_in_place"] = upload.pinned
+            figures["upload_s"] = {k: round(v, 3) for k, v in upload.seconds.items()}
     leave_group()
     emit({"role": "trainer", "label": a.label, "mode": "loader", "model": a.model, "device": str(dev),
           "rank": a.rank, "world_size": a.world_size, "source": data.kind, **figures, **out,

@@ -615,24 +615,38 @@ def test_the_library_loader_feeds_a_trainer_decoding_on_the_host(data, procs):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _has_cupy(), reason="needs a CUDA GPU and CuPy")
-def test_host_decode_upload_on_a_gpu_matches_the_cpu_path_and_outlives_its_slot(data):
-    """Upload on CUDA: one copy of the packed images from page-locked host memory and the fused
-    kernel, against the CPU path with the same draws; the buffer is overwritten after the
-    call, as a refilled slot would be, and the result must not change."""
+def test_host_decode_upload_on_a_gpu_matches_the_cpu_path_and_holds_a_batch_one_step(data):
+    """Upload on CUDA: one copy of the packed images, page-locked where they lie, and the
+    fused kernel, against the CPU path with the same draws; each batch is held (pinned) until
+    the next one is taken, then let go."""
+    import weakref
+
     import host_decode
 
     dev = torch.device("cuda", 0)
-    samples = _jpegs(data, 8)
-    buf, table, labels = host_decode.HostDecode(8, (64, 64))(samples, torch.device("cpu"))
-    ref, _, _ = next(host_decode.Upload(iter([(buf.clone(), table, labels, {})]), torch.device("cpu"), SIZE, seed=9))
-    up = host_decode.Upload(iter([(buf, table, labels, {}), (buf, table, labels, {})]), dev, SIZE, seed=9)
+    buf, table, labels = host_decode.HostDecode(8, (64, 64))(_jpegs(data, 8), torch.device("cpu"))
+    ref, _, _ = next(host_decode.Upload(iter([(buf, table, labels, {})]), torch.device("cpu"), SIZE, seed=9))
+    refs = []
+
+    def batches():
+        for _ in range(3):
+            # a slot of its own each time: 2 MiB (a mapping of its own, pages shared with
+            # nothing else), the batch at its start
+            b = torch.zeros(2 << 20, dtype=torch.uint8)
+            b[: buf.numel()] = buf
+            refs.append(weakref.ref(b))
+            yield b, table, labels, {}
+            del b
+
+    up = host_decode.Upload(batches(), dev, SIZE, seed=9)
     out, lab, _ = next(up)
-    torch.cuda.current_stream(dev).synchronize()
-    first = out.float().cpu()
-    next(up)  # the second batch: the first one's slot is let go after its copy ran
-    buf.fill_(0)  # the slot refilled
-    torch.cuda.synchronize(dev)
+    assert up.pinned, "cudaHostRegister refused plain host memory"
+    assert refs[0]() is not None  # held while its copy may run
+    next(up)
+    assert refs[0]() is None and refs[1]() is not None  # let go once the next was taken
     up.close()
-    assert torch.equal(out.float().cpu(), first)
+    assert up.held is None  # waited for and unpinned (the generator still holds its own)
+    torch.cuda.synchronize(dev)
     assert lab.device == dev and lab.tolist() == labels.tolist()
-    assert (first - ref.float()).abs().max().item() <= 1.6e-2
+    assert (out.float().cpu() - ref.float()).abs().max().item() <= 1.6e-2
+    assert up.seconds["upload"] > 0

@@ -362,24 +362,32 @@ class Loader:
             before, was, tried, predicted = self._trial
             self._trial = None
             want = 1 + max(MIN_GAIN, (predicted - 1) / 2)
-            # The step paid if the rate rose by half its predicted gain, or if it rose and the
-            # trainer no longer waits: the prediction cannot know the trainer's GPU-bound pace
-            # (its host time per batch, all it sees while waiting, is only the launches).
-            fed = span > 0 and wait / span <= WAIT_SHARE
-            if rate < was * (1 + MIN_GAIN) or (rate < was * want and not fed):
+            # The step paid if the rate rose by half its predicted gain, or if the trainer no
+            # longer waits and takes batches faster than before: the prediction cannot know the
+            # trainer's GPU-bound pace (its host time per batch, all it sees while waiting, is
+            # only the launches). Fed, the trainer's own take rate is the measure: the workers'
+            # publish rate still runs ahead of it while their rings fill.
+            share = wait / span if span > 0 else 1.0
+            taken = len(self._waits) / span if span > 0 else 0.0
+            fed = share <= WAIT_SHARE and min(rate, taken) >= was * (1 + MIN_GAIN)
+            paid = rate >= was * want and rate >= was * (1 + MIN_GAIN)
+            if not (paid or fed):
                 for r in self._active()[before:]:
                     r.retire.set()
                 self._frozen = True
                 self.why = (f"auto: {before} worker(s): {tried} made the trainer take "
-                            f"{rate:.2f} batches/s against {was:.2f} with {before} (it needed "
-                            f"{want:.2f}x, or {1 + MIN_GAIN:.2f}x with the trainer no longer "
-                            f"waiting: it waited {wait / span:.0%}), so the added ones were retired at batch {self._taken} and auto stopped "
-                            f"there ({self._shared_by})")
+                            f"{min(rate, taken):.2f} batches/s against {was:.2f} with {before}, "
+                            f"waiting {share:.0%} (it needed {want:.2f}x, or {1 + MIN_GAIN:.2f}x "
+                            f"and no waiting), so the added ones were retired at batch "
+                            f"{self._taken} and auto stopped there ({self._shared_by})")
                 self._new_window()
                 return
-            self.why += (f"; kept: {rate:.2f} batches/s against {was:.2f} with {before} (it "
-                         f"needed {want:.2f}x, or {1 + MIN_GAIN:.2f}x with the trainer no "
-                         f"longer waiting: it waited {wait / span:.0%})")
+            if paid:
+                self.why += (f"; kept: {rate:.2f} batches/s against {was:.2f} with {before} (it "
+                             f"needed {want:.2f}x)")
+            else:
+                self.why += (f"; kept: the trainer no longer waits ({share:.0%}) and takes "
+                             f"{taken:.2f} batches/s against {was:.2f} with {before}")
         if self.workers >= self.max_workers or span <= 0 or wait / span <= WAIT_SHARE:
             self._armed = False
             return
