@@ -486,6 +486,17 @@ class Augment:
         return torch.stack([x1, y1, x1 + cw - 1, y1 + ch - 1], dim=1).float()
 
     def __call__(self, images: list[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        heights = torch.tensor([im.shape[-2] for im in images])
+        widths = torch.tensor([im.shape[-1] for im in images])
+        boxes = self.boxes(heights, widths)
+        flips = torch.rand(len(images), generator=self.generator) < self.flip_p
+        return self.apply(images, boxes, flips, out)
+
+    def apply(self, images: list[torch.Tensor], boxes: torch.Tensor, flips: torch.Tensor,
+              out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The crops ``boxes`` (B x 4, as :meth:`boxes` draws them) of ``images``, flipped where
+        ``flips`` (B flags), resized and normalised: what ``__call__`` does once it has drawn
+        them. The fused kernel where it runs, else the torch kernels."""
         from torchvision.ops import roi_align
 
         n, s = len(images), self.size
@@ -494,14 +505,12 @@ class Augment:
             stream = torch.cuda.current_stream(dev)
             for im in images:  # used on this stream: their memory waits for it
                 im.record_stream(stream)
-        heights = torch.tensor([im.shape[-2] for im in images])
-        widths = torch.tensor([im.shape[-1] for im in images])
         if self.kernel == "fused" and dev.type == "cuda":
             import fused_augment
 
-            boxes = self.boxes(heights, widths)
-            flips = torch.rand(n, generator=self.generator) < self.flip_p
             return fused_augment.crop_resize(images, boxes, flips, s, self.mul_c, self.add_c, out)
+        heights = torch.tensor([im.shape[-2] for im in images])
+        widths = torch.tensor([im.shape[-1] for im in images])
         pad = torch.zeros((n, 3, int(heights.max()), int(widths.max())), dtype=torch.float32, device=dev)
         views = [pad[i, :, : im.shape[-2], : im.shape[-1]] for i, im in enumerate(images)]
         if hasattr(torch, "_foreach_copy_"):
@@ -511,8 +520,8 @@ class Augment:
                 v.copy_(im)
         rois = torch.empty(n, 6, dtype=torch.float32)
         rois[:, 0] = torch.arange(n, dtype=torch.float32)
-        rois[:, 1:5] = self.boxes(heights, widths)
-        rois[:, 5] = (torch.rand(n, generator=self.generator) < self.flip_p).float()
+        rois[:, 1:5] = boxes
+        rois[:, 5] = flips.float()
         if dev.type == "cuda":
             rois = rois.pin_memory().to(dev, non_blocking=True)
         crops = roi_align(pad, rois[:, :5], output_size=(s, s), spatial_scale=1.0, sampling_ratio=-1, aligned=False)

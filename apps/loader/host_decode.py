@@ -104,19 +104,16 @@ class Upload:
 
     def __init__(self, batches: Iterator, device: torch.device, size: int, seed: int) -> None:
         self.batches, self.device, self.size = batches, device, size
-        self.augment = Augment(size, "cpu", seed=seed)  # its boxes and flips; CPU generator
+        self.augment = Augment(size, device, seed=seed)  # draws on the CPU, applies on device
         self.cuda = device.type == "cuda"
         self.side = torch.cuda.Stream(device) if self.cuda else None
         self.pinned: Optional[bool] = None
         # the last batch: its tensors, its copy's event, its registered address (or None)
         self.held: Optional[tuple[Any, Any, Optional[int]]] = None
         self.seconds = {"pin": 0.0, "wait_last_copy": 0.0, "unpin": 0.0, "upload": 0.0}
-        if self.cuda:
-            import fused_augment
-
-            if not fused_augment.ready(device):
-                raise SystemExit("host decode needs the fused augmentation kernel (CuPy); it is not "
-                                 f"available on {device}")
+        if self.cuda and self.augment.kernel != "fused":
+            raise SystemExit("host decode needs the fused augmentation kernel (CuPy, and "
+                             f"GPIPE_AUGMENT not 'torch'); it is not available on {device}")
 
     def __iter__(self) -> "Upload":
         return self
@@ -166,10 +163,7 @@ class Upload:
         flips = torch.rand(len(rows), generator=self.augment.generator) < self.augment.flip_p
         if not self.cuda:
             images = [buf[o : o + 3 * h * w].view(3, h, w) for o, h, w in rows]
-            out = _augment_cpu(self.augment, images, boxes, flips, self.size)
-            return out, labels.clone(), info
-        import fused_augment
-
+            return self.augment.apply(images, boxes, flips), labels.clone(), info
         dev = self.device
         ptr = self._pin(buf[:used]) if self.pinned is not False else None
         self.pinned = ptr is not None
@@ -179,8 +173,7 @@ class Upload:
             staging = torch.empty(used, dtype=torch.uint8, device=dev)
             staging.copy_(src, non_blocking=True)
             images = [staging[o : o + 3 * h * w].view(3, h, w) for o, h, w in rows]
-            out = fused_augment.crop_resize(images, boxes, flips, self.size, self.augment.mul_c,
-                                            self.augment.add_c)
+            out = self.augment.apply(images, boxes, flips)  # the fused kernel
             labels_d = labels.pin_memory().to(dev, non_blocking=True)
             done = torch.cuda.Event(blocking=True)  # a wait for it sleeps: the CPUs decode
             done.record(self.side)
@@ -214,21 +207,3 @@ def _clear_cuda_error() -> None:
               "reported at torch's next kernel launch", file=sys.stderr)
         return
     lib.cudaGetLastError()
-
-
-def _augment_cpu(aug: Augment, images: list, boxes: torch.Tensor, flips: torch.Tensor, size: int) -> torch.Tensor:
-    """Augment's torch path with the given boxes and flips (on the CPU)."""
-    from torchvision.ops import roi_align
-
-    n = len(images)
-    hmax = max(im.shape[1] for im in images)
-    wmax = max(im.shape[2] for im in images)
-    pad = torch.zeros((n, 3, hmax, wmax), dtype=torch.float32)
-    for i, im in enumerate(images):
-        pad[i, :, : im.shape[1], : im.shape[2]] = im
-    rois = torch.cat([torch.arange(n, dtype=torch.float32)[:, None], boxes.float()], dim=1)
-    crops = roi_align(pad, rois, output_size=(size, size), spatial_scale=1.0, sampling_ratio=-1, aligned=False)
-    crops = torch.where(flips.view(n, 1, 1, 1), crops.flip(3), crops)
-    out = torch.empty((n, 3, size, size), dtype=torch.float16, memory_format=torch.channels_last)
-    torch.addcmul(aug.add, crops, aug.mul, out=out)
-    return out
