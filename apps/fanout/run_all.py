@@ -80,6 +80,12 @@ class Config:
     def device(self) -> str:
         return "cuda" if self.backend == "cuda" else "cpu"
 
+    def model_device(self, k: int) -> str:
+        """Where model k's process runs: its --model-devices GPU, else the source's device."""
+        if self.model_devices and self.backend == "cuda":
+            return f"cuda:{self.model_devices[k]}"  # reads GPU 0's ring from its own GPU
+        return self.device
+
     def shape_args(self) -> list[str]:
         return ["--dtype", self.dtype, "--height", str(self.height), "--width", str(self.width)]
 
@@ -168,10 +174,8 @@ def run_gpipe(
     cons = []
     for k, m in enumerate(models):
         argv = py + [os.path.join(HERE, "model.py"), "--socket", sock, "--model", m, "--mode", mode]
-        device = cfg.device
-        if cfg.model_devices and cfg.backend == "cuda":
-            device = f"cuda:{cfg.model_devices[k]}"  # reads GPU 0's ring from its own GPU
-        argv += ["--device", device, "--size", str(cfg.size), "--threads", str(cfg.threads)]
+        argv += ["--device", cfg.model_device(k), "--size", str(cfg.size)]
+        argv += ["--threads", str(cfg.threads)]
         argv += ["--attach-timeout", str(cfg.run_timeout), "--idle-timeout", str(cfg.run_timeout)]
         argv += cfg.shape_args()
         if latency:
@@ -231,13 +235,18 @@ def run_gpipe(
     return rec
 
 
+def baseline_argv(cfg: Config, args: list[str], device: str) -> list[str]:
+    """The command line of baselines.py with `args` (a subcommand first) on `device`."""
+    argv = [cfg.python, os.path.join(HERE, "baselines.py")] + args
+    argv += ["--device", device, "--size", str(cfg.size), "--slots", str(cfg.slots)]
+    return argv + ["--warmup", str(cfg.warmup), "--threads", str(cfg.threads)] + cfg.shape_args()
+
+
 def run_baseline(
     cfg: Config, args: list[str], tag: str, timeout: Optional[float] = None
 ) -> list[dict]:
     """baselines.py with `args` (a subcommand first); returns its JSON lines."""
-    argv = [cfg.python, os.path.join(HERE, "baselines.py")] + args
-    argv += ["--device", cfg.device, "--size", str(cfg.size), "--slots", str(cfg.slots)]
-    argv += ["--warmup", str(cfg.warmup), "--threads", str(cfg.threads)] + cfg.shape_args()
+    argv = baseline_argv(cfg, args, cfg.device)
     t0 = time.monotonic()
     pr = Proc(_label("base", tag), argv, cfg)
     code = pr.wait(time.monotonic() + (timeout or cfg.run_timeout))
@@ -262,10 +271,7 @@ def run_together(cfg: Config, mode: str, models: list[str], frames: int, duratio
     timing the same seconds (`duration`; `frames` only where no duration is given), no
     transport: what the machine gives the models at a time, against which a fan-out's
     consumers can be read. The record's frames/s is the slowest's."""
-    devices = [
-        f"cuda:{cfg.model_devices[k]}" if cfg.model_devices and cfg.backend == "cuda" else cfg.device
-        for k in range(len(models))
-    ]
+    devices = [cfg.model_device(k) for k in range(len(models))]
     # the empty model has no solo run: it is left out
     devices = [d for d, m in zip(devices, models) if m != "empty"]
     models = [m for m in models if m != "empty"]
@@ -280,14 +286,12 @@ def run_together(cfg: Config, mode: str, models: list[str], frames: int, duratio
     codes: list[Optional[int]] = []
     try:
         for k, (m, device) in enumerate(zip(models, devices)):
-            argv = [cfg.python, os.path.join(HERE, "baselines.py"), "inproc", "--models", m]
             # all stop after the same seconds: a frame count that does not end it first
-            argv += ["--modes", mode, "--runs", "solo", "--frames", str(10**9 if duration > 0 else frames)]
-            argv += ["--duration", str(duration), "--barrier", folder]
-            argv += ["--barrier-count", str(len(models))]
-            argv += ["--barrier-timeout", str(max(1.0, 0.8 * cfg.run_timeout))]
-            argv += ["--device", device, "--size", str(cfg.size), "--slots", str(cfg.slots)]
-            argv += ["--warmup", str(cfg.warmup), "--threads", str(cfg.threads)] + cfg.shape_args()
+            args = ["inproc", "--models", m, "--modes", mode, "--runs", "solo"]
+            args += ["--frames", str(10**9 if duration > 0 else frames), "--duration", str(duration)]
+            args += ["--barrier", folder, "--barrier-count", str(len(models))]
+            args += ["--barrier-timeout", str(max(1.0, 0.8 * cfg.run_timeout))]
+            argv = baseline_argv(cfg, args, device)
             procs.append(Proc(f"together-{mode}-{k}-{m}", argv, cfg))
         # one failing process would leave the others at the barrier: end them all at once
         while time.monotonic() < deadline:

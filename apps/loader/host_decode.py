@@ -164,8 +164,7 @@ class Upload:
         boxes = self.augment.boxes(heights, widths)
         flips = torch.rand(len(rows), generator=self.augment.generator) < self.augment.flip_p
         if not self.cuda:
-            images = [buf[o : o + 3 * h * w].view(3, h, w) for o, h, w in rows]
-            return self.augment.apply(images, boxes, flips), labels.clone(), info
+            return self.augment.apply(_images(buf, rows), boxes, flips), labels.clone(), info
         dev = self.device
         ptr = self._pin(buf[:used]) if self.pinned is not False else None
         self.pinned = ptr is not None
@@ -176,8 +175,7 @@ class Upload:
             t0 = time.perf_counter()
             staging.copy_(src, non_blocking=True)  # returns at once where the driver sees pinned pages
             t1 = time.perf_counter()
-            images = [staging[o : o + 3 * h * w].view(3, h, w) for o, h, w in rows]
-            out = self.augment.apply(images, boxes, flips)  # the fused kernel
+            out = self.augment.apply(_images(staging, rows), boxes, flips)  # the fused kernel
             self.seconds["copy_call"] += t1 - t0
             self.seconds["augment_call"] += time.perf_counter() - t1
             labels_d = labels.pin_memory().to(dev, non_blocking=True)
@@ -198,6 +196,11 @@ class Upload:
         """Waits for the last copy and unpins its slot (before the loader unmaps it)."""
         if self.cuda:
             self._let_go()
+
+
+def _images(flat: torch.Tensor, rows: list) -> list[torch.Tensor]:
+    """The 3 x H x W images packed in `flat`, by the table's rows (offset, height, width)."""
+    return [flat[o : o + 3 * h * w].view(3, h, w) for o, h, w in rows]
 
 
 def _clear_cuda_error() -> None:

@@ -143,7 +143,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     data = EncodedImages(a.data)
     upload = None
     if a.host_decode:
-        from host_decode import HostDecode, largest_image
+        from host_decode import HostDecode, Upload, largest_image
 
         decode_fn: Any = HostDecode(a.batch, largest_image(a.data))
         ring_device = torch.device("cpu")
@@ -156,8 +156,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         step = TrainStep(a.model, data.classes, dev, ddp=ddp)
         batches: Iterator = epochs(loader)
         if a.host_decode:
-            from host_decode import Upload
-
             batches = upload = Upload(batches, dev, a.size, seed=a.seed * 1000 + a.rank)
         try:
             settled = settle(loader, step, batches, ddp, a.settle)

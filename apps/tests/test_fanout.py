@@ -182,12 +182,12 @@ def test_inproc_baselines(tmp_path):
             assert c["outputs_head"] == want[: len(c["outputs_head"])] and c["outputs_head"], r
 
 
-def test_run_all_writes_records_and_a_summary(tmp_path):
-    out = tmp_path / "out"
+def run_all_quick(out: Path, *args: str) -> list[dict]:
+    """run_all.py on the host backend at the tiny sizes, eager, --quick, every frame checked,
+    with `args`; its records (the run must succeed)."""
     code = run_all.main(
         [
-            "--backend", "host", "--models", "tiny,empty", "--modes", "eager",
-            "--only", "gpipe,empty", "--quick", "--rate", "200",
+            "--backend", "host", "--modes", "eager", "--quick", *args,
             "--height", str(H), "--width", str(W), "--size", str(SIZE),
             "--slots", str(SLOTS), "--warmup", str(WARMUP),
             "--out", str(out), "--run-timeout", "60", "--check",
@@ -195,6 +195,13 @@ def test_run_all_writes_records_and_a_summary(tmp_path):
     )  # fmt: skip
     recs = [json.loads(line) for line in (out / "fanout.jsonl").read_text().splitlines()]
     assert code == 0, f"{recs}\n{logs(out / 'logs' / 'mps-off')}"
+    return recs
+
+
+def test_run_all_writes_records_and_a_summary(tmp_path):
+    recs = run_all_quick(
+        tmp_path / "out", "--models", "tiny,empty", "--only", "gpipe,empty", "--rate", "200"
+    )
     assert [(r["run"], r["models"], r["latency_run"]) for r in recs] == [
         ("gpipe", ["tiny", "empty"], False),
         ("gpipe", ["empty", "empty"], True),
@@ -212,18 +219,9 @@ def test_run_all_writes_records_and_a_summary(tmp_path):
 
 
 def test_the_models_alone_at_once_and_gpipe_in_place_with_wait_shares(tmp_path):
-    out = tmp_path / "out"
-    code = run_all.main(
-        [
-            "--backend", "host", "--models", "tiny,tiny", "--modes", "eager",
-            "--only", "together,gpipe", "--quick", "--delivery", "in-place",
-            "--height", str(H), "--width", str(W), "--size", str(SIZE),
-            "--slots", str(SLOTS), "--warmup", str(WARMUP),
-            "--out", str(out), "--run-timeout", "60", "--check",
-        ]
-    )  # fmt: skip
-    recs = [json.loads(line) for line in (out / "fanout.jsonl").read_text().splitlines()]
-    assert code == 0, f"{recs}\n{logs(out / 'logs' / 'mps-off')}"
+    recs = run_all_quick(
+        tmp_path / "out", "--models", "tiny,tiny", "--only", "together,gpipe", "--delivery", "in-place"
+    )
     assert [r["run"] for r in recs] == ["together", "gpipe"]
     together, fan = recs
     # each model alone in a process of its own, both timing the same seconds

@@ -42,9 +42,9 @@ _DICT, _TUPLE, _ONE = 0, 1, 2
 # (the time between its asking for a batch and having it, over the time between batches).
 WAIT_SHARE = 0.03
 WINDOW = 16
-# A step is kept if the rate rose by at least half the gain it was predicted to bring, or by
-# at least MIN_GAIN with the trainer no longer waiting (a step that brings nothing, or slows
-# the trainer, is retired).
+# A step is kept if the rate rose by at least half the gain it was predicted to bring (and by
+# MIN_GAIN at least), or if the trainer no longer waits and takes batches at least MIN_GAIN
+# faster (a step that brings nothing, or slows the trainer, is retired).
 MIN_GAIN = 0.01
 # How long an ending worker waits for the trainer to take its last batches.
 _DRAIN_S = 24 * 3600.0
@@ -358,6 +358,7 @@ class Loader:
         if len(self._waits) < WINDOW or rate is None:
             return
         wait, span = self._window()
+        share = wait / span if span > 0 else 1.0
         if self._trial is not None:
             before, was, tried, predicted = self._trial
             self._trial = None
@@ -367,10 +368,9 @@ class Loader:
             # trainer's GPU-bound pace (its host time per batch, all it sees while waiting, is
             # only the launches). Fed, the trainer's own take rate is the measure: the workers'
             # publish rate still runs ahead of it while their rings fill.
-            share = wait / span if span > 0 else 1.0
             taken = len(self._waits) / span if span > 0 else 0.0
             fed = share <= WAIT_SHARE and min(rate, taken) >= was * (1 + MIN_GAIN)
-            paid = rate >= was * want and rate >= was * (1 + MIN_GAIN)
+            paid = rate >= was * want  # want is 1 + MIN_GAIN at least
             if not (paid or fed):
                 for r in self._active()[before:]:
                     r.retire.set()
@@ -388,7 +388,7 @@ class Loader:
             else:
                 self.why += (f"; kept: the trainer no longer waits ({share:.0%}) and takes "
                              f"{taken:.2f} batches/s against {was:.2f} with {before}")
-        if self.workers >= self.max_workers or span <= 0 or wait / span <= WAIT_SHARE:
+        if self.workers >= self.max_workers or span <= 0 or share <= WAIT_SHARE:
             self._armed = False
             return
         if not self._armed:
