@@ -46,6 +46,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
+import numpy as np
 import torch
 
 # Header words of a published batch (gpipe carries 8 per batch).
@@ -427,7 +428,7 @@ class Augment:
     aspect ratio drawn log-uniformly; 10 tries, then the centre crop of the clamped ratio).
     Calling it with a list of 3 x H x W uint8 images returns (or writes into ``out``) a
     ``B x 3 x size x size`` float16 channels_last batch on the images' device, enqueued on the
-    current stream. Randomness comes from a CPU generator seeded with ``seed``.
+    current stream. Randomness comes from a NumPy generator seeded with ``seed``.
     """
 
     def __init__(
@@ -444,7 +445,7 @@ class Augment:
     ):
         self.size, self.scale, self.ratio, self.flip_p = size, scale, ratio, flip_p
         self.device = torch.device(device)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.rng = np.random.default_rng(seed)
         # (x / 255 - mean) / std  ==  x * scale + bias
         self.mul_c = [1.0 / (255.0 * v) for v in std]
         self.add_c = [-m / v for m, v in zip(mean, std)]
@@ -459,38 +460,44 @@ class Augment:
                 self.kernel = "fused"
 
     def boxes(self, heights: torch.Tensor, widths: torch.Tensor, tries: int = 10) -> torch.Tensor:
-        """B x 4 crop boxes (x1, y1, x2, y2) in pixel-centre coordinates, inside each image."""
-        g = self.generator
+        """B x 4 crop boxes (x1, y1, x2, y2) in pixel-centre coordinates, inside each image.
+
+        Drawn with NumPy on the calling thread: torch's CPU ops on these few thousand numbers
+        go through its intra-op thread pool, and in a trainer whose cores are busy decoding
+        (host decode) each such op waited for a descheduled pool thread: 35-70 ms a batch
+        against 1 ms (docs/experiments/2026-11-27-host-upload)."""
+        g = self.rng
         n = heights.numel()
-        h, w = heights.double(), widths.double()
-        area = (h * w)[:, None] * torch.empty(n, tries, dtype=torch.float64).uniform_(*self.scale, generator=g)
+        h, w = heights.numpy().astype(np.float64), widths.numpy().astype(np.float64)
+        area = (h * w)[:, None] * g.uniform(self.scale[0], self.scale[1], (n, tries))
         lo, hi = math.log(self.ratio[0]), math.log(self.ratio[1])
-        aspect = torch.exp(torch.empty(n, tries, dtype=torch.float64).uniform_(lo, hi, generator=g))
-        cw = torch.sqrt(area * aspect).round()
-        ch = torch.sqrt(area / aspect).round()
+        aspect = np.exp(g.uniform(lo, hi, (n, tries)))
+        cw = np.round(np.sqrt(area * aspect))
+        ch = np.round(np.sqrt(area / aspect))
         fits = (cw >= 1) & (ch >= 1) & (cw <= w[:, None]) & (ch <= h[:, None])
-        first = fits.int().argmax(dim=1, keepdim=True)  # the first try that fits
-        cw, ch = cw.gather(1, first)[:, 0], ch.gather(1, first)[:, 0]
+        first = fits.argmax(axis=1)  # the first try that fits
+        cw, ch = cw[np.arange(n), first], ch[np.arange(n), first]
         # None fits: the centre crop of the whole image, its ratio clamped into range.
         img_ratio = w / h
-        fw = torch.where(img_ratio > self.ratio[1], (h * self.ratio[1]).round(), w)
-        fh = torch.where(img_ratio < self.ratio[0], (w / self.ratio[0]).round(), h)
-        ok = fits.any(dim=1)
-        cw, ch = torch.where(ok, cw, fw), torch.where(ok, ch, fh)
-        u = torch.rand(n, 2, dtype=torch.float64, generator=g)
-        u = torch.where(ok[:, None], u, torch.full_like(u, 0.5))
-        x1 = torch.floor(u[:, 0] * (w - cw + 1)).clamp(max=w - cw)
-        y1 = torch.floor(u[:, 1] * (h - ch + 1)).clamp(max=h - ch)
+        fw = np.where(img_ratio > self.ratio[1], np.round(h * self.ratio[1]), w)
+        fh = np.where(img_ratio < self.ratio[0], np.round(w / self.ratio[0]), h)
+        ok = fits.any(axis=1)
+        cw, ch = np.where(ok, cw, fw), np.where(ok, ch, fh)
+        u = np.where(ok[:, None], g.random((n, 2)), 0.5)
+        x1 = np.minimum(np.floor(u[:, 0] * (w - cw + 1)), w - cw)
+        y1 = np.minimum(np.floor(u[:, 1] * (h - ch + 1)), h - ch)
         # roi_align(aligned=False) samples [x1, x2] in pixel-centre coordinates: a crop of cw
         # pixels starting at x1 spans centres x1 .. x1 + cw - 1, all inside the image.
-        return torch.stack([x1, y1, x1 + cw - 1, y1 + ch - 1], dim=1).float()
+        return torch.from_numpy(np.stack([x1, y1, x1 + cw - 1, y1 + ch - 1], axis=1).astype(np.float32))
+
+    def flips(self, n: int) -> torch.Tensor:
+        """B flags: which images to flip (with probability ``flip_p``), drawn as :meth:`boxes`."""
+        return torch.from_numpy(self.rng.random(n) < self.flip_p)
 
     def __call__(self, images: list[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
         heights = torch.tensor([im.shape[-2] for im in images])
         widths = torch.tensor([im.shape[-1] for im in images])
-        boxes = self.boxes(heights, widths)
-        flips = torch.rand(len(images), generator=self.generator) < self.flip_p
-        return self.apply(images, boxes, flips, out)
+        return self.apply(images, self.boxes(heights, widths), self.flips(len(images)), out)
 
     def apply(self, images: list[torch.Tensor], boxes: torch.Tensor, flips: torch.Tensor,
               out: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -7,7 +7,7 @@ process but the trainer's touches the GPU. The workers (processes of ``gpipe.tor
 on host rings) decode with Pillow and pack a batch's images, 3 x H x W uint8 one after the
 other, into one buffer of the slot, with a table of where each one is. The trainer's
 :class:`Upload` copies the used part of that buffer to the GPU in one transfer (from the slot
-itself, page-locked where it lies for that copy), then runs the fused augmentation kernel
+itself, which the Loader page-locks: ``pin_memory=True``), then runs the fused augmentation kernel
 (``fused_augment.py``) on a side stream; the training stream waits for it. On the CPU (tests)
 the same unpacking feeds ``gpu_decode.Augment``'s torch path.
 
@@ -91,16 +91,17 @@ class Upload:
     slot become (images, labels) on `device`, augmented (random-resized crop to `size`, flip,
     normalise; float16 channels_last).
 
-    On CUDA, per batch: the used part of the buffer is page-locked where it lies, in the
-    slot (``cudaHostRegister``, read-only), copied to the GPU in one transfer on a side
-    stream, and read there by the fused kernel; the current stream waits for the side
-    stream. The batch is held until the next one has been taken; then the trainer waits for
-    its copy, unpins it and lets it go, so the slot is neither refilled nor unmapped while a
-    copy reads it or while it is pinned. Where CUDA refuses the registration, the buffer goes
-    through a page-locked copy instead (``pinned`` is then False) and the slot goes at once.
-    ``seconds`` says where this process's time went: pinning, the copy's and the kernel's
-    calls (which should return at once), waiting for the last batch's copy, unpinning, and
-    all of it.
+    On CUDA, per batch: the used part of the buffer is copied to the GPU in one transfer on a
+    side stream, straight from the slot (the Loader's ``pin_memory=True`` page-locks its
+    rings, so the copy is a DMA that returns at once), and read there by the fused kernel;
+    the current stream waits for the side stream. The batch is held until the next one has
+    been taken; then the trainer waits for its copy (long done by then) and lets it go, so
+    the slot is not refilled while the copy reads it. Where the slot is not page-locked, the
+    buffer goes through a page-locked copy instead (``pinned`` is then False) and the slot
+    goes at once. ``seconds`` says where this process's time went, over
+    ``batches_uploaded`` batches: reading the table and drawing the crops, the copy's and
+    the kernel's calls (which should return at once), the labels' copy, waiting for the last
+    batch's copy, and all of it.
     """
 
     def __init__(self, batches: Iterator, device: torch.device, size: int, seed: int) -> None:
@@ -109,10 +110,11 @@ class Upload:
         self.cuda = device.type == "cuda"
         self.side = torch.cuda.Stream(device) if self.cuda else None
         self.pinned: Optional[bool] = None
-        # the last batch: its tensors, its copy's event, its registered address (or None)
-        self.held: Optional[tuple[Any, Any, Optional[int]]] = None
-        self.seconds = {"pin": 0.0, "copy_call": 0.0, "augment_call": 0.0, "wait_last_copy": 0.0,
-                        "unpin": 0.0, "upload": 0.0}
+        # the last batch (its tensors, or the page-locked copy made of it) and its copy's event
+        self.held: Optional[tuple[Any, Any]] = None
+        self.seconds = {"prepare": 0.0, "copy_call": 0.0, "augment_call": 0.0, "labels": 0.0,
+                        "wait_last_copy": 0.0, "upload": 0.0}
+        self.batches_uploaded = 0
         if self.cuda and self.augment.kernel != "fused":
             raise SystemExit("host decode needs the fused augmentation kernel (CuPy, and "
                              f"GPIPE_AUGMENT not 'torch'); it is not available on {device}")
@@ -120,38 +122,13 @@ class Upload:
     def __iter__(self) -> "Upload":
         return self
 
-    def _pin(self, t: torch.Tensor) -> Optional[int]:
-        """Page-locks `t`'s memory where it lies; its address, or None where CUDA refuses
-        (the first refusal is said on stderr)."""
-        t0 = time.perf_counter()
-        ptr = t.data_ptr()
-        # 8: cudaHostRegisterReadOnly; a consumer maps its slots read-only, and the GPU only
-        # reads them
-        err = int(torch.cuda.cudart().cudaHostRegister(ptr, t.numel() * t.element_size(), 8))
-        self.seconds["pin"] += time.perf_counter() - t0
-        if err == 0:
-            return ptr
-        _clear_cuda_error()
-        if self.pinned is not False:
-            print(f"host decode: cudaHostRegister refused a ring slot (cudaError {err}); copying "
-                  "through page-locked memory instead", file=sys.stderr)
-        return None
-
     def _let_go(self) -> None:
-        """Waits for the held batch's copy, unpins it, and drops it (its slot goes back)."""
+        """Waits for the held batch's copy and drops it (its slot goes back)."""
         if self.held is None:
             return
-        _, done, ptr = self.held
         t0 = time.perf_counter()
-        done.synchronize()
-        t1 = time.perf_counter()
-        self.seconds["wait_last_copy"] += t1 - t0
-        if ptr is not None:
-            err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
-            if err != 0:
-                _clear_cuda_error()
-                print(f"host decode: cudaHostUnregister failed (cudaError {err})", file=sys.stderr)
-        self.seconds["unpin"] += time.perf_counter() - t1
+        self.held[1].synchronize()
+        self.seconds["wait_last_copy"] += time.perf_counter() - t0
         self.held = None
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -162,38 +139,44 @@ class Upload:
         heights = torch.tensor([h for _, h, _ in rows])
         widths = torch.tensor([w for _, _, w in rows])
         boxes = self.augment.boxes(heights, widths)
-        flips = torch.rand(len(rows), generator=self.augment.generator) < self.augment.flip_p
+        flips = self.augment.flips(len(rows))
         if not self.cuda:
             return self.augment.apply(_images(buf, rows), boxes, flips), labels.clone(), info
         dev = self.device
-        ptr = self._pin(buf[:used]) if self.pinned is not False else None
-        self.pinned = ptr is not None
-        src = buf[:used] if ptr is not None else buf[:used].pin_memory()
+        self.seconds["prepare"] += time.perf_counter() - t_start
+        if self.pinned is None:
+            self.pinned = buf.is_pinned()
+            if not self.pinned:
+                print("host decode: the loader's slots are not page-locked (Loader(pin_memory="
+                      "True)); copying each batch through page-locked memory instead",
+                      file=sys.stderr)
+        src = buf[:used] if self.pinned else buf[:used].pin_memory()
         cur = torch.cuda.current_stream(dev)
         with torch.cuda.stream(self.side):
             staging = torch.empty(used, dtype=torch.uint8, device=dev)
             t0 = time.perf_counter()
-            staging.copy_(src, non_blocking=True)  # returns at once where the driver sees pinned pages
+            staging.copy_(src, non_blocking=True)  # returns at once: the source is page-locked
             t1 = time.perf_counter()
             out = self.augment.apply(_images(staging, rows), boxes, flips)  # the fused kernel
-            self.seconds["copy_call"] += t1 - t0
-            self.seconds["augment_call"] += time.perf_counter() - t1
+            t2 = time.perf_counter()
             labels_d = labels.pin_memory().to(dev, non_blocking=True)
             done = torch.cuda.Event(blocking=True)  # a wait for it sleeps: the CPUs decode
             done.record(self.side)
+        self.seconds["copy_call"] += t1 - t0
+        self.seconds["augment_call"] += t2 - t1
+        self.seconds["labels"] += time.perf_counter() - t2
         cur.wait_event(done)
         out.record_stream(cur)
         labels_d.record_stream(cur)
         self._let_go()
-        if ptr is not None:
-            self.held = ((buf, table, labels), done, ptr)
-        else:  # the slot was copied out already: it may go now; the copy is held instead
-            self.held = ((src,), done, None)
+        # the slot is held until its copy has run; a page-locked copy of it, in its stead
+        self.held = ((buf, table, labels) if self.pinned else (src,), done)
         self.seconds["upload"] += time.perf_counter() - t_start
+        self.batches_uploaded += 1
         return out, labels_d, info
 
     def close(self) -> None:
-        """Waits for the last copy and unpins its slot (before the loader unmaps it)."""
+        """Waits for the last copy and lets its batch go."""
         if self.cuda:
             self._let_go()
 
@@ -201,18 +184,3 @@ class Upload:
 def _images(flat: torch.Tensor, rows: list) -> list[torch.Tensor]:
     """The 3 x H x W images packed in `flat`, by the table's rows (offset, height, width)."""
     return [flat[o : o + 3 * h * w].view(3, h, w) for o, h, w in rows]
-
-
-def _clear_cuda_error() -> None:
-    """Resets the CUDA runtime's last error after a refused cudaHostRegister, which torch
-    would otherwise report at its next kernel launch as that kernel's error."""
-    import ctypes
-
-    major = (torch.version.cuda or "").split(".")[0]
-    try:  # torch's own copy of the runtime, already loaded
-        lib = ctypes.CDLL(f"libcudart.so.{major}", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-    except OSError:
-        print(f"host decode: libcudart.so.{major} is not loaded; a refused registration may be "
-              "reported at torch's next kernel launch", file=sys.stderr)
-        return
-    lib.cudaGetLastError()

@@ -152,7 +152,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         ring_device = dev
     with gpipe.torch.Loader(data, decode_fn, batch_size=a.batch, device=ring_device,
                             workers=workers, max_workers=a.max_workers, slots=a.slots,
-                            seed=a.seed) as loader:
+                            seed=a.seed, pin_memory=a.host_decode and dev.type == "cuda") as loader:
         step = TrainStep(a.model, data.classes, dev, ddp=ddp)
         batches: Iterator = epochs(loader)
         if a.host_decode:
@@ -169,6 +169,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if upload is not None:
             figures["slots_pinned_in_place"] = upload.pinned
             figures["upload_s"] = {k: round(v, 3) for k, v in upload.seconds.items()}
+            figures["batches_uploaded"] = upload.batches_uploaded
     leave_group()
     emit({"role": "trainer", "label": a.label, "mode": "loader", "model": a.model, "device": str(dev),
           "rank": a.rank, "world_size": a.world_size, "source": data.kind, **figures, **out,

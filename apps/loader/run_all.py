@@ -118,7 +118,7 @@ class Runner:
 
 TRAINER_FIELDS = ("images_per_s", "workers", "workers_why", "settle_steps", "wait_fraction", "host_wait_fraction", "gpu_util", "steps", "seconds",
                   "startup_s", "epochs", "loss", "timeline", "mps", "gpu", "kernel", "cpus", "source",
-                  "host_decode", "slots_pinned_in_place", "upload_s")
+                  "host_decode", "slots_pinned_in_place", "upload_s", "batches_uploaded")
 PRODUCER_FIELDS = ("images_per_s", "steady_images_per_s", "busy_images_per_s", "decode_wait_s", "acquire_s",
                    "work_s", "read_s", "decode_s", "batches", "end", "source")
 

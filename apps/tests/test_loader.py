@@ -32,6 +32,7 @@ pytest.importorskip("gpipe")
 LOADER = Path(__file__).resolve().parents[1] / "loader"
 sys.path.insert(0, str(LOADER))
 
+import gpipe.torch  # noqa: E402
 import gpu_decode  # noqa: E402
 import make_dataset  # noqa: E402
 import pack_dataset  # noqa: E402
@@ -616,37 +617,38 @@ def test_the_library_loader_feeds_a_trainer_decoding_on_the_host(data, procs):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _has_cupy(), reason="needs a CUDA GPU and CuPy")
 def test_host_decode_upload_on_a_gpu_matches_the_cpu_path_and_holds_a_batch_one_step(data):
-    """Upload on CUDA: one copy of the packed images, page-locked where they lie, and the
-    fused kernel, against the CPU path with the same draws; each batch is held (pinned) until
-    the next one is taken, then let go."""
+    """Upload on CUDA, fed by a Loader of page-locked host rings (as loader_lib.py runs it):
+    one copy of the packed images straight from the slot and the fused kernel, against the
+    CPU path with the same draws; each batch is held until the next one is taken, then let
+    go."""
     import weakref
 
     import host_decode
 
     dev = torch.device("cuda", 0)
-    buf, table, labels = host_decode.HostDecode(8, (64, 64))(_jpegs(data, 8), torch.device("cpu"))
+    samples = _jpegs(data, 8)
+    decode = host_decode.HostDecode(8, (64, 64))
+    buf, table, labels = decode(samples, torch.device("cpu"))
     ref, _, _ = next(host_decode.Upload(iter([(buf, table, labels, {})]), torch.device("cpu"), SIZE, seed=9))
     refs = []
+    with gpipe.torch.Loader(samples * 3, decode, batch_size=8, device="cpu", workers=1,
+                            shuffle=False, epochs=1, pin_memory=True) as loader:
 
-    def batches():
-        for _ in range(3):
-            # a slot of its own each time: 2 MiB (a mapping of its own, pages shared with
-            # nothing else), the batch at its start
-            b = torch.zeros(2 << 20, dtype=torch.uint8)
-            b[: buf.numel()] = buf
-            refs.append(weakref.ref(b))
-            yield b, table, labels, {}
-            del b
+        def batches():
+            for b, t, lab in loader:
+                refs.append(weakref.ref(b))
+                yield b, t, lab, {}
+                del b, t, lab
 
-    up = host_decode.Upload(batches(), dev, SIZE, seed=9)
-    out, lab, _ = next(up)
-    assert up.pinned, "cudaHostRegister refused plain host memory"
-    assert refs[0]() is not None  # held while its copy may run
-    next(up)
-    assert refs[0]() is None and refs[1]() is not None  # let go once the next was taken
-    up.close()
-    assert up.held is None  # waited for and unpinned (the generator still holds its own)
-    torch.cuda.synchronize(dev)
+        up = host_decode.Upload(batches(), dev, SIZE, seed=9)
+        out, lab, _ = next(up)
+        assert up.pinned, "the Loader's pin_memory=True slots are not page-locked"
+        assert refs[0]() is not None  # held while its copy may run
+        next(up)
+        assert refs[0]() is None and refs[1]() is not None  # let go once the next was taken
+        up.close()
+        assert up.held is None  # waited for and let go (the generator still holds its own)
+        torch.cuda.synchronize(dev)
     assert lab.device == dev and lab.tolist() == labels.tolist()
     assert (out.float().cpu() - ref.float()).abs().max().item() <= 1.6e-2
-    assert up.seconds["upload"] > 0
+    assert up.seconds["upload"] > 0 and up.batches_uploaded == 2

@@ -7,7 +7,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use pipeline_core::{
     BackendKind, Consumer, ConsumerBackend, ConsumerConfig, Delivery, Error, HostConsumer,
-    HostOptions, PendingAttach, WaitPolicy,
+    HostOptions, OnMap, PendingAttach, WaitPolicy,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -19,6 +19,7 @@ use crate::batch::{AnyBatch, BatchCell, PyBatch, forked_child};
 use crate::blocking::{TICK, blocking, deadline};
 use crate::dlpack::{DEVICE_CPU, DEVICE_CUDA, DLDevice};
 use crate::errors::{AttachError, Closed, attach_error, to_py};
+use crate::pin;
 use crate::ring::RingInfo;
 
 /// A consumer on one of the backends.
@@ -109,6 +110,11 @@ fn attach_failed(e: Error) -> PyErr {
 /// ``allow_producer_uids``: user ids besides this process's own whose producers it attaches
 /// to (None: only its own). The producer is known by the uid listening on the socket, not by
 /// the socket's path, which anyone able to create a file there could have made.
+/// ``pin_memory`` (host rings): page-locks the memory the batches are read from with the
+/// CUDA driver, for as long as it is mapped, so that ``tensor.to("cuda", non_blocking=True)``
+/// from a batch is a DMA that returns at once, as from torch's pinned memory, with no copy
+/// into pinned memory first. Keep a batch until the copy has run (its stream synchronised,
+/// or an event waited for): the slot goes back to the producer once its tensors are gone.
 ///
 /// Wrong arguments raise TypeError (a wrong type) or ValueError (a value out of range),
 /// naming the argument.
@@ -124,12 +130,14 @@ pub struct PyConsumer {
     mirrored: bool,
     /// CUDA: `ready` waited for and `finished` written on side streams of ours.
     side_signals: bool,
+    /// Host: the batches are page-locked for copies to a GPU (`pin_memory`).
+    pinned: bool,
 }
 
 #[pymethods]
 impl PyConsumer {
     #[new]
-    #[pyo3(signature = (socket, *, device=None, timeout=5.0, spin=None, delivery="auto", mirror_buffers=None, side_signals=None, allow_producer_uids=None))]
+    #[pyo3(signature = (socket, *, device=None, timeout=5.0, spin=None, delivery="auto", mirror_buffers=None, side_signals=None, allow_producer_uids=None, pin_memory=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -141,6 +149,7 @@ impl PyConsumer {
         #[pyo3(from_py_with = args::mirror_buffers)] mirror_buffers: Option<u32>,
         side_signals: Option<bool>,
         allow_producer_uids: Option<Vec<u32>>,
+        pin_memory: bool,
     ) -> PyResult<Self> {
         let delivery: Delivery = delivery.parse().map_err(PyValueError::new_err)?;
         if !(timeout.is_finite() && timeout > 0.0) {
@@ -189,11 +198,18 @@ impl PyConsumer {
                         socket.display()
                     )));
                 }
+                if pin_memory && !pipeline_cuda::driver::driver_present() {
+                    return Err(AttachError::new_err(
+                        "pin_memory=True page-locks the batches for copies to a GPU, but no CUDA driver (libcuda.so.1) can be loaded here; leave pin_memory out",
+                    ));
+                }
+                let on_map: Option<OnMap> = pin_memory.then_some(pin::page_lock);
                 let c = py
                     .detach(|| {
                         pending.finish::<HostConsumer>(HostOptions {
                             delivery,
                             mirror_buffers,
+                            on_map,
                         })
                     })
                     .map_err(attach_failed)?;
@@ -206,6 +222,12 @@ impl PyConsumer {
                 )
             }
             BackendKind::Cuda => {
+                if pin_memory {
+                    return Err(PyValueError::new_err(format!(
+                        "pin_memory=True page-locks batches in host memory, but the producer's ring at {} is in CUDA memory (its batches are on the GPU already); leave pin_memory out",
+                        socket.display()
+                    )));
+                }
                 if cpu_given {
                     return Err(PyValueError::new_err(format!(
                         "device \"cpu\" given, but the producer's ring at {} is in CUDA memory",
@@ -288,6 +310,7 @@ impl PyConsumer {
             index,
             mirrored,
             side_signals,
+            pinned: pin_memory,
         })
     }
 
@@ -386,6 +409,13 @@ impl PyConsumer {
     #[getter]
     fn mode(&self) -> String {
         self.ring.mode()
+    }
+
+    /// True when the batches of this host ring are page-locked for copies to a GPU
+    /// (``pin_memory=True``).
+    #[getter]
+    fn pinned(&self) -> bool {
+        self.pinned
     }
 
     /// "host" or "cuda".

@@ -12,6 +12,7 @@ mod dlpack;
 mod errors;
 mod forward;
 mod interop;
+mod pin;
 mod policy;
 mod producer;
 mod producer_cell;

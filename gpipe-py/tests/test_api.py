@@ -224,6 +224,24 @@ def test_consumer_arguments_name_themselves(ring_socket, kwargs, exc, says):
     assert type(e.value) is exc and says in str(e.value), str(e.value)
 
 
+def _cuda_driver_here() -> bool:
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+def test_pin_memory_without_a_cuda_driver_says_so(make_ring):
+    if _cuda_driver_here():
+        pytest.skip("a CUDA driver is here: test_torch.py page-locks batches with it")
+    p, _ = make_ring(slots=2)
+    with pytest.raises(gpipe.AttachError, match="no CUDA driver .*leave pin_memory out"):
+        gpipe.Consumer(p.socket, pin_memory=True)
+
+
 @pytest.fixture
 def ring_socket(make_ring):
     p, _ = make_ring(slots=2)

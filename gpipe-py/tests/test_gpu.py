@@ -555,3 +555,9 @@ def test_a_consumer_stream_waits_for_the_producers_work(sock, child, report):
     lines = [l.split() for l in out.strip().splitlines()[1:]]
     report(f"consumer waited for a slow producer: {[l[2] for l in lines]} s per batch")
     assert [(int(a), int(b)) for a, b, _ in lines] == [(s, 1024 * (s + 1)) for s in range(4)]
+
+
+def test_pin_memory_on_a_cuda_ring_is_refused_naming_it(sock):
+    with gpipe.Producer(sock, backend="cuda", slots=2, batch_bytes=1 << 20):
+        with pytest.raises(ValueError, match="is in CUDA memory .*leave pin_memory out"):
+            gpipe.Consumer(sock, pin_memory=True)

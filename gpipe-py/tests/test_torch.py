@@ -26,6 +26,22 @@ def test_torch_round_trip_keeps_dtype_shape_and_channels_last(make_ring):
         assert b.meta[0] == 42
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("delivery", ["in-place", "mirror"])
+def test_pin_memory_page_locks_batches_where_they_lie(make_ring, delivery):
+    p, c = make_ring(consumer={"pin_memory": True, "delivery": delivery})
+    assert c.pinned
+    x = torch.arange(1 << 18, dtype=torch.float32)
+    p.send({"x": x})
+    dev = torch.device("cuda", 0)
+    with c.recv(timeout=5) as b:
+        t = torch.from_dlpack(b["x"])
+        assert t.is_pinned(), "torch does not see the batch as page-locked"
+        on_gpu = t.to(dev, non_blocking=True)
+        torch.cuda.current_stream(dev).synchronize()  # the copy has run before the batch goes
+    assert torch.equal(on_gpu.cpu(), x)
+
+
 def test_slot_tensors_are_writable_torch_tensors(make_ring):
     p, c = make_ring()
     with p.acquire() as s:

@@ -312,6 +312,12 @@ def test_bad_arguments_and_a_bad_decode_say_what_is_wrong():
     with Loader(Numbers(16), decode_wrong, batch_size=4, device="cpu", workers=1) as loader:
         with pytest.raises(gpipe.Error, match="decode must return a torch tensor.*returned str"):
             next(iter(loader))
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="made on cuda:0 already: leave pin_memory out"):
+            Loader(Numbers(10), decode, batch_size=2, device="cuda:0", pin_memory=True)
+    else:
+        with pytest.raises(ValueError, match="sees no CUDA GPU here: leave pin_memory out"):
+            Loader(Numbers(10), decode, batch_size=2, device="cpu", pin_memory=True)
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -346,6 +352,34 @@ def test_on_a_gpu_every_batch_is_read_after_its_decode_and_before_its_slot_is_re
                 del batch, image
         assert torch.stack(sums).max().item() == 0.0
         assert torch.cat(want).tolist() == order(n, 9, 0) + order(n, 9, 1)
+
+
+def decode_big(samples, device):
+    """16 MiB a batch: sample i's index in every float, for a copy to a GPU to check."""
+    idx = torch.tensor([s[0] for s in samples], dtype=torch.float32, device=device)
+    return {"image": idx[:, None].expand(-1, (16 << 20) // 4 // len(samples)).contiguous()}
+
+
+@cuda
+def test_pinned_slots_copy_to_a_gpu_without_blocking_and_unlock_when_unmapped():
+    """pin_memory=True: every batch is page-locked where it lies (torch sees it pinned), a
+    non-blocking copy of it to the GPU is right, and each ring's lock goes with its mapping:
+    a lock left behind would make the next ring mapped at that address fail to lock
+    (already registered) or be read from stale pages."""
+    dev = torch.device("cuda", 0)
+    n, b = 64, 8
+    for round_ in range(4):  # new rings each round, likely at the addresses just unmapped
+        got = []
+        with Loader(Numbers(n), decode_big, batch_size=b, device="cpu", workers=2, slots=2,
+                    shuffle=False, epochs=1, pin_memory=True) as loader:
+            for batch in loader:
+                image = batch["image"]
+                assert image.is_pinned(), "a batch of a pin_memory loader is not page-locked"
+                on_gpu = image.to(dev, non_blocking=True)
+                torch.cuda.current_stream(dev).synchronize()  # the copy has run: let it go
+                got.append(on_gpu[:, :1024].mean(dim=1).cpu())
+                del batch, image
+        assert torch.cat(got).tolist() == [float(i) for i in range(n)], f"round {round_}"
 
 
 class Unreadable(Numbers):

@@ -253,14 +253,26 @@ pub struct HostOptions {
     /// Consumer, mirror delivery: how many batches it may hold at once (its own buffers,
     /// `slot_bytes` each); default: the ring's slot count.
     pub mirror_buffers: Option<u32>,
+    /// Consumer: called once with the memory its batches are read from (the slots' mapping,
+    /// or its own buffers when it mirrors); what it returns is kept until that memory is
+    /// unmapped, and dropped just before. For a page-lock of the memory by a GPU driver, so
+    /// that copies from the batches to a GPU run by DMA (gpipe-py's `pin_memory`).
+    pub on_map: Option<OnMap>,
 }
+
+/// See [`HostOptions::on_map`]: given the memory's first byte and its length, returns what
+/// must live as long as that mapping (an `Err` fails the attach with its message).
+pub type OnMap = fn(*const u8, usize) -> Result<MapGuard, String>;
+
+/// What [`OnMap`] returns: dropped before the memory it was given is unmapped.
+pub type MapGuard = Box<dyn Send + Sync>;
 
 impl HostOptions {
     /// Options for a consumer that mirrors each batch into memory of its own.
     pub fn mirror() -> Self {
         HostOptions {
             delivery: Delivery::Mirror,
-            mirror_buffers: None,
+            ..HostOptions::default()
         }
     }
 }
@@ -347,6 +359,8 @@ impl ProducerBackend for HostProducer {
 
 /// The host backend's consumer half: the slots mapped read-only.
 pub struct HostConsumer {
+    /// [`HostOptions::on_map`]'s guard. Declared first: dropped before the mappings.
+    _guard: Option<MapGuard>,
     map: MmapRaw,
     slot_bytes: u64,
     slot_count: u32,
@@ -432,8 +446,14 @@ impl ConsumerBackend for HostConsumer {
             }
             Delivery::InPlace | Delivery::Auto => None,
         };
+        let read = mirror.as_ref().map_or(&map, |m| &m.map);
+        let guard = match options.on_map {
+            Some(f) => Some(f(read.as_ptr(), read.len()).map_err(|m| format!("slot memory: {m}"))?),
+            None => None,
+        };
         Ok((
             Self {
+                _guard: guard,
                 map,
                 slot_bytes: layout.slot_bytes,
                 slot_count: layout.slot_count,

@@ -69,7 +69,8 @@ pub mod wire;
 
 #[cfg(not(loom))]
 pub use backend::{
-    BackendKind, ConsumerBackend, Export, HostConsumer, HostOptions, HostProducer, ProducerBackend,
+    BackendKind, ConsumerBackend, Export, HostConsumer, HostOptions, HostProducer, MapGuard, OnMap,
+    ProducerBackend,
 };
 #[cfg(not(loom))]
 pub use consumer::{Batch, Consumer, ConsumerConfig, PendingAttach, observe};

@@ -50,6 +50,7 @@ fn a_mirroring_consumer_holds_more_batches_than_the_ring_has_slots() {
         let options = HostOptions {
             delivery: Delivery::Mirror,
             mirror_buffers: Some(6),
+            ..HostOptions::default()
         };
         let mut consumer: Consumer<HostConsumer> = Consumer::attach(&sock, options).unwrap();
         producer.wait_for_consumers(1, WAIT).unwrap();
@@ -89,6 +90,7 @@ fn a_consumer_whose_buffers_are_all_held_is_told_and_loses_nothing() {
     let options = HostOptions {
         delivery: Delivery::Mirror,
         mirror_buffers: Some(2),
+        ..HostOptions::default()
     };
     let mut consumer: Consumer<HostConsumer> = Consumer::attach(&sock, options).unwrap();
     producer.wait_for_consumers(1, WAIT).unwrap();

@@ -228,6 +228,7 @@ pub fn command(cmd: ConsumeCmd) -> Result<ExitCode, String> {
                 .finish(HostOptions {
                     delivery: cmd.delivery,
                     mirror_buffers: cmd.mirror_buffers,
+                    ..HostOptions::default()
                 })
                 .map_err(|e| failed(e.to_string()))?;
             consume(

@@ -180,6 +180,11 @@ class Consumer:
     ``allow_producer_uids``: user ids besides this process's own whose producers it attaches
     to (None: only its own). The producer is known by the uid listening on the socket, not by
     the socket's path, which anyone able to create a file there could have made.
+    ``pin_memory`` (host rings): page-locks the memory the batches are read from with the
+    CUDA driver, for as long as it is mapped, so that ``tensor.to("cuda", non_blocking=True)``
+    from a batch is a DMA that returns at once, as from torch's pinned memory, with no copy
+    into pinned memory first. Keep a batch until the copy has run (its stream synchronised,
+    or an event waited for): the slot goes back to the producer once its tensors are gone.
 
     Wrong arguments raise TypeError (a wrong type) or ValueError (a value out of range),
     naming the argument.
@@ -208,6 +213,9 @@ class Consumer:
     delivery: str
     """How batches arrive: "in-place" (the producer's slot itself) or "mirror" (a copy in the
     consumer's own memory, the producer's slot released as soon as it is made)."""
+    pinned: bool
+    """True when this host ring's batches are page-locked for copies to a GPU
+    (``pin_memory=True``)."""
     side_signals: bool
     """True when this CUDA consumer waits for `ready` and writes `finished` on side streams
     of its own, joined to the tensors' streams by in-process events."""
@@ -224,6 +232,7 @@ class Consumer:
         mirror_buffers: Optional[int] = None,
         side_signals: Optional[bool] = None,
         allow_producer_uids: Optional[Sequence[int]] = None,
+        pin_memory: bool = False,
     ) -> None:
         """Attaches to the producer at `socket`: see the class docstring for the arguments."""
     def recv(self, timeout: Optional[float] = None) -> Batch:

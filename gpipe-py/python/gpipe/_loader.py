@@ -213,6 +213,10 @@ class Loader:
     ``epochs``: the workers stop after this many (None: when the loader closes).
     ``worker_threads``: torch threads per worker. ``timeout``: seconds a batch may take to
     come before :class:`gpipe.Timeout` (None: no limit; a dead worker is noticed anyway).
+    ``pin_memory`` (``device="cpu"``, as torch's DataLoader's): the rings' slots are
+    page-locked in this process for as long as they are mapped, so ``.to("cuda",
+    non_blocking=True)`` from a batch is a DMA that returns at once, with no copy; keep the
+    batch until that copy has run (synchronise, or wait for an event recorded after it).
 
     Iterating gives one epoch: what ``decode`` returned, as tensors over the ring's slot (no
     copy). They are read-only, and the slot goes back to its worker once they are gone, so
@@ -237,6 +241,7 @@ class Loader:
         epochs: Optional[int] = None,
         worker_threads: int = 1,
         timeout: Optional[float] = None,
+        pin_memory: bool = False,
     ) -> None:
         if not callable(decode):
             raise TypeError(f"decode must be a function decode(samples, device); got {type(decode).__name__}")
@@ -267,6 +272,13 @@ class Loader:
         self.device = torch.device(device)
         if _is_cuda(self.device) and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        if pin_memory and _is_cuda(self.device):
+            raise ValueError(f"pin_memory=True page-locks batches made on the CPU; these are made "
+                             f"on {self.device} already: leave pin_memory out")
+        if pin_memory and not torch.cuda.is_available():
+            raise ValueError("pin_memory=True page-locks batches for copies to a GPU, but torch "
+                             "sees no CUDA GPU here: leave pin_memory out")
+        self.pin_memory = bool(pin_memory)
         self.dataset, self.decode = dataset, decode
         self.auto = workers == "auto"
         self.max_workers = (max_workers if max_workers is not None else _default_max_workers()) \
@@ -477,7 +489,7 @@ class Loader:
             from . import Consumer
 
             ring.consumer = Consumer(ring.sock, device=self.device if _is_cuda(self.device) else None,
-                                     timeout=30.0)
+                                     timeout=30.0, pin_memory=self.pin_memory)
         return True
 
     def _poll(self, ring: _Ring, timeout: float) -> bool:

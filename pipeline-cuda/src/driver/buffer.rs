@@ -176,25 +176,53 @@ impl HostRegistration {
     /// # Safety
     /// `host..host + len` is a live mapping that stays mapped until this value is dropped.
     pub unsafe fn new(ctx: &Arc<Context>, host: *mut u8, len: usize) -> Result<Self, CudaError> {
-        ctx.make_current()?;
         let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
-        // SAFETY: the caller guarantees the range is mapped for the registration's life.
-        check("cuMemHostRegister_v2", unsafe {
-            sys::cuMemHostRegister_v2(host.cast::<c_void>(), len, flags as c_uint)
-        })?;
-        let reg = HostRegistration {
-            host: host.cast::<c_void>(),
-            device_ptr: 0,
-            ctx: Arc::clone(ctx),
-        };
+        // SAFETY: the caller's guarantee, passed on.
+        let mut reg = unsafe { Self::register(ctx, host.cast_const(), len, flags) }?;
         let mut dptr: CUdeviceptr = 0;
         // SAFETY: the range was just registered; the out-pointer is a valid local.
         check("cuMemHostGetDevicePointer_v2", unsafe {
             sys::cuMemHostGetDevicePointer_v2(&mut dptr, reg.host, 0)
         })?;
-        let mut reg = reg;
         reg.device_ptr = dptr;
         Ok(reg)
+    }
+
+    /// Page-locks `len` bytes at `host`, which may be mapped read-only, for copies to any GPU
+    /// (portable; the GPU only reads it): a copy from it is a DMA that does not block the
+    /// host. No device address ([`Self::device_ptr`] is 0).
+    ///
+    /// # Safety
+    /// As for [`Self::new`].
+    pub unsafe fn read_only(
+        ctx: &Arc<Context>,
+        host: *const u8,
+        len: usize,
+    ) -> Result<Self, CudaError> {
+        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_READ_ONLY;
+        // SAFETY: the caller's guarantee, passed on.
+        unsafe { Self::register(ctx, host, len, flags) }
+    }
+
+    /// # Safety
+    /// As for [`Self::new`].
+    unsafe fn register(
+        ctx: &Arc<Context>,
+        host: *const u8,
+        len: usize,
+        flags: u32,
+    ) -> Result<Self, CudaError> {
+        ctx.make_current()?;
+        // SAFETY: the caller guarantees the range is mapped for the registration's life; the
+        // driver writes nothing to it.
+        check("cuMemHostRegister_v2", unsafe {
+            sys::cuMemHostRegister_v2(host.cast_mut().cast::<c_void>(), len, flags as c_uint)
+        })?;
+        Ok(HostRegistration {
+            host: host.cast_mut().cast::<c_void>(),
+            device_ptr: 0,
+            ctx: Arc::clone(ctx),
+        })
     }
 
     /// The device address of the registered memory's first byte.

@@ -1,0 +1,127 @@
+//! The host consumer's `on_map` hook (what gpipe-py's `pin_memory` page-locks with): it is
+//! given the memory batches are read from, in place and mirrored; its guard lives while a
+//! batch does, even after the consumer is dropped, and goes before that memory is unmapped;
+//! a hook's error fails the attach with its message.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use pipeline_core::{
+    Consumer, Delivery, HostConsumer, HostOptions, HostProducer, MapGuard, Producer, ProducerConfig,
+};
+
+const WAIT: Duration = Duration::from_secs(5);
+
+/// What the hook saw, per test (by the first byte of the memory it was given): the length it
+/// was given, and whether its guard is still alive. Tests run on threads of one process.
+static SEEN: Mutex<Vec<(usize, usize, bool)>> = Mutex::new(Vec::new());
+
+struct Guard(usize);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        // The memory is still mapped: its first byte can be read.
+        // SAFETY: `self.0` is the first byte of a mapping that is unmapped only after this
+        // guard is dropped (what the test checks); reading one byte of it is sound then.
+        let _ = unsafe { std::ptr::read_volatile(self.0 as *const u8) };
+        for s in SEEN.lock().unwrap().iter_mut() {
+            if s.0 == self.0 {
+                s.2 = false;
+            }
+        }
+    }
+}
+
+fn record(ptr: *const u8, len: usize) -> Result<MapGuard, String> {
+    SEEN.lock().unwrap().push((ptr as usize, len, true));
+    Ok(Box::new(Guard(ptr as usize)))
+}
+
+fn refuse(_: *const u8, _: usize) -> Result<MapGuard, String> {
+    Err("refused by the test's hook".into())
+}
+
+fn alive(ptr: usize) -> Option<(usize, bool)> {
+    SEEN.lock()
+        .unwrap()
+        .iter()
+        .find(|s| s.0 == ptr)
+        .map(|s| (s.1, s.2))
+}
+
+fn bind(name: &str) -> (Producer<HostProducer>, std::path::PathBuf) {
+    let sock =
+        std::env::temp_dir().join(format!("gpipe-on-map-{name}-{}.sock", std::process::id()));
+    let config = ProducerConfig {
+        slots: 3,
+        batch_bytes: 1 << 20,
+        ..Default::default()
+    };
+    let producer = Producer::bind(&sock, config, HostOptions::default()).unwrap();
+    (producer, sock)
+}
+
+fn publish(producer: &mut Producer<HostProducer>, byte: u8) {
+    let mut slot = producer.acquire_timeout(WAIT).expect("a free slot");
+    slot.memory()[..4096].fill(byte);
+    slot.publish(4096).unwrap();
+}
+
+#[test]
+fn the_hook_gets_the_memory_batches_are_read_from_and_its_guard_outlives_them() {
+    for delivery in [Delivery::InPlace, Delivery::Mirror] {
+        let (mut producer, sock) = bind(&format!("{delivery:?}"));
+        let options = HostOptions {
+            delivery,
+            on_map: Some(record),
+            ..HostOptions::default()
+        };
+        let mut consumer: Consumer<HostConsumer> = Consumer::attach(&sock, options).unwrap();
+        publish(&mut producer, 7);
+        let batch = consumer.recv_timeout(WAIT).unwrap().expect("a batch");
+        let data: &[u8] = batch.data();
+        assert!(data.iter().all(|&b| b == 7));
+        let at = data.as_ptr() as usize;
+        // The batch lies in the memory the hook was given.
+        let (first, len, _) = *SEEN
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|s| s.0 <= at && at < s.0 + s.1)
+            .unwrap_or_else(|| panic!("{delivery:?}: the hook never saw the batch's memory"));
+        assert!(at + data.len() <= first + len);
+        assert!(
+            len >= 3 << 20,
+            "{delivery:?}: the hook got {len} bytes, less than three slots"
+        );
+        drop(consumer);
+        assert_eq!(
+            alive(first),
+            Some((len, true)),
+            "{delivery:?}: a held batch keeps the guard"
+        );
+        drop(batch);
+        assert_eq!(
+            alive(first),
+            Some((len, false)),
+            "{delivery:?}: the last batch drops it"
+        );
+        drop(producer);
+        let _ = std::fs::remove_file(&sock);
+    }
+}
+
+#[test]
+fn a_hook_that_fails_fails_the_attach_with_its_message() {
+    let (producer, sock) = bind("refuse");
+    let options = HostOptions {
+        on_map: Some(refuse),
+        ..HostOptions::default()
+    };
+    match Consumer::<HostConsumer>::attach(&sock, options) {
+        Err(e) => assert!(e.to_string().contains("refused by the test's hook"), "{e}"),
+        Ok(_) => panic!("the attach succeeded"),
+    }
+    drop(producer);
+    let _ = std::fs::remove_file(&sock);
+}
