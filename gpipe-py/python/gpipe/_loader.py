@@ -42,10 +42,15 @@ _DICT, _TUPLE, _ONE = 0, 1, 2
 # (the time between its asking for a batch and having it, over the time between batches).
 WAIT_SHARE = 0.03
 WINDOW = 16
-# A step is kept if the rate rose by at least half the gain it was predicted to bring (and by
-# MIN_GAIN at least), or if the trainer no longer waits and takes batches at least MIN_GAIN
-# faster (a step that brings nothing, or slows the trainer, is retired).
+# A step is kept if the rate rose by at least a quarter of the gain it was predicted to bring
+# (and by MIN_GAIN at least), or if the trainer no longer waits and takes batches at least
+# MIN_GAIN faster (a step that brings nothing, or slows the trainer, is retired). Workers that
+# share a limit bring a few percent; Pillow decoders on a 64-core node brought 1.44x for 2x
+# the workers (each slower than one alone), which half the predicted gain (1.5x) retired.
 MIN_GAIN = 0.01
+# auto also adds workers when, without waiting, the trainer took batches this much faster than
+# the workers made them: it lives on their rings' backlog, and will wait once that is gone.
+BEHIND = 0.1
 # How long an ending worker waits for the trainer to take its last batches.
 _DRAIN_S = 24 * 3600.0
 
@@ -371,16 +376,16 @@ class Loader:
             return
         wait, span = self._window()
         share = wait / span if span > 0 else 1.0
+        taken = len(self._waits) / span if span > 0 else 0.0  # the trainer's own take rate
         if self._trial is not None:
             before, was, tried, predicted = self._trial
             self._trial = None
-            want = 1 + max(MIN_GAIN, (predicted - 1) / 2)
-            # The step paid if the rate rose by half its predicted gain, or if the trainer no
+            want = 1 + max(MIN_GAIN, (predicted - 1) / 4)
+            # The step paid if the rate rose by a quarter of its predicted gain, or if the trainer no
             # longer waits and takes batches faster than before: the prediction cannot know the
             # trainer's GPU-bound pace (its host time per batch, all it sees while waiting, is
             # only the launches). Fed, the trainer's own take rate is the measure: the workers'
             # publish rate still runs ahead of it while their rings fill.
-            taken = len(self._waits) / span if span > 0 else 0.0
             fed = share <= WAIT_SHARE and min(rate, taken) >= was * (1 + MIN_GAIN)
             paid = rate >= was * want  # want is 1 + MIN_GAIN at least
             if not (paid or fed):
@@ -400,7 +405,8 @@ class Loader:
             else:
                 self.why += (f"; kept: the trainer no longer waits ({share:.0%}) and takes "
                              f"{taken:.2f} batches/s against {was:.2f} with {before}")
-        if self.workers >= self.max_workers or span <= 0 or share <= WAIT_SHARE:
+        behind = _behind(rate, taken)
+        if self.workers >= self.max_workers or span <= 0 or (share <= WAIT_SHARE and not behind):
             self._armed = False
             return
         if not self._armed:
@@ -412,21 +418,27 @@ class Loader:
         self._armed = False
         # While the trainer waits, the workers set the pace: a batch every span/WINDOW. The
         # trainer's own time per batch is what is left; the workers should keep up with that,
-        # with a tenth to spare; at most twice as many at a time, each step on trial.
+        # with a tenth to spare; at most twice as many at a time, each step on trial. While it
+        # lives on their backlog, its take rate over theirs says how far they fall short.
         own = max(span - wait, 1e-6)
+        short = max(span / own, taken / rate)
         first = self.workers
-        need = min(self.max_workers, 2 * first,
-                   max(first + 1, math.ceil(first * span / own * 1.1)))
+        need = min(self.max_workers, 2 * first, max(first + 1, math.ceil(first * short * 1.1)))
         for _ in range(need - first):
             self._start_worker()
         # what the step should bring: the trainer's own pace, or the added workers' share of it
-        self._trial = (first, rate, need, min(span / own, need / first))
+        self._trial = (first, rate, need, min(short, need / first))
         started = f"worker {len(self._rings) - 1}" if need - first == 1 else \
             f"workers {len(self._rings) - (need - first)}-{len(self._rings) - 1}"
-        self.why = (f"auto: {need} workers: {started} started at batch {self._taken}, the trainer "
-                    f"having waited {wait / span:.0%} of the last {WINDOW} batches (more than "
-                    f"{WAIT_SHARE:.0%}): a batch came every {span / WINDOW * 1e3:.1f} ms and it "
-                    f"needed one every {own / WINDOW * 1e3:.1f} ms; at most {self.max_workers}")
+        if share > WAIT_SHARE:
+            because = (f"the trainer having waited {share:.0%} of the last {WINDOW} batches (more "
+                       f"than {WAIT_SHARE:.0%}): a batch came every {span / WINDOW * 1e3:.1f} ms "
+                       f"and it needed one every {own / WINDOW * 1e3:.1f} ms")
+        else:
+            because = (f"the workers being behind: they made {rate:.2f} batches/s and the "
+                       f"trainer took {taken:.2f} from their rings' backlog, so it would soon wait")
+        self.why = (f"auto: {need} workers: {started} started at batch {self._taken}, {because}; "
+                    f"at most {self.max_workers}")
         self._new_window()
 
     @property
@@ -466,15 +478,19 @@ class Loader:
     @property
     def settled(self) -> bool:
         """Whether ``auto`` is done for now: every worker delivers, no step is on trial, and
-        over the last batches the trainer waited no more than its threshold, or auto may not
-        add more (always true for a fixed number of workers). A benchmark times its steps once
+        over the last batches the trainer waited no more than its threshold while the workers
+        kept up with it, or auto may not add more (always true for a fixed number of workers). A benchmark times its steps once
         this holds."""
         if not self.auto:
             return True
         if self._starting() or self._trial is not None or len(self._waits) < WINDOW:
             return False
+        if self._frozen or self.workers >= self.max_workers:
+            return True
         wait, span = self._window()
-        return self._frozen or self.workers >= self.max_workers or span <= 0 or wait / span <= WAIT_SHARE
+        rate = self._rate()
+        return span <= 0 or (wait / span <= WAIT_SHARE and
+                             (rate is None or not _behind(rate, len(self._waits) / span)))
 
     # -- batches -------------------------------------------------------------------------
 
@@ -620,6 +636,12 @@ class Loader:
     def __repr__(self) -> str:
         return (f"Loader({self.batches_per_epoch} batches an epoch on {self.device}, "
                 f"{self.workers} worker(s); {self.why})")
+
+
+def _behind(made: float, taken: float) -> bool:
+    """Whether the workers make batches (`made` a second) more slowly than the trainer takes
+    them (`taken`): then it lives on their rings' backlog."""
+    return made < taken * (1 - BEHIND)
 
 
 def _default_max_workers() -> int:

@@ -154,9 +154,11 @@ impl Drop for DeviceBuffer {
     }
 }
 
-/// Host memory registered with the driver (`cuMemHostRegister`, portable and device-mapped),
-/// so that GPU stream memory operations can read and write it. Unregistered on drop; the
-/// memory itself stays owned by the caller and must outlive this registration.
+/// Host memory registered with the driver (`cuMemHostRegister`, portable): device-mapped
+/// ([`HostRegistration::new`]), so that GPU stream memory operations can read and write it,
+/// or read-only ([`HostRegistration::read_only`]), so that copies from it are DMA.
+/// Unregistered on drop; the memory itself stays owned by the caller and must outlive this
+/// registration.
 #[derive(Debug)]
 pub struct HostRegistration {
     host: *mut c_void,
@@ -214,7 +216,7 @@ impl HostRegistration {
     ) -> Result<Self, CudaError> {
         ctx.make_current()?;
         // SAFETY: the caller guarantees the range is mapped for the registration's life; the
-        // driver writes nothing to it.
+        // call itself writes nothing there.
         check("cuMemHostRegister_v2", unsafe {
             sys::cuMemHostRegister_v2(host.cast_mut().cast::<c_void>(), len, flags as c_uint)
         })?;
