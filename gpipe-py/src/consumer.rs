@@ -113,8 +113,9 @@ fn attach_failed(e: Error) -> PyErr {
 /// ``pin_memory`` (host rings): page-locks the memory the batches are read from with the
 /// CUDA driver, for as long as it is mapped, so that ``tensor.to("cuda", non_blocking=True)``
 /// from a batch is a DMA that returns at once, as from torch's pinned memory, with no copy
-/// into pinned memory first. Keep a batch until the copy has run (its stream synchronised,
-/// or an event waited for): the slot goes back to the producer once its tensors are gone.
+/// into pinned memory first. That copy reads the slot after the call returns: keep the batch
+/// until it has run (its stream synchronised, or an event waited for), since the slot goes
+/// back to the producer once the batch's tensors are gone.
 ///
 /// Wrong arguments raise TypeError (a wrong type) or ValueError (a value out of range),
 /// naming the argument.

@@ -9,20 +9,26 @@
 use std::sync::Arc;
 
 use pipeline_core::MapGuard;
-use pipeline_cuda::driver::{Context, HostRegistration};
+use pipeline_cuda::driver::{Context, HostRegistration, SavedContext};
 
 /// `HostOptions::on_map`: page-locks `len` bytes at `ptr`, read-only and portable to every
-/// GPU of the process (the context is device 0's primary one, which torch shares).
+/// GPU of the process. The context is the primary one of the calling thread's current device
+/// (torch's `current_device`, whose context it is), or of device 0 where the thread has none;
+/// the thread's current context is left as it was.
 pub(crate) fn page_lock(ptr: *const u8, len: usize) -> Result<MapGuard, String> {
-    let ctx: Arc<Context> =
-        Context::new(0).map_err(|e| format!("pin_memory: cannot start CUDA on device 0 ({e})"))?;
+    let saved = SavedContext::save().map_err(|e| format!("pin_memory: cannot start CUDA ({e})"))?;
+    let ordinal = saved.device_ordinal().unwrap_or(0);
+    let ctx: Arc<Context> = Context::new(ordinal)
+        .map_err(|e| format!("pin_memory: cannot start CUDA on device {ordinal} ({e})"))?;
     // SAFETY: pipeline-core keeps the returned guard until just before it unmaps these `len`
     // bytes (`HostOptions::on_map`), so the range stays mapped for the registration's life.
     let lock = unsafe { HostRegistration::read_only(&ctx, ptr, len) }.map_err(|e| {
         format!(
-            "pin_memory: CUDA could not page-lock the ring's {} MiB ({e}); the locked-memory limit (ulimit -l) may be too low",
+            "pin_memory: CUDA could not page-lock the ring's {} MiB on device {ordinal} ({e}); \
+             leave pin_memory out where the driver cannot register host memory read-only",
             len >> 20
         )
     })?;
+    drop(saved); // the thread's own context again
     Ok(Box::new(lock))
 }

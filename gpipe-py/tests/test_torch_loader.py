@@ -414,6 +414,26 @@ def test_pinned_slots_copy_to_a_gpu_without_blocking_and_unlock_when_unmapped():
         assert torch.cat(got).tolist() == [float(i) for i in range(n)], f"round {round_}"
 
 
+@cuda
+def test_pinned_batches_dropped_after_a_queued_copy_are_not_refilled_under_it():
+    """The DataLoader idiom on pinned slots: copy with non_blocking=True behind a long GPU
+    job and drop the batch at once. The loader keeps it until the GPU has run past the copy,
+    so its worker cannot refill the slot under it (two slots, one worker: it would at once)."""
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    n, b = 48, 8
+    got = []
+    with Loader(Numbers(n), decode_big, batch_size=b, device="cpu", workers=1, slots=2,
+                shuffle=False, epochs=1, pin_memory=True) as loader:
+        for batch in loader:
+            torch.cuda._sleep(20_000_000)  # about 10 ms of GPU time queued before the copy
+            image = batch["image"].to(dev, non_blocking=True)
+            del batch  # what `x = x.to(...)` does
+            got.append(image[:, :1024].mean(dim=1))
+        torch.cuda.synchronize(dev)
+    assert torch.cat(got).cpu().tolist() == [float(i) for i in range(n)]
+
+
 class Unreadable(Numbers):
     """Sample 21 cannot be read: the worker's read-ahead thread raises."""
 

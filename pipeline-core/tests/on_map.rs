@@ -24,10 +24,15 @@ impl Drop for Guard {
         // SAFETY: `self.0` is the first byte of a mapping that is unmapped only after this
         // guard is dropped (what the test checks); reading one byte of it is sound then.
         let _ = unsafe { std::ptr::read_volatile(self.0 as *const u8) };
-        for s in SEEN.lock().unwrap().iter_mut() {
-            if s.0 == self.0 {
-                s.2 = false;
-            }
+        // the latest record of this address: an earlier mapping may have been there too
+        if let Some(s) = SEEN
+            .lock()
+            .unwrap()
+            .iter_mut()
+            .rev()
+            .find(|s| s.0 == self.0)
+        {
+            s.2 = false;
         }
     }
 }
@@ -87,6 +92,7 @@ fn the_hook_gets_the_memory_batches_are_read_from_and_its_guard_outlives_them() 
             .lock()
             .unwrap()
             .iter()
+            .rev()
             .find(|s| s.0 <= at && at < s.0 + s.1)
             .unwrap_or_else(|| panic!("{delivery:?}: the hook never saw the batch's memory"));
         assert!(at + data.len() <= first + len);

@@ -220,8 +220,10 @@ class Loader:
     come before :class:`gpipe.Timeout` (None: no limit; a dead worker is noticed anyway).
     ``pin_memory`` (``device="cpu"``, as torch's DataLoader's): the rings' slots are
     page-locked in this process for as long as they are mapped, so ``.to("cuda",
-    non_blocking=True)`` from a batch is a DMA that returns at once, with no copy; keep the
-    batch until that copy has run (synchronise, or wait for an event recorded after it).
+    non_blocking=True)`` from a batch is a DMA that returns at once, with no copy. The loader
+    keeps each batch until the GPU work queued on the current stream when the next one is
+    taken has run, so a batch dropped right after such a copy on the current stream is safe;
+    for a copy on another stream, keep the batch until that copy has run.
 
     Iterating gives one epoch: what ``decode`` returned, as tensors over the ring's slot (no
     copy). They are read-only, and the slot goes back to its worker once they are gone, so
@@ -306,6 +308,11 @@ class Loader:
         self._epoch = 0  # the epoch the next iteration gives
         self._taken = 0  # batches handed out
         self._waits: collections.deque = collections.deque(maxlen=WINDOW)
+        self._window_ns = 0  # when the current window began (CLOCK_MONOTONIC ns)
+        # pin_memory: the tensors handed out last, and those kept (with an event recorded on
+        # the current stream when the next batch was taken) until the GPU has run past them
+        self._pinned_last: Optional[list] = None
+        self._pinned_held: collections.deque = collections.deque()
         self._last_t: Optional[float] = None
         # auto's step on trial: (workers before it, batches/s before it, workers with it, the
         # gain it should bring), or None
@@ -454,6 +461,9 @@ class Loader:
 
     def _new_window(self) -> None:
         self._waits.clear()
+        # Batches published before now are not the window's, however late they are taken:
+        # after a pause (a validation, a checkpoint) a ring's backlog was made before it.
+        self._window_ns = time.monotonic_ns()
         for r in self._rings:
             r.stamps.clear()
 
@@ -523,6 +533,9 @@ class Loader:
         except ProducerDied:
             raise self._failed(ring) from None
         except Deadlock as e:
+            if self._pinned_held:  # our own hold for copies: wait for them, let go, try again
+                self._let_go_pinned()
+                return False
             raise Deadlock(
                 f"decode worker {ring.k} cannot publish batch {self._next}: this process still "
                 f"holds tensors of an earlier batch of its ring, in the slot it must refill (a "
@@ -535,7 +548,8 @@ class Loader:
             raise Error(f"the ring of decode worker {ring.k} at {ring.sock} carries a batch that "
                         f"is not a loader's (header {meta[0]:#x})")
         ring.held = meta[1]
-        ring.stamps.append(meta[3])
+        if meta[3] >= self._window_ns:
+            ring.stamps.append(meta[3])
         if ring.first_at is None:
             ring.first_at = self._taken
         self._held[meta[1]] = (ring, b)
@@ -547,6 +561,8 @@ class Loader:
 
         g = self._next
         t0 = time.monotonic()
+        if self.pin_memory:
+            self._hold_pinned()
         deadline = None if self.timeout is None else t0 + self.timeout
         while g not in self._held:
             waiting = [r for r in self._rings if r.held is None and not r.done]
@@ -572,6 +588,8 @@ class Loader:
         with b:
             names, kind = b.names, b.meta[2]
             tensors = [as_tensor(b[n]) for n in names]
+        if self.pin_memory:
+            self._pinned_last = tensors
         self._next += 1
         self._taken += 1
         self._maybe_scale(time.monotonic() - t0)
@@ -580,6 +598,24 @@ class Loader:
         if kind == _TUPLE:
             return tuple(tensors)
         return dict(zip(names, tensors))
+
+    def _hold_pinned(self) -> None:
+        """pin_memory: keeps the batch handed out last until the GPU work queued on the current
+        stream by now (its copy to the GPU, made with non_blocking=True, among it) has run,
+        so its slot is not refilled under that copy even where the caller dropped the batch
+        at once (``x = x.to("cuda", non_blocking=True)``); at most two are kept."""
+        if self._pinned_last is not None:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream())
+            self._pinned_held.append((done, self._pinned_last))
+            self._pinned_last = None
+        while self._pinned_held and (len(self._pinned_held) > 2 or self._pinned_held[0][0].query()):
+            self._pinned_held.popleft()[0].synchronize()
+
+    def _let_go_pinned(self) -> None:
+        """pin_memory: waits for every kept batch's copies and lets them go."""
+        while self._pinned_held:
+            self._pinned_held.popleft()[0].synchronize()
 
     def __iter__(self) -> Iterator[Any]:
         """One epoch's batches. An epoch left unfinished (a ``break``) is skipped: the next
@@ -603,6 +639,9 @@ class Loader:
         if self._closed:
             return
         self._closed = True
+        if self.pin_memory:  # no worker may refill a slot that a queued copy still reads
+            self._let_go_pinned()
+            self._pinned_last = None
         self._stop.set()
         for _, b in self._held.values():
             try:

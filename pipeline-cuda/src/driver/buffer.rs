@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys;
 
-use super::{CUdeviceptr, Context, CudaError, check, log_drop_error};
+use super::{CUdeviceptr, Context, CudaError, SavedContext, check, log_drop_error};
 
 /// Page-locked host memory (`cuMemHostAlloc`, portable across contexts), zeroed at creation.
 /// Freed on drop.
@@ -181,6 +181,7 @@ impl HostRegistration {
         let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
         // SAFETY: the caller's guarantee, passed on.
         let mut reg = unsafe { Self::register(ctx, host.cast_const(), len, flags) }?;
+        ctx.make_current()?; // as before `register` put the caller's context back
         let mut dptr: CUdeviceptr = 0;
         // SAFETY: the range was just registered; the out-pointer is a valid local.
         check("cuMemHostGetDevicePointer_v2", unsafe {
@@ -214,6 +215,7 @@ impl HostRegistration {
         len: usize,
         flags: u32,
     ) -> Result<Self, CudaError> {
+        let _saved = SavedContext::save()?; // the caller's current context, put back
         ctx.make_current()?;
         // SAFETY: the caller guarantees the range is mapped for the registration's life; the
         // call itself writes nothing there.
@@ -235,10 +237,16 @@ impl HostRegistration {
 
 impl Drop for HostRegistration {
     fn drop(&mut self) {
-        if self.ctx.make_current().is_err() {
+        // The last holder may be any thread (a Python caller's): its current context goes
+        // back once this is done.
+        let _saved = SavedContext::save();
+        if let Err(e) = self.ctx.make_current() {
+            tracing::warn!(
+                "host registration: cannot make its context current ({e}); the memory stays page-locked"
+            );
             return;
         }
-        // SAFETY: registered in `new`, unregistered once, here, while still mapped.
+        // SAFETY: registered in `register`, unregistered once, here, while still mapped.
         let r = unsafe { sys::cuMemHostUnregister(self.host) };
         log_drop_error("host registration", "cuMemHostUnregister", r);
     }

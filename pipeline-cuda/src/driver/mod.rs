@@ -32,6 +32,7 @@ pub use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr, CUevent, CUresult
 
 mod buffer;
 mod context;
+mod current;
 mod error;
 mod event;
 mod init;
@@ -45,6 +46,7 @@ mod vmm;
 pub use buffer::{DeviceBuffer, HostRegistration, PinnedBuffer};
 pub(crate) use context::device_location;
 pub use context::{Context, Device, Stream};
+pub use current::SavedContext;
 use error::log_drop_error;
 pub use error::{CudaError, check};
 pub use event::Event;
