@@ -344,7 +344,14 @@ def test_bad_arguments_and_a_bad_decode_say_what_is_wrong():
     with Loader(Numbers(16), decode_wrong, batch_size=4, device="cpu", workers=1) as loader:
         with pytest.raises(gpipe.Error, match="decode must return a torch tensor.*returned str"):
             next(iter(loader))
+    # auto's default limit: the CPUs per GPU less one; at most 8 only for workers on a GPU
+    gpus = max(1, torch.cuda.device_count())
+    share = max(1, len(os.sched_getaffinity(0)) // gpus - 1)
+    with Loader(Numbers(16), decode, batch_size=4, device="cpu") as loader:
+        assert loader.max_workers == share
     if torch.cuda.is_available():
+        with Loader(Numbers(16), decode, batch_size=4, device="cuda:0") as loader:
+            assert loader.max_workers == min(8, share)
         with pytest.raises(ValueError, match="made on cuda:0 already: leave pin_memory out"):
             Loader(Numbers(10), decode, batch_size=2, device="cuda:0", pin_memory=True)
     else:

@@ -214,8 +214,9 @@ class Loader:
     ``len(dataset) // world_size // batch_size`` batches an epoch. ``shuffle``, ``seed``: a new
     order each epoch from ``seed + epoch``. ``workers``: decode processes, a number or
     ``"auto"`` (see :attr:`why`); ``max_workers``: the most ``auto`` starts (default: the CPUs
-    per GPU of the node, at most 8). ``slots``: batches each worker's ring holds.
-    ``epochs``: the workers stop after this many (None: when the loader closes).
+    per GPU of the node less one; at most 8 where the workers decode on a GPU). ``slots``:
+    batches each worker's ring holds. ``epochs``: the workers stop after this many (None:
+    when the loader closes).
     ``worker_threads``: torch threads per worker. ``timeout``: seconds a batch may take to
     come before :class:`gpipe.Timeout` (None: no limit; a dead worker is noticed anyway).
     ``pin_memory`` (``device="cpu"``, as torch's DataLoader's): the rings' slots are
@@ -288,7 +289,8 @@ class Loader:
         self.pin_memory = bool(pin_memory)
         self.dataset, self.decode = dataset, decode
         self.auto = workers == "auto"
-        self.max_workers = (max_workers if max_workers is not None else _default_max_workers()) \
+        self.max_workers = (max_workers if max_workers is not None else
+                            _default_max_workers(_is_cuda(self.device))) \
             if self.auto else int(workers)
         if self.max_workers < 1:
             raise ValueError(f"max_workers must be 1 or more; got {self.max_workers}")
@@ -388,8 +390,8 @@ class Loader:
             before, was, tried, predicted = self._trial
             self._trial = None
             want = 1 + max(MIN_GAIN, (predicted - 1) / 4)
-            # The step paid if the rate rose by a quarter of its predicted gain, or if the trainer no
-            # longer waits and takes batches faster than before: the prediction cannot know the
+            # The step paid if the rate rose by a quarter of its predicted gain, or if the trainer
+            # no longer waits and takes batches faster than before: the prediction cannot know the
             # trainer's GPU-bound pace (its host time per batch, all it sees while waiting, is
             # only the launches). Fed, the trainer's own take rate is the measure: the workers'
             # publish rate still runs ahead of it while their rings fill.
@@ -489,8 +491,8 @@ class Loader:
     def settled(self) -> bool:
         """Whether ``auto`` is done for now: every worker delivers, no step is on trial, and
         over the last batches the trainer waited no more than its threshold while the workers
-        kept up with it, or auto may not add more (always true for a fixed number of workers). A benchmark times its steps once
-        this holds."""
+        kept up with it, or auto may not add more (always true for a fixed number of workers).
+        A benchmark times its steps once this holds."""
         if not self.auto:
             return True
         if self._starting() or self._trial is not None or len(self._waits) < WINDOW:
@@ -683,15 +685,19 @@ def _behind(made: float, taken: float) -> bool:
     return made < taken * (1 - BEHIND)
 
 
-def _default_max_workers() -> int:
+def _default_max_workers(on_gpu: bool) -> int:
     """auto's limit: the CPUs this process may use, shared among the node's GPUs (one
-    trainer each), one left for each trainer; 1 to 8."""
+    trainer each), one left for each trainer; at least 1. Workers that decode on the GPU
+    share it too: at most 8 of them (auto kept 1 or 2 a GPU on H100s with MPS). Workers that
+    decode on the CPU are bound by the CPUs alone (ResNet-50 on one H100 took 14 Pillow
+    workers)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:
         cpus = os.cpu_count() or 1
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 1
-    return max(1, min(8, cpus // max(1, gpus) - 1))
+    share = cpus // max(1, gpus) - 1
+    return max(1, min(8, share) if on_gpu else share)
 
 
 __all__: Sequence[str] = ["Loader"]
