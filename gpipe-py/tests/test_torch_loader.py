@@ -149,6 +149,41 @@ def test_auto_retires_workers_that_do_not_make_the_trainer_faster_and_loses_no_b
         assert all(seen == order(n, 2, e) for e, seen in enumerate(epochs))
 
 
+class SerialisedUntil(Serialised):
+    """Serialised while a shared flag is set; then every worker decodes on its own."""
+
+    def __init__(self) -> None:
+        import multiprocessing
+
+        super().__init__()
+        self.on = multiprocessing.get_context("spawn").Event()
+        self.on.set()
+
+    def __call__(self, samples, device):
+        if self.on.is_set():
+            return super().__call__(samples, device)
+        time.sleep(0.05)
+        return decode(samples, device)
+
+
+def test_auto_tries_again_after_a_retired_step_and_keeps_a_step_that_now_pays():
+    n, b = 40000, 4
+    shared = SerialisedUntil()
+    with Loader(Numbers(n), shared, batch_size=b, device="cpu", max_workers=2, seed=7) as loader:
+        it = iter(loader)
+        deadline = time.monotonic() + 100
+        while "retired" not in loader.why:  # the lock: a second worker brings nothing
+            assert time.monotonic() < deadline, loader.why
+            batch = next(it)
+            del batch
+        assert loader.workers == 1 and "acts again after 128 batches" in loader.why, loader.why
+        shared.on.clear()  # the load changes: workers no longer share a limit
+        while not (loader.workers == 2 and "kept" in loader.why):
+            assert time.monotonic() < deadline, loader.why
+            batch = next(it)
+            del batch
+
+
 def test_a_step_is_judged_against_the_recent_rate_not_a_slow_start():
     n, b = 40000, 4
     with Loader(Numbers(n), Serialised(), batch_size=b, device="cpu", max_workers=2, seed=1) as loader:

@@ -51,6 +51,9 @@ MIN_GAIN = 0.01
 # auto also adds workers when, without waiting, the trainer took batches this much faster than
 # the workers made them: it lives on their rings' backlog, and will wait once that is gone.
 BEHIND = 0.1
+# After a retired step auto adds no workers for this many batches, then acts again as before
+# (a step that failed on noise, or a load that changed, is not final); doubled each time.
+RETRY_AFTER = 8 * WINDOW
 # How long an ending worker waits for the trainer to take its last batches.
 _DRAIN_S = 24 * 3600.0
 
@@ -319,7 +322,9 @@ class Loader:
         # auto's step on trial: (workers before it, batches/s before it, workers with it, the
         # gain it should bring), or None
         self._trial: Optional[tuple[int, float, int, float]] = None
-        self._frozen = False  # auto found that more workers do not help
+        self._frozen = False  # auto found that more workers do not help, for now
+        self._frozen_at = 0  # the batch count when it did
+        self._retry_in = RETRY_AFTER  # batches from then until auto acts again
         self._armed = False  # the last window of waiting called for a step
         self._closed = False
         for _ in range(1 if self.auto else self.max_workers):
@@ -375,7 +380,14 @@ class Loader:
         if self._last_t is not None:
             self._waits.append((waited, now - self._last_t))
         self._last_t = now
-        if not self.auto or self._frozen:
+        if not self.auto:
+            return
+        if self._frozen:
+            if self._taken - self._frozen_at < self._retry_in:
+                return
+            self._frozen = False  # try again, from a fresh window; the next pause is longer
+            self._retry_in *= 2
+            self._new_window()
             return
         if self._starting():
             self._new_window()  # a window counts only once every worker delivers
@@ -400,12 +412,13 @@ class Loader:
             if not (paid or fed):
                 for r in self._active()[before:]:
                     r.retire.set()
-                self._frozen = True
+                self._frozen, self._frozen_at = True, self._taken
                 self.why = (f"auto: {before} worker(s): {tried} made the trainer take "
                             f"{min(rate, taken):.2f} batches/s against {was:.2f} with {before}, "
                             f"waiting {share:.0%} (it needed {want:.2f}x, or {1 + MIN_GAIN:.2f}x "
                             f"and no waiting), so the added ones were retired at batch "
-                            f"{self._taken} and auto stopped there ({self._shared_by})")
+                            f"{self._taken} and auto stopped there ({self._shared_by}); it acts "
+                            f"again after {self._retry_in} batches")
                 self._new_window()
                 return
             if paid:
