@@ -9,15 +9,16 @@
 use std::sync::Arc;
 
 use pipeline_core::MapGuard;
-use pipeline_cuda::driver::{Context, HostRegistration, SavedContext};
+use pipeline_cuda::driver::{Context, HostRegistration, SavedContext, current_device};
 
 /// `HostOptions::on_map`: page-locks `len` bytes at `ptr`, read-only and portable to every
 /// GPU of the process. The context is the primary one of the calling thread's current device
 /// (torch's `current_device`, whose context it is), or of device 0 where the thread has none;
 /// the thread's current context is left as it was.
 pub(crate) fn page_lock(ptr: *const u8, len: usize) -> Result<MapGuard, String> {
-    let saved = SavedContext::save().map_err(|e| format!("pin_memory: cannot start CUDA ({e})"))?;
-    let ordinal = saved.device_ordinal().unwrap_or(0);
+    let start = |e| format!("pin_memory: cannot start CUDA ({e})");
+    let ordinal = current_device().map_err(start)?.unwrap_or(0);
+    let saved = SavedContext::save().map_err(start)?;
     let ctx: Arc<Context> = Context::new(ordinal)
         .map_err(|e| format!("pin_memory: cannot start CUDA on device {ordinal} ({e})"))?;
     // SAFETY: pipeline-core keeps the returned guard until just before it unmaps these `len`

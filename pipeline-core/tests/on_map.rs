@@ -10,6 +10,9 @@ use pipeline_core::{
     Consumer, Delivery, HostConsumer, HostOptions, HostProducer, MapGuard, Producer, ProducerConfig,
 };
 
+#[allow(dead_code)] // the socket path and the watchdog only
+mod support;
+
 const WAIT: Duration = Duration::from_secs(5);
 
 /// What the hook saw, per test (by the first byte of the memory it was given): the length it
@@ -47,16 +50,14 @@ fn refuse(_: *const u8, _: usize) -> Result<MapGuard, String> {
 }
 
 fn alive(ptr: usize) -> Option<(usize, bool)> {
-    SEEN.lock()
-        .unwrap()
-        .iter()
-        .find(|s| s.0 == ptr)
-        .map(|s| (s.1, s.2))
+    // the latest record of this address, as the guard's drop marks it
+    let seen = SEEN.lock().unwrap();
+    seen.iter().rev().find(|s| s.0 == ptr).map(|s| (s.1, s.2))
 }
 
 fn bind(name: &str) -> (Producer<HostProducer>, std::path::PathBuf) {
-    let sock =
-        std::env::temp_dir().join(format!("gpipe-on-map-{name}-{}.sock", std::process::id()));
+    support::watchdog("on_map", Duration::from_secs(60));
+    let sock = support::socket("on-map", name);
     let config = ProducerConfig {
         slots: 3,
         batch_bytes: 1 << 20,

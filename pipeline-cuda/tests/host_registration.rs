@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use cudarc::driver::sys;
 use pipeline_cuda::driver::{
-    Context, DeviceBuffer, HostRegistration, SavedContext, Stream, memcpy_dtoh_async,
-    memcpy_htod_async,
+    Context, DeviceBuffer, HostRegistration, SavedContext, Stream, current_device,
+    memcpy_dtoh_async, memcpy_htod_async,
 };
 
 const LEN: usize = 4 << 20;
@@ -46,14 +46,14 @@ fn a_read_only_mapping_is_locked_and_copied_from_and_the_current_context_is_kept
 
     // No current context: the lock leaves none, and so does its drop.
     set_current(std::ptr::null_mut());
-    assert_eq!(SavedContext::save().unwrap().device_ordinal(), None);
+    assert_eq!(current_device().unwrap(), None);
     // SAFETY: `map` stays mapped until after `lock` is dropped below.
     let lock = unsafe { HostRegistration::read_only(&ctx, map.as_ptr(), LEN) }.unwrap();
     assert!(current().is_null(), "the lock left a context current");
 
     // The copy from the locked memory is right.
     ctx.make_current().unwrap();
-    assert_eq!(SavedContext::save().unwrap().device_ordinal(), Some(0));
+    assert_eq!(current_device().unwrap(), Some(0));
     let stream = Stream::new(&ctx).unwrap();
     let dev = DeviceBuffer::new(&ctx, LEN).unwrap();
     let mut back = vec![0u8; LEN];

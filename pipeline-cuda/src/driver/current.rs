@@ -12,11 +12,10 @@ use super::{CudaError, Device, check, device_count, init};
 #[derive(Debug)]
 pub struct SavedContext {
     saved: sys::CUcontext,
-    ordinal: Option<usize>,
 }
 
 impl SavedContext {
-    /// Saves the calling thread's current context (none is fine) and notes its device.
+    /// Saves the calling thread's current context (none is fine).
     pub fn save() -> Result<SavedContext, CudaError> {
         init()?;
         let mut saved: sys::CUcontext = ptr::null_mut();
@@ -24,25 +23,31 @@ impl SavedContext {
         check("cuCtxGetCurrent", unsafe {
             sys::cuCtxGetCurrent(&mut saved)
         })?;
-        let mut ordinal = None;
-        if !saved.is_null() {
-            let mut dev: sys::CUdevice = 0;
-            // SAFETY: `saved` is current on this thread; the out-pointer is a valid local.
-            check("cuCtxGetDevice", unsafe { sys::cuCtxGetDevice(&mut dev) })?;
-            for k in 0..device_count()? {
-                if Device::get(k)?.raw() == dev {
-                    ordinal = Some(k);
-                    break;
-                }
-            }
-        }
-        Ok(SavedContext { saved, ordinal })
+        Ok(SavedContext { saved })
     }
+}
 
-    /// The ordinal of the saved context's device, or None when the thread had no context.
-    pub fn device_ordinal(&self) -> Option<usize> {
-        self.ordinal
+/// The ordinal of the device of the calling thread's current context, or None when the
+/// thread has none.
+pub fn current_device() -> Result<Option<usize>, CudaError> {
+    init()?;
+    let mut current: sys::CUcontext = ptr::null_mut();
+    // SAFETY: the driver is initialised; the out-pointer is a valid local.
+    check("cuCtxGetCurrent", unsafe {
+        sys::cuCtxGetCurrent(&mut current)
+    })?;
+    if current.is_null() {
+        return Ok(None);
     }
+    let mut dev: sys::CUdevice = 0;
+    // SAFETY: a context is current on this thread; the out-pointer is a valid local.
+    check("cuCtxGetDevice", unsafe { sys::cuCtxGetDevice(&mut dev) })?;
+    for ordinal in 0..device_count()? {
+        if Device::get(ordinal)?.raw() == dev {
+            return Ok(Some(ordinal));
+        }
+    }
+    Ok(None)
 }
 
 impl Drop for SavedContext {

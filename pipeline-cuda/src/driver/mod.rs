@@ -46,7 +46,7 @@ mod vmm;
 pub use buffer::{DeviceBuffer, HostRegistration, PinnedBuffer};
 pub(crate) use context::device_location;
 pub use context::{Context, Device, Stream};
-pub use current::SavedContext;
+pub use current::{SavedContext, current_device};
 use error::log_drop_error;
 pub use error::{CudaError, check};
 pub use event::Event;
