@@ -82,7 +82,7 @@ elif [ "$mode" = loader ]; then
       s=${DDP_S:-130}; [ "$w" = 1 ] && s=${ONE_S:-130}
       echo "== gpipe.torch.Loader, $w GPU(s), MPS $m${HOST_DECODE:+, decode on the host}"
       run "$s" --label "lib-$m$P$H" --world-size "$w" --ddp-only --configs loader,ceiling \
-        --models "${MODELS:-resnet50,resnet18}" --budget $(( s - 10 )) "${HD[@]}"
+        --models "${MODELS:-resnet50,resnet18}" --budget $(( s - 10 )) --run-limit $(( s - 40 )) "${HD[@]}"
     done
     [ "$m" = on ] && mps_off
   done

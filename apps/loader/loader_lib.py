@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from typing import Any, Iterator, Optional
 
 import torch
@@ -95,12 +96,17 @@ def settle(loader: gpipe.torch.Loader, step: TrainStep, batches: Iterator, ddp: 
     the same number of steps). Returns the steps run."""
     import torch.distributed as dist
 
-    done = 0
+    done, why, t0 = 0, None, time.monotonic()
     while done < most:
         images, labels, _ = next(batches)
         step(images, labels)
         del images, labels
         done += 1
+        if loader.why != why or done % 64 == 0:  # progress on stderr: a killed run still tells
+            news = f": {loader.why}" if loader.why != why else ""
+            why = loader.why
+            print(f"settle: step {done} at {time.monotonic() - t0:.1f} s, {loader.workers} "
+                  f"worker(s), settled {loader.settled}{news}", file=sys.stderr, flush=True)
         if done % 8 == 0:
             flag = torch.tensor([1 if loader.settled else 0], device=step.device)
             if ddp:
@@ -159,6 +165,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             batches = upload = Upload(batches, dev, a.size, seed=a.seed * 1000 + a.rank)
         try:
             settled = settle(loader, step, batches, ddp, a.settle)
+            print(f"settle: {settled} steps, {loader.workers} worker(s); now {a.warmup} warm-up "
+                  f"and {a.steps} timed steps", file=sys.stderr, flush=True)
             out = measure(step, batches, steps=a.steps, warmup=a.warmup, batch_size=a.batch,
                           profile=a.profile, profile_path=a.profile_out)
         finally:

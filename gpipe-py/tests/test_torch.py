@@ -29,6 +29,7 @@ def test_torch_round_trip_keeps_dtype_shape_and_channels_last(make_ring):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("delivery", ["in-place", "mirror"])
 def test_pin_memory_page_locks_batches_where_they_lie(make_ring, delivery):
+    torch.cuda.init()  # until it has, torch's is_pinned() says False for any pointer
     p, c = make_ring(consumer={"pin_memory": True, "delivery": delivery})
     assert c.pinned
     x = torch.arange(1 << 18, dtype=torch.float32)
@@ -40,6 +41,51 @@ def test_pin_memory_page_locks_batches_where_they_lie(make_ring, delivery):
         on_gpu = t.to(dev, non_blocking=True)
         torch.cuda.current_stream(dev).synchronize()  # the copy has run before the batch goes
     assert torch.equal(on_gpu.cpu(), x)
+
+
+OTHER_GPU_PIN = r"""
+import ctypes, sys, tempfile, os, torch, gpipe
+last = torch.cuda.device_count() - 1
+torch.cuda.set_device(last)
+torch.zeros(1, device="cuda")  # the rank's own context, as DDP's set_device and first op make
+cu = ctypes.CDLL("libcuda.so.1")
+def gpu0_context():
+    dev, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+    assert cu.cuDeviceGet(ctypes.byref(dev), 0) == 0
+    assert cu.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(active)) == 0
+    return active.value
+before = gpu0_context()
+sock = os.path.join(tempfile.mkdtemp(), "ring.sock")
+p = gpipe.Producer(sock, slots=2, batch_bytes=1 << 20, backend="host")
+c = gpipe.Consumer(sock, pin_memory=True)
+p.wait_for_consumers(1, timeout=5)
+p.send({"x": torch.arange(1024, dtype=torch.float32)})
+with c.recv(timeout=5) as b:
+    t = torch.from_dlpack(b["x"])
+    ok = t.is_pinned() and torch.equal(t.to("cuda", non_blocking=True).cpu(), torch.arange(1024.0))
+print("current", torch.cuda.current_device(), "of", last, "gpu0_context", before, gpu0_context(),
+      "copied", ok)
+c.close(); p.close()
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA GPUs")
+def test_pin_memory_on_another_gpu_keeps_the_rank_on_its_own_device():
+    """A DDP rank on the last GPU that pins its ring: the lock is made in that GPU's context,
+    torch's current device stays the rank's, and the pin makes no context on GPU 0 (in a
+    fresh process, so that no earlier test has made one)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", OTHER_GPU_PIN], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    last = torch.cuda.device_count() - 1
+    words = out.stdout.split()
+    assert words[:4] == ["current", str(last), "of", str(last)], out.stdout
+    assert words[5] == words[6], f"pinning made a context on GPU 0: {out.stdout}"
+    assert words[7:] == ["copied", "True"], out.stdout
 
 
 def test_slot_tensors_are_writable_torch_tensors(make_ring):

@@ -4,10 +4,13 @@ the trainer waits, and a worker that fails or dies ending the trainer's loop wit
 
 from __future__ import annotations
 
+import ctypes
 import os
+import queue
 import signal
+import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -474,6 +477,78 @@ def test_pinned_batches_dropped_after_a_queued_copy_are_not_refilled_under_it():
             got.append(image[:, :1024].mean(dim=1))
         torch.cuda.synchronize(dev)
     assert torch.cat(got).cpu().tolist() == [float(i) for i in range(n)]
+
+
+class LaggingStream:
+    """A stand-in for a CUDA stream that runs its work 40 ms after it was queued, in order, on
+    a thread of its own, with torch.cuda.Event's record/query/synchronize: lets a host test
+    see whether the loader lets a pinned batch go before the stream has read it."""
+
+    def __init__(self) -> None:
+        self.work: "queue.Queue" = queue.Queue()
+        self.ran = 0
+        self.queued = 0
+        self.cv = threading.Condition()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            k, f = self.work.get()
+            time.sleep(0.04)
+            f()
+            with self.cv:
+                self.ran = k
+                self.cv.notify_all()
+
+    def put(self, f: Callable[[], None]) -> int:
+        self.queued += 1
+        self.work.put((self.queued, f))
+        return self.queued
+
+    def wait(self, k: int) -> None:
+        with self.cv:
+            self.cv.wait_for(lambda: self.ran >= k, timeout=30)
+            assert self.ran >= k, "the stand-in stream stopped"
+
+    def event(self) -> Any:
+        stream = self
+
+        class Event:
+            def record(self, _stream: Any = None) -> None:
+                self.k = stream.put(lambda: None)
+
+            def query(self) -> bool:
+                return stream.ran >= self.k
+
+            def synchronize(self) -> None:
+                stream.wait(self.k)
+
+        return Event()
+
+
+def test_pinned_batches_go_back_only_once_the_stream_has_read_them(monkeypatch):
+    """The pin_memory hold, on the host: each batch's 'copy' is queued on a stream that runs
+    40 ms late and reads the slot's memory by address only (as a DMA does, holding no
+    reference), and the caller drops the batch at once. A batch let go before its event was
+    waited for would be refilled under the copy (two slots, one worker)."""
+    stream = LaggingStream()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Event", stream.event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)
+    real = gpipe.Consumer
+    # no driver here to page-lock with: the hold is what this test is about
+    monkeypatch.setattr(gpipe, "Consumer", lambda *a, pin_memory=False, **k: real(*a, **k))
+    n, b = 48, 8
+    got: list[float] = []
+    with Loader(Numbers(n), decode_big, batch_size=b, device="cpu", workers=1, slots=2,
+                shuffle=False, epochs=1, pin_memory=True) as loader:
+        for batch in loader:
+            first = batch["image"].data_ptr()  # sample 0 of the batch, its first float
+            stream.put(lambda a=first: got.append(ctypes.c_float.from_address(a).value))
+            del batch
+        stream.wait(stream.queued)
+    assert got == [float(i) for i in range(0, n, b)]
 
 
 class Unreadable(Numbers):

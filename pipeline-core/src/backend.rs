@@ -12,6 +12,7 @@
 //! A backend never sees the ring's internals, only slot indices and consumer indices.
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::OnceLock;
 
 use memmap2::{MmapOptions, MmapRaw};
 
@@ -167,6 +168,13 @@ pub trait ConsumerBackend: Send + Sync + Sized + 'static {
         blob: &[u8],
         fds: Vec<OwnedFd>,
     ) -> Result<(Self, Export), BackendError>;
+    /// Called once the handshake is over (the producer counts this consumer in) and before
+    /// the first batch is received: for work that may take long (page-locking the memory,
+    /// say), which the producer's handshake deadline must not bound. An `Err` detaches the
+    /// consumer and fails the attach with its message. The default does nothing.
+    fn joined(&self) -> Result<(), BackendError> {
+        Ok(())
+    }
     /// Orders the consumer's use of batch `seq` in `slot` after the producer's writes to it.
     fn wait_ready(&self, slot: u32, seq: u64) -> Result<(), BackendError>;
     /// The batch's memory: the slot in place, or the consumer's own copy of batch `seq` when
@@ -254,9 +262,11 @@ pub struct HostOptions {
     /// `slot_bytes` each); default: the ring's slot count.
     pub mirror_buffers: Option<u32>,
     /// Consumer: called once with the memory its batches are read from (the slots' mapping,
-    /// or its own buffers when it mirrors); what it returns is kept until that memory is
-    /// unmapped, and dropped just before. For a page-lock of the memory by a GPU driver, so
-    /// that copies from the batches to a GPU run by DMA (gpipe-py's `pin_memory`).
+    /// or its own buffers when it mirrors), after the attach handshake and before the first
+    /// batch, so however long it takes is not bounded by the producer's handshake timeout;
+    /// what it returns is kept until that memory is unmapped, and dropped just before. For a
+    /// page-lock of the memory by a GPU driver, so that copies from the batches to a GPU run
+    /// by DMA (gpipe-py's `pin_memory`).
     pub on_map: Option<OnMap>,
 }
 
@@ -359,8 +369,10 @@ impl ProducerBackend for HostProducer {
 
 /// The host backend's consumer half: the slots mapped read-only.
 pub struct HostConsumer {
-    /// [`HostOptions::on_map`]'s guard. Declared first: dropped before the mappings.
-    _guard: Option<MapGuard>,
+    /// [`HostOptions::on_map`]'s guard, made in [`ConsumerBackend::joined`]. Declared
+    /// first: dropped before the mappings.
+    guard: OnceLock<MapGuard>,
+    on_map: Option<OnMap>,
     map: MmapRaw,
     slot_bytes: u64,
     slot_count: u32,
@@ -446,14 +458,10 @@ impl ConsumerBackend for HostConsumer {
             }
             Delivery::InPlace | Delivery::Auto => None,
         };
-        let read = mirror.as_ref().map_or(&map, |m| &m.map);
-        let guard = match options.on_map {
-            Some(f) => Some(f(read.as_ptr(), read.len()).map_err(|m| format!("slot memory: {m}"))?),
-            None => None,
-        };
         Ok((
             Self {
-                _guard: guard,
+                guard: OnceLock::new(),
+                on_map: options.on_map,
                 map,
                 slot_bytes: layout.slot_bytes,
                 slot_count: layout.slot_count,
@@ -461,6 +469,17 @@ impl ConsumerBackend for HostConsumer {
             },
             Export::default(),
         ))
+    }
+
+    fn joined(&self) -> Result<(), BackendError> {
+        let Some(f) = self.on_map else {
+            return Ok(());
+        };
+        let read = self.mirror.as_ref().map_or(&self.map, |m| &m.map);
+        let guard = f(read.as_ptr(), read.len()).map_err(|m| format!("slot memory: {m}"))?;
+        // joined runs once per consumer: the cell is empty
+        let _ = self.guard.set(guard);
+        Ok(())
     }
 
     fn wait_ready(&self, _: u32, _: u64) -> Result<(), BackendError> {

@@ -1,7 +1,8 @@
 //! The host consumer's `on_map` hook (what gpipe-py's `pin_memory` page-locks with): it is
 //! given the memory batches are read from, in place and mirrored; its guard lives while a
 //! batch does, even after the consumer is dropped, and goes before that memory is unmapped;
-//! a hook's error fails the attach with its message.
+//! it runs after the handshake, so a slow one is not cut off by the producer's handshake
+//! timeout; a hook's error fails the attach with its message.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -55,12 +56,29 @@ fn alive(ptr: usize) -> Option<(usize, bool)> {
     seen.iter().rev().find(|s| s.0 == ptr).map(|s| (s.1, s.2))
 }
 
+/// Longer than the producer's handshake timeout in `slow_hook_attaches`.
+const SLOW_HOOK: Duration = Duration::from_millis(900);
+
+fn slow(ptr: *const u8, len: usize) -> Result<MapGuard, String> {
+    // as a page-lock of a large ring on a busy machine can
+    std::thread::sleep(SLOW_HOOK);
+    record(ptr, len)
+}
+
 fn bind(name: &str) -> (Producer<HostProducer>, std::path::PathBuf) {
+    bind_with(name, ProducerConfig::default().handshake_timeout)
+}
+
+fn bind_with(
+    name: &str,
+    handshake_timeout: Duration,
+) -> (Producer<HostProducer>, std::path::PathBuf) {
     support::watchdog("on_map", Duration::from_secs(60));
     let sock = support::socket("on-map", name);
     let config = ProducerConfig {
         slots: 3,
         batch_bytes: 1 << 20,
+        handshake_timeout,
         ..Default::default()
     };
     let producer = Producer::bind(&sock, config, HostOptions::default()).unwrap();
@@ -129,6 +147,39 @@ fn a_hook_that_fails_fails_the_attach_with_its_message() {
         Err(e) => assert!(e.to_string().contains("refused by the test's hook"), "{e}"),
         Ok(_) => panic!("the attach succeeded"),
     }
+    drop(producer);
+    let _ = std::fs::remove_file(&sock);
+}
+
+#[test]
+fn a_hook_slower_than_the_producers_handshake_timeout_still_attaches() {
+    let (mut producer, sock) = bind_with("slow", SLOW_HOOK / 3);
+    let options = HostOptions {
+        on_map: Some(slow),
+        ..HostOptions::default()
+    };
+    let mut consumer: Consumer<HostConsumer> = Consumer::attach(&sock, options)
+        .expect("the hook runs after the handshake: the producer's deadline does not bound it");
+    publish(&mut producer, 9);
+    let batch = consumer.recv_timeout(WAIT).unwrap().expect("a batch");
+    assert!(batch.data().iter().all(|&b| b == 9));
+    let (first, _, alive_now) = *SEEN
+        .lock()
+        .unwrap()
+        .iter()
+        .rev()
+        .find(|s| {
+            s.0 <= batch.data().as_ptr() as usize && (batch.data().as_ptr() as usize) < s.0 + s.1
+        })
+        .expect("the hook saw the batch's memory");
+    assert!(alive_now, "the guard lives while the consumer does");
+    drop(batch);
+    drop(consumer);
+    assert_eq!(
+        alive(first).map(|a| a.1),
+        Some(false),
+        "the guard went with the consumer"
+    );
     drop(producer);
     let _ = std::fs::remove_file(&sock);
 }

@@ -290,6 +290,10 @@ class Loader:
             raise ValueError("pin_memory=True page-locks batches for copies to a GPU, but torch "
                              "sees no CUDA GPU here: leave pin_memory out")
         self.pin_memory = bool(pin_memory)
+        if self.pin_memory:
+            # torch's is_pinned() answers False for every pointer until torch has initialised
+            # CUDA in this process (its own pinned tensors do that when they are made)
+            torch.cuda.init()
         self.dataset, self.decode = dataset, decode
         self.auto = workers == "auto"
         self.max_workers = (max_workers if max_workers is not None else
@@ -625,12 +629,21 @@ class Loader:
             self._pinned_held.append((done, self._pinned_last))
             self._pinned_last = None
         while self._pinned_held and (len(self._pinned_held) > 2 or self._pinned_held[0][0].query()):
-            self._pinned_held.popleft()[0].synchronize()
+            self._let_go_oldest_pinned()
 
     def _let_go_pinned(self) -> None:
         """pin_memory: waits for every kept batch's copies and lets them go."""
         while self._pinned_held:
-            self._pinned_held.popleft()[0].synchronize()
+            self._let_go_oldest_pinned()
+
+    def _let_go_oldest_pinned(self) -> None:
+        """Waits for the GPU to run past the oldest kept batch's copies, then lets it go. The
+        tensors stay referenced until the wait is over: the last reference to them gives the
+        slot back, and a worker may refill it at once."""
+        done, tensors = self._pinned_held[0]
+        done.synchronize()
+        self._pinned_held.popleft()
+        del tensors
 
     def __iter__(self) -> Iterator[Any]:
         """One epoch's batches. An epoch left unfinished (a ``break``) is skipped: the next

@@ -335,7 +335,7 @@ impl PendingAttach {
         let _ = conn.set_nonblocking(true);
         let head = seg.header().head.value.load(Ordering::Acquire);
         let record = RecordPtr(std::ptr::NonNull::from(rec));
-        Ok(Consumer {
+        let consumer = Consumer {
             link: Arc::new(Link {
                 record,
                 seg,
@@ -362,7 +362,14 @@ impl PendingAttach {
             last_head: head.min(start),
             config,
             ended: false,
-        })
+        };
+        // The backend's slow work, after the handshake: its deadline is the producer's too.
+        // A failure detaches us as any drop does.
+        if let Err(e) = consumer.link.backend.joined() {
+            drop(consumer);
+            return Err(Error::Backend(e));
+        }
+        Ok(consumer)
     }
 }
 
