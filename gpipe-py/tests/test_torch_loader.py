@@ -480,7 +480,7 @@ def test_pinned_batches_dropped_after_a_queued_copy_are_not_refilled_under_it():
 
 
 class LaggingStream:
-    """A stand-in for a CUDA stream that runs its work 40 ms after it was queued, in order, on
+    """A stand-in for a CUDA stream that runs each piece of its work 150 ms late, in order, on
     a thread of its own, with torch.cuda.Event's record/query/synchronize: lets a host test
     see whether the loader lets a pinned batch go before the stream has read it."""
 
@@ -494,7 +494,7 @@ class LaggingStream:
     def _run(self) -> None:
         while True:
             k, f = self.work.get()
-            time.sleep(0.04)
+            time.sleep(0.15)
             f()
             with self.cv:
                 self.ran = k
@@ -528,26 +528,49 @@ class LaggingStream:
 
 def test_pinned_batches_go_back_only_once_the_stream_has_read_them(monkeypatch):
     """The pin_memory hold, on the host: each batch's 'copy' is queued on a stream that runs
-    40 ms late and reads the slot's memory by address only (as a DMA does, holding no
+    150 ms late and reads the slot's memory by address only (as a DMA does, holding no
     reference), and the caller drops the batch at once. A batch let go before its event was
-    waited for would be refilled under the copy (two slots, one worker)."""
+    waited for would be refilled under the copy (two slots, one worker); the last one, left
+    in the loader at the end of the `with`, would be unmapped under it."""
     stream = LaggingStream()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "init", lambda: None)
     monkeypatch.setattr(torch.cuda, "Event", stream.event)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)
     real = gpipe.Consumer
-    # no driver here to page-lock with: the hold is what this test is about
-    monkeypatch.setattr(gpipe, "Consumer", lambda *a, pin_memory=False, **k: real(*a, **k))
+    unmapped = threading.Event()
+    closed_after: list[int] = []  # how much of the stream had run when a ring was closed
+
+    class Watched:
+        """The loader's consumer, without the page-lock (no driver here; the hold is what this
+        test is about), noting when it is closed."""
+
+        def __init__(self, *a: Any, pin_memory: bool = False, **k: Any) -> None:
+            self.inner = real(*a, **k)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+        def close(self) -> None:
+            closed_after.append(stream.ran)
+            unmapped.set()
+            self.inner.close()
+
+    monkeypatch.setattr(gpipe, "Consumer", Watched)
+
+    def read(address: int) -> None:  # no read of memory the loader has unmapped
+        got.append(float("nan") if unmapped.is_set() else ctypes.c_float.from_address(address).value)
+
     n, b = 48, 8
     got: list[float] = []
     with Loader(Numbers(n), decode_big, batch_size=b, device="cpu", workers=1, slots=2,
                 shuffle=False, epochs=1, pin_memory=True) as loader:
         for batch in loader:
-            first = batch["image"].data_ptr()  # sample 0 of the batch, its first float
-            stream.put(lambda a=first: got.append(ctypes.c_float.from_address(a).value))
+            # sample 0 of the batch, its first float
+            last = stream.put(lambda a=batch["image"].data_ptr(): read(a))
             del batch
-        stream.wait(stream.queued)
+    assert closed_after and min(closed_after) >= last, "the ring was closed before its last copy ran"
+    stream.wait(stream.queued)
     assert got == [float(i) for i in range(0, n, b)]
 
 

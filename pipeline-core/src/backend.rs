@@ -477,8 +477,9 @@ impl ConsumerBackend for HostConsumer {
         };
         let read = self.mirror.as_ref().map_or(&self.map, |m| &m.map);
         let guard = f(read.as_ptr(), read.len()).map_err(|m| format!("slot memory: {m}"))?;
-        // joined runs once per consumer: the cell is empty
-        let _ = self.guard.set(guard);
+        // joined runs once per consumer (at its attach): the cell is empty
+        let first = self.guard.set(guard).is_ok();
+        debug_assert!(first, "HostConsumer::joined ran twice");
         Ok(())
     }
 

@@ -220,6 +220,9 @@ impl ConsumerBackend for Completing {
             HostConsumer::import(layout, consumer, HostOptions::default(), blob, fds)?;
         Ok((Self { inner, completions }, export))
     }
+    fn joined(&self) -> Result<(), BackendError> {
+        self.inner.joined()
+    }
     fn wait_ready(&self, slot: u32, seq: u64) -> Result<(), BackendError> {
         self.inner.wait_ready(slot, seq)
     }

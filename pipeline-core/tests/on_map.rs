@@ -57,7 +57,7 @@ fn alive(ptr: usize) -> Option<(usize, bool)> {
 }
 
 /// Longer than the producer's handshake timeout in `slow_hook_attaches`.
-const SLOW_HOOK: Duration = Duration::from_millis(900);
+const SLOW_HOOK: Duration = Duration::from_secs(3);
 
 fn slow(ptr: *const u8, len: usize) -> Result<MapGuard, String> {
     // as a page-lock of a large ring on a busy machine can

@@ -623,13 +623,18 @@ class Loader:
         stream by now (its copy to the GPU, made with non_blocking=True, among it) has run,
         so its slot is not refilled under that copy even where the caller dropped the batch
         at once (``x = x.to("cuda", non_blocking=True)``); at most two are kept."""
+        self._keep_last_pinned()
+        while self._pinned_held and (len(self._pinned_held) > 2 or self._pinned_held[0][0].query()):
+            self._let_go_oldest_pinned()
+
+    def _keep_last_pinned(self) -> None:
+        """Keeps the batch handed out last with an event recorded on the current stream now,
+        behind whatever copies of it the caller has queued there."""
         if self._pinned_last is not None:
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream())
             self._pinned_held.append((done, self._pinned_last))
             self._pinned_last = None
-        while self._pinned_held and (len(self._pinned_held) > 2 or self._pinned_held[0][0].query()):
-            self._let_go_oldest_pinned()
 
     def _let_go_pinned(self) -> None:
         """pin_memory: waits for every kept batch's copies and lets them go."""
@@ -667,9 +672,17 @@ class Loader:
         if self._closed:
             return
         self._closed = True
-        if self.pin_memory:  # no worker may refill a slot that a queued copy still reads
-            self._let_go_pinned()
+        try:
+            if self.pin_memory:  # no worker may refill a slot that a queued copy still reads,
+                self._keep_last_pinned()  # the last batch's among them
+                self._let_go_pinned()
+        finally:  # a CUDA error in the wait (a dead context runs no copies): stop all the same
+            self._pinned_held.clear()
             self._pinned_last = None
+            self._shut_down()
+
+    def _shut_down(self) -> None:
+        """Stops the workers, gives back what is held and detaches from the rings."""
         self._stop.set()
         for _, b in self._held.values():
             try:
