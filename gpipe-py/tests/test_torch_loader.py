@@ -479,6 +479,52 @@ def test_pinned_batches_dropped_after_a_queued_copy_are_not_refilled_under_it():
     assert torch.cat(got).cpu().tolist() == [float(i) for i in range(n)]
 
 
+LOADER_ON_ANOTHER_GPU = r"""
+import ctypes, os, sys, torch
+sys.path.insert(0, os.environ["TESTS"])
+from gpipe.torch import Loader
+from test_torch_loader import Numbers, decode_big
+cu = ctypes.CDLL("libcuda.so.1")
+def gpu0_context():
+    dev, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+    assert cu.cuInit(0) == 0 and cu.cuDeviceGet(ctypes.byref(dev), 0) == 0
+    assert cu.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(active)) == 0
+    return active.value
+if __name__ == "__main__":
+    last = torch.cuda.device_count() - 1
+    before = gpu0_context()
+    # made before the rank picks its GPU, as some DDP scripts do
+    with Loader(Numbers(32), decode_big, batch_size=8, device="cpu", workers=1, slots=2,
+                shuffle=False, epochs=1, pin_memory=True) as loader:
+        torch.cuda.set_device(last)
+        got = [b["image"].to("cuda", non_blocking=True)[:, 0].cpu().tolist() for b in loader]
+    print("current", torch.cuda.current_device(), "of", last, "gpu0_context", before, gpu0_context(),
+          "rows", sum(len(g) for g in got))
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA GPUs")
+def test_a_pin_memory_loader_made_before_set_device_pins_on_the_ranks_gpu(tmp_path):
+    """A DDP rank that makes its pin_memory Loader before set_device(rank): the Loader's
+    torch.cuda.init() makes no context on GPU 0, the rings are locked at the first batch, in
+    the rank's device's context, and torch's current device stays the rank's."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "rank.py"  # a file: spawned workers re-import the main module
+    script.write_text(LOADER_ON_ANOTHER_GPU)
+    env = {**os.environ, "TESTS": os.path.dirname(os.path.abspath(__file__))}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    last = torch.cuda.device_count() - 1
+    words = out.stdout.split()
+    assert words[:4] == ["current", str(last), "of", str(last)], out.stdout
+    assert words[5:7] == ["0", "0"], f"a context on GPU 0 (before, after): {out.stdout}"
+    assert words[7:] == ["rows", "32"], out.stdout
+
+
 class LaggingStream:
     """A stand-in for a CUDA stream that runs each piece of its work 150 ms late, in order, on
     a thread of its own, with torch.cuda.Event's record/query/synchronize: lets a host test

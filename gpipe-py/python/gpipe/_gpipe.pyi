@@ -185,7 +185,8 @@ class Consumer:
     from a batch is a DMA that returns at once, as from torch's pinned memory, with no copy
     into pinned memory first. That copy reads the slot after the call returns: keep the batch
     until it has run (its stream synchronised, or an event waited for), since the slot goes
-    back to the producer once the batch's tensors are gone.
+    back to the producer once the batch's tensors are gone. The lock is made once the
+    attach's handshake is over: ``timeout`` does not bound it.
 
     Wrong arguments raise TypeError (a wrong type) or ValueError (a value out of range),
     naming the argument.
