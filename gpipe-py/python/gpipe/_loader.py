@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 
 from ._gpipe import TENSOR_ALIGN, Closed, Deadlock, Error, ProducerDied, Timeout
+from ._pinned_hold import PinnedHold
 
 # The header of a batch: a magic word, the batch number, what decode returned, when it was
 # published (CLOCK_MONOTONIC, ns: the same clock in every process of the machine).
@@ -318,10 +319,7 @@ class Loader:
         self._taken = 0  # batches handed out
         self._waits: collections.deque = collections.deque(maxlen=WINDOW)
         self._window_ns = 0  # when the current window began (CLOCK_MONOTONIC ns)
-        # pin_memory: the tensors handed out last, and those kept (with an event recorded on
-        # the current stream when the next batch was taken) until the GPU has run past them
-        self._pinned_last: Optional[list] = None
-        self._pinned_held: collections.deque = collections.deque()
+        self._pinned = PinnedHold() if self.pin_memory else None
         self._last_t: Optional[float] = None
         # auto's step on trial: (workers before it, batches/s before it, workers with it, the
         # gain it should bring), or None
@@ -552,8 +550,8 @@ class Loader:
         except ProducerDied:
             raise self._failed(ring) from None
         except Deadlock as e:
-            if self._pinned_held:  # our own hold for copies: wait for them, let go, try again
-                self._let_go_pinned()
+            if self._pinned is not None and self._pinned.holds():
+                self._pinned.let_go_all()  # our own hold for copies: let go, try again
                 return False
             raise Deadlock(
                 f"decode worker {ring.k} cannot publish batch {self._next}: this process still "
@@ -580,8 +578,8 @@ class Loader:
 
         g = self._next
         t0 = time.monotonic()
-        if self.pin_memory:
-            self._hold_pinned()
+        if self._pinned is not None:
+            self._pinned.before_take()
         deadline = None if self.timeout is None else t0 + self.timeout
         while g not in self._held:
             waiting = [r for r in self._rings if r.held is None and not r.done]
@@ -607,8 +605,8 @@ class Loader:
         with b:
             names, kind = b.names, b.meta[2]
             tensors = [as_tensor(b[n]) for n in names]
-        if self.pin_memory:
-            self._pinned_last = tensors
+        if self._pinned is not None:
+            self._pinned.handed_out(tensors)
         self._next += 1
         self._taken += 1
         self._maybe_scale(time.monotonic() - t0)
@@ -617,38 +615,6 @@ class Loader:
         if kind == _TUPLE:
             return tuple(tensors)
         return dict(zip(names, tensors))
-
-    def _hold_pinned(self) -> None:
-        """pin_memory: keeps the batch handed out last until the GPU work queued on the current
-        stream by now (its copy to the GPU, made with non_blocking=True, among it) has run,
-        so its slot is not refilled under that copy even where the caller dropped the batch
-        at once (``x = x.to("cuda", non_blocking=True)``); at most two are kept."""
-        self._keep_last_pinned()
-        while self._pinned_held and (len(self._pinned_held) > 2 or self._pinned_held[0][0].query()):
-            self._let_go_oldest_pinned()
-
-    def _keep_last_pinned(self) -> None:
-        """Keeps the batch handed out last with an event recorded on the current stream now,
-        behind whatever copies of it the caller has queued there."""
-        if self._pinned_last is not None:
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream())
-            self._pinned_held.append((done, self._pinned_last))
-            self._pinned_last = None
-
-    def _let_go_pinned(self) -> None:
-        """pin_memory: waits for every kept batch's copies and lets them go."""
-        while self._pinned_held:
-            self._let_go_oldest_pinned()
-
-    def _let_go_oldest_pinned(self) -> None:
-        """Waits for the GPU to run past the oldest kept batch's copies, then lets it go. The
-        tensors stay referenced until the wait is over: the last reference to them gives the
-        slot back, and a worker may refill it at once."""
-        done, tensors = self._pinned_held[0]
-        done.synchronize()
-        self._pinned_held.popleft()
-        del tensors
 
     def __iter__(self) -> Iterator[Any]:
         """One epoch's batches. An epoch left unfinished (a ``break``) is skipped: the next
@@ -673,12 +639,9 @@ class Loader:
             return
         self._closed = True
         try:
-            if self.pin_memory:  # no worker may refill a slot that a queued copy still reads,
-                self._keep_last_pinned()  # the last batch's among them
-                self._let_go_pinned()
-        finally:  # a CUDA error in the wait (a dead context runs no copies): stop all the same
-            self._pinned_held.clear()
-            self._pinned_last = None
+            if self._pinned is not None:  # no worker may refill a slot a queued copy still reads
+                self._pinned.close()
+        finally:  # stop the workers even if that wait failed
             self._shut_down()
 
     def _shut_down(self) -> None:
