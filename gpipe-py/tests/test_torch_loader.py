@@ -227,9 +227,10 @@ def decode_50ms(samples, device):
     return decode(samples, device)
 
 
-def train_until_settled(loader: Loader, device_seconds: Callable[[int], float], n: int, seed: int) -> None:
+def train_until_settled(loader: Loader, device_seconds: Callable[[int], float], n: int, seed: int,
+                        rank: int = 0, world: int = 1) -> None:
     """Epochs until `auto` settles, each batch followed by a device job of
-    `device_seconds(loader.workers)`; every epoch must be whole and in order."""
+    `device_seconds(loader.workers)`; every epoch must be whole, in order, and this rank's."""
     dev = Device(device_seconds(1))
     deadline = time.monotonic() + 120
     epochs = []
@@ -242,7 +243,9 @@ def train_until_settled(loader: Loader, device_seconds: Callable[[int], float], 
             dev.seconds = device_seconds(loader.workers)
             dev.submit()
         epochs.append(seen)
-    assert all(seen == order(n, seed, e) for e, seen in enumerate(epochs))
+    mine = len(loader) * loader._cfg["plan"][1]
+    assert all(seen == order(n, seed, e)[rank:(n // world) * world:world][:mine]
+               for e, seen in enumerate(epochs))
 
 
 def test_a_step_that_lets_the_trainer_keep_its_own_pace_is_kept():
@@ -264,6 +267,20 @@ def test_a_step_that_stops_the_waiting_but_slows_the_trainer_is_retired():
     with Loader(Numbers(n), decode_50ms, batch_size=b, device="cpu", max_workers=2, seed=5) as loader:
         train_until_settled(loader, lambda workers: 0.030 if workers <= 1 else 0.058, n, 5)
         assert loader.workers == 1 and "retired" in loader.why, loader.why
+
+
+def test_a_rank_of_several_keeps_a_step_that_feeds_it_though_a_slower_peer_sets_the_pace():
+    # The trace of the test above, on rank 0 of 2 (DDP): there the trainer's pace after the
+    # step is also what a starved peer rank imposes, through the gradients' all-reduce, and
+    # retiring the step would starve this rank next. A rank keeps a step that leaves it fed.
+    n, b = 2400, 4
+    with Loader(Numbers(n), decode_50ms, batch_size=b, device="cpu", max_workers=2, seed=5,
+                rank=0, world_size=2) as loader:
+        train_until_settled(loader, lambda workers: 0.030 if workers <= 1 else 0.058, n, 5,
+                            rank=0, world=2)
+        assert loader.workers == 2, loader.why
+        assert "kept: the trainer no longer waits" in loader.why, loader.why
+        assert "slowest rank's pace" in loader.why, loader.why
 
 
 def decode_20ms(samples, device):

@@ -274,6 +274,7 @@ class Loader:
         n = len(dataset)
         plan = (n, batch_size, rank, world_size, bool(shuffle), int(seed))
         self.batches_per_epoch = _Plan(*plan).per_epoch
+        self._world = world_size
         if self.batches_per_epoch < 1:
             raise ValueError(
                 f"the dataset's {n} samples make no whole batch of {batch_size} for each of "
@@ -409,7 +410,14 @@ class Loader:
             # trainer's GPU-bound pace (its host time per batch, all it sees while waiting, is
             # only the launches). Fed, the trainer's own take rate is the measure: the workers'
             # publish rate still runs ahead of it while their rings fill.
-            fed = share <= WAIT_SHARE and min(rate, taken) >= was * (1 + MIN_GAIN)
+            # One rank of several (DDP) takes batches at the slowest rank's pace, whatever its
+            # own workers do: a starved peer makes its rate fall, and a step of that peer's
+            # makes it rise. Its own evidence is its waiting alone, so there a step that leaves
+            # the trainer fed, its workers keeping up, is kept. (The cost: a step that slows the
+            # rank's own GPU, as decode workers without MPS can, is not undone there.)
+            fed = share <= WAIT_SHARE and (
+                not _behind(rate, taken) if self._world > 1 else
+                min(rate, taken) >= was * (1 + MIN_GAIN))
             paid = rate >= was * want  # want is 1 + MIN_GAIN at least
             if not (paid or fed):
                 for r in self._active()[before:]:
@@ -426,6 +434,11 @@ class Loader:
             if paid:
                 self.why += (f"; kept: {rate:.2f} batches/s against {was:.2f} with {before} (it "
                              f"needed {want:.2f}x)")
+            elif self._world > 1:
+                self.why += (f"; kept: the trainer no longer waits ({share:.0%}) and its "
+                             f"workers keep up ({rate:.2f} batches/s made, {taken:.2f} taken; "
+                             f"{was:.2f} before, but a rank of {self._world} takes batches "
+                             f"at the slowest rank's pace)")
             else:
                 self.why += (f"; kept: the trainer no longer waits ({share:.0%}) and takes "
                              f"{taken:.2f} batches/s against {was:.2f} with {before}")
