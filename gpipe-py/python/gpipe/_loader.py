@@ -412,12 +412,13 @@ class Loader:
             # publish rate still runs ahead of it while their rings fill.
             # One rank of several (DDP) takes batches at the slowest rank's pace, whatever its
             # own workers do: a starved peer makes its rate fall, and a step of that peer's
-            # makes it rise. Its own evidence is its waiting alone, so there a step that leaves
-            # the trainer fed, its workers keeping up, is kept. (The cost: a step that slows the
-            # rank's own GPU, as decode workers without MPS can, is not undone there.)
+            # makes it rise; and the peer's bursts jitter it, so that even its workers' rate
+            # against it is noise over one window. Its own evidence is its waiting alone, so
+            # there a step that leaves the trainer fed is kept (if its workers fall behind, the
+            # next window adds more). The cost: a step that slows the rank's own GPU, as decode
+            # workers without MPS can, is not undone there.
             fed = share <= WAIT_SHARE and (
-                not _behind(rate, taken) if self._world > 1 else
-                min(rate, taken) >= was * (1 + MIN_GAIN))
+                self._world > 1 or min(rate, taken) >= was * (1 + MIN_GAIN))
             paid = rate >= was * want  # want is 1 + MIN_GAIN at least
             if not (paid or fed):
                 for r in self._active()[before:]:
@@ -435,10 +436,10 @@ class Loader:
                 self.why += (f"; kept: {rate:.2f} batches/s against {was:.2f} with {before} (it "
                              f"needed {want:.2f}x)")
             elif self._world > 1:
-                self.why += (f"; kept: the trainer no longer waits ({share:.0%}) and its "
-                             f"workers keep up ({rate:.2f} batches/s made, {taken:.2f} taken; "
-                             f"{was:.2f} before, but a rank of {self._world} takes batches "
-                             f"at the slowest rank's pace)")
+                self.why += (f"; kept: the trainer no longer waits ({share:.0%}; it takes "
+                             f"{taken:.2f} batches/s, the workers make {rate:.2f}, against "
+                             f"{was:.2f} with {before}, but a rank of {self._world} takes "
+                             f"batches at the slowest rank's pace)")
             else:
                 self.why += (f"; kept: the trainer no longer waits ({share:.0%}) and takes "
                              f"{taken:.2f} batches/s against {was:.2f} with {before}")
