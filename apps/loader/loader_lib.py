@@ -130,6 +130,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--settle", type=int, default=600,
                     help="most steps to let workers=auto find its workers before warm-up and timing")
     ap.add_argument("--slots", type=int, default=4, help="batches in each worker's ring")
+    ap.add_argument("--worker-nice", type=int, default=None,
+                    help="how much nicer the workers run than the trainer (default: the loader's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--world-size", type=int, default=1, help="DDP ranks (1: no process group)")
     ap.add_argument("--rank", type=int, default=0, help="this rank; with --device cuda it runs on cuda:RANK")
@@ -158,6 +160,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         ring_device = dev
     with gpipe.torch.Loader(data, decode_fn, batch_size=a.batch, device=ring_device,
                             workers=workers, max_workers=a.max_workers, slots=a.slots,
+                            **({} if a.worker_nice is None else {"worker_nice": a.worker_nice}),
                             seed=a.seed, pin_memory=a.host_decode and dev.type == "cuda") as loader:
         step = TrainStep(a.model, data.classes, dev, ddp=ddp)
         batches: Iterator = epochs(loader)

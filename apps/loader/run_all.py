@@ -164,6 +164,8 @@ def run_config(r: Runner, a: argparse.Namespace, model: str, config: str, world:
                     cmd.append("--host-decode")
                 if a.loader_max_workers:
                     cmd += ["--max-workers", str(a.loader_max_workers)]
+                if a.loader_worker_nice is not None:
+                    cmd += ["--worker-nice", str(a.loader_worker_nice)]
             else:
                 cmd = [PY, os.path.join(HERE, "baselines.py"), config, "--workers", str(a.workers)]
             cmd += ["--model", model, "--batch", str(a.batch), "--size", str(a.size), "--steps", str(steps),
@@ -429,6 +431,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "trainer's process (loader_lib.py --host-decode)")
     ap.add_argument("--loader-max-workers", type=int, default=0,
                     help="loader runs: auto's most workers (0: the loader's default)")
+    ap.add_argument("--loader-worker-nice", type=int, default=None,
+                    help="loader runs: how much nicer the decode workers run than the trainer "
+                    "(default: the loader's)")
     ap.add_argument("--decoders", type=int, default=1,
                     help="producer (decode) processes per GPU in the gpipe runs, each its own ring and "
                     "shard; the trainer reads them in turn")

@@ -341,6 +341,21 @@ def test_a_slow_trainer_gets_every_batch_of_the_last_epoch():
     assert got == list(range(80))
 
 
+def test_workers_run_nicer_than_the_trainer_so_its_own_threads_come_first():
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    for asked, want in ((None, min(19, mine + 10)), (3, min(19, mine + 3)), (0, mine)):
+        extra = {} if asked is None else {"worker_nice": asked}
+        with Loader(Numbers(40), decode, batch_size=4, device="cpu", workers=2, **extra) as loader:
+            next(iter(loader))
+            for r in loader._rings:  # a worker lowers its priority first thing once started
+                deadline = time.monotonic() + 60
+                while (got := os.getpriority(os.PRIO_PROCESS, r.proc.pid)) != want:
+                    assert time.monotonic() < deadline, (asked, got, want)
+                    time.sleep(0.05)
+    with pytest.raises(ValueError, match="worker_nice must be an int in 0..19"):
+        Loader(Numbers(40), decode, batch_size=4, device="cpu", worker_nice=25)
+
+
 def test_a_fixed_worker_count_is_settled_from_the_start():
     with Loader(Numbers(64), decode, batch_size=4, device="cpu", workers=2) as loader:
         assert loader.settled and loader.why == "2 worker(s), as asked"
