@@ -11,8 +11,9 @@ sees the same batches in the same order on every run with the same seed.
 How many workers: a fixed number, or ``"auto"``: one to start; while the trainer waits for
 data, more, as many as its pace needs but at most twice as many at a time, each step kept only
 if the trainer then takes batches faster (on a GPU without MPS, decode processes time-slice
-with the trainer and more of them can make it slower), up to a limit set by the CPUs per GPU
-of the node. Workers are processes (``spawn``), so the dataset and the decode
+with the trainer and more of them can make it slower), or, for one rank of several (DDP, whose
+pace is the slowest rank's), if it no longer waits and its workers keep up; up to a limit set
+by the CPUs per GPU of the node. Workers are processes (``spawn``), so the dataset and the decode
 function must be picklable, as for a torch DataLoader with workers.
 """
 
@@ -45,7 +46,8 @@ WAIT_SHARE = 0.03
 WINDOW = 16
 # A step is kept if the rate rose by at least a quarter of the gain it was predicted to bring
 # (and by MIN_GAIN at least), or if the trainer no longer waits and takes batches at least
-# MIN_GAIN faster (a step that brings nothing, or slows the trainer, is retired). Workers that
+# MIN_GAIN faster, or (one rank of several) no longer waits while its workers keep up with it
+# (a step that brings nothing, or slows the trainer, is retired). Workers that
 # share a limit bring a few percent; Pillow decoders on a 64-core node brought 1.44x for 2x
 # the workers (each slower than one alone), which half the predicted gain (1.5x) retired.
 MIN_GAIN = 0.01
@@ -119,6 +121,25 @@ def _slot_bytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum((t.numel() * t.element_size() + a - 1) // a * a for t in tensors.values())
 
 
+def _run_nicer(increment: int) -> None:
+    """Lowers this process's CPU priority by `increment`: every thread it has (Linux's nice is a
+    thread's: importing torch has started numpy's BLAS pool already), and so every thread
+    started after."""
+    if not increment:
+        return
+    os.nice(increment)
+    now = os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:  # not Linux: nice() was the process's
+        return
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid), now)
+        except OSError:  # a thread that has ended since
+            pass
+
+
 def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim: Any,
             stop: Any, retire: Any, errors: Any) -> None:
     """One decode process: claims batch numbers until stopped (or the epochs are done) and
@@ -127,10 +148,9 @@ def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim:
     and ends once the batches it claimed are published."""
     import gpipe
 
+    _run_nicer(cfg["nice"])  # first: threads started from here on inherit it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     torch.set_num_threads(cfg["threads"])
-    if cfg["nice"]:
-        os.nice(cfg["nice"])  # the trainer's own threads come first where the CPUs are short
     device = torch.device(cfg["device"])
     if _is_cuda(device):
         torch.cuda.set_device(device)
@@ -228,8 +248,9 @@ class Loader:
     batches each worker's ring holds. ``epochs``: the workers stop after this many (None:
     when the loader closes).
     ``worker_threads``: torch threads per worker. ``worker_nice``: how much lower the workers'
-    CPU priority is than this process's (a nice increment, 0 to 19): where decode takes every
-    CPU, the trainer's own threads (its launches, DDP's all-reduce) still come first.
+    CPU priority is than this process's (a nice increment, 0 to 19; the kernel stops at nice
+    19): where decode takes every CPU, the trainer's own threads (its launches, DDP's
+    all-reduce) still come first.
     ``timeout``: seconds a batch may take to
     come before :class:`gpipe.Timeout` (None: no limit; a dead worker is noticed anyway).
     ``pin_memory`` (``device="cpu"``, as torch's DataLoader's): the rings' slots are
@@ -271,7 +292,7 @@ class Loader:
             raise ValueError(f"batch_size must be an int of 1 or more; got {batch_size!r}")
         if workers != "auto" and (not isinstance(workers, int) or workers < 1):
             raise ValueError(f"workers must be 'auto' or an int of 1 or more; got {workers!r}")
-        if not isinstance(worker_nice, int) or not 0 <= worker_nice <= 19:
+        if isinstance(worker_nice, bool) or not isinstance(worker_nice, int) or not 0 <= worker_nice <= 19:
             raise ValueError(f"worker_nice must be an int in 0..19 (how much lower the workers' "
                              f"CPU priority is than the trainer's); got {worker_nice!r}")
         if not isinstance(slots, int) or slots < 2:
@@ -391,7 +412,8 @@ class Loader:
 
     def _maybe_scale(self, waited: float) -> None:
         """auto: more workers when the trainer waited too long over the last batches, and a
-        step kept only if the trainer then takes batches faster (see :attr:`why`)."""
+        step kept only if the trainer then takes batches faster, or (one rank of several) no
+        longer waits while its workers keep up (see :attr:`why`)."""
         now = time.monotonic()
         if self._last_t is not None:
             self._waits.append((waited, now - self._last_t))
@@ -424,23 +446,23 @@ class Loader:
             # only the launches). Fed, the trainer's own take rate is the measure: the workers'
             # publish rate still runs ahead of it while their rings fill.
             # One rank of several (DDP) takes batches at the slowest rank's pace, whatever its
-            # own workers do: a starved peer makes its rate fall, and a step of that peer's
-            # makes it rise; and the peer's bursts jitter it, so that even its workers' rate
-            # against it is noise over one window. Its own evidence is its waiting alone, so
-            # there a step that leaves the trainer fed is kept (if its workers fall behind, the
-            # next window adds more). The cost: a step that slows the rank's own GPU, as decode
+            # own workers do: a starved peer makes its rate fall. There a step that leaves the
+            # trainer fed is also kept when its workers keep up with it (not behind): then the
+            # pace is not theirs. The cost: a step that slows the rank's own GPU, as decode
             # workers without MPS can, is not undone there.
-            fed = share <= WAIT_SHARE and (
-                self._world > 1 or min(rate, taken) >= was * (1 + MIN_GAIN))
+            faster = min(rate, taken) >= was * (1 + MIN_GAIN)
+            fed = share <= WAIT_SHARE and (faster or (self._world > 1 and not _behind(rate, taken)))
             paid = rate >= was * want  # want is 1 + MIN_GAIN at least
             if not (paid or fed):
+                or_peer = (f", or no waiting with its workers keeping up ({rate:.2f} made, "
+                           f"{taken:.2f} taken)") if self._world > 1 else ""
                 for r in self._active()[before:]:
                     r.retire.set()
                 self._frozen, self._frozen_at = True, self._taken
                 self.why = (f"auto: {before} worker(s): {tried} made the trainer take "
                             f"{min(rate, taken):.2f} batches/s against {was:.2f} with {before}, "
                             f"waiting {share:.0%} (it needed {want:.2f}x, or {1 + MIN_GAIN:.2f}x "
-                            f"and no waiting), so the added ones were retired at batch "
+                            f"and no waiting{or_peer}), so the added ones were retired at batch "
                             f"{self._taken} and auto stopped there ({self._shared_by}); it acts "
                             f"again after {self._retry_in} batches")
                 self._new_window()
@@ -448,11 +470,11 @@ class Loader:
             if paid:
                 self.why += (f"; kept: {rate:.2f} batches/s against {was:.2f} with {before} (it "
                              f"needed {want:.2f}x)")
-            elif self._world > 1:
-                self.why += (f"; kept: the trainer no longer waits ({share:.0%}; it takes "
-                             f"{taken:.2f} batches/s, the workers make {rate:.2f}, against "
-                             f"{was:.2f} with {before}, but a rank of {self._world} takes "
-                             f"batches at the slowest rank's pace)")
+            elif not faster:
+                self.why += (f"; kept: the trainer no longer waits ({share:.0%}) and its workers "
+                             f"keep up ({rate:.2f} batches/s made, {taken:.2f} taken, against "
+                             f"{was:.2f} with {before}: a rank of {self._world} takes batches at "
+                             f"the slowest rank's pace)")
             else:
                 self.why += (f"; kept: the trainer no longer waits ({share:.0%}) and takes "
                              f"{taken:.2f} batches/s against {was:.2f} with {before}")
