@@ -168,6 +168,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             batches = upload = Upload(batches, dev, a.size, seed=a.seed * 1000 + a.rank)
         try:
             settled = settle(loader, step, batches, ddp, a.settle)
+            was_settled = loader.settled  # False: timed at the cap, auto still at work
             print(f"settle: {settled} steps, {loader.workers} worker(s); now {a.warmup} warm-up "
                   f"and {a.steps} timed steps", file=sys.stderr, flush=True)
             out = measure(step, batches, steps=a.steps, warmup=a.warmup, batch_size=a.batch,
@@ -176,6 +177,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             if upload is not None:
                 upload.close()
         figures = {"workers": loader.workers, "workers_why": loader.why, "settle_steps": settled,
+                   "settled": was_settled,
                    "batches_per_epoch": len(loader), "host_decode": a.host_decode}
         if upload is not None:
             figures["slots_pinned_in_place"] = upload.pinned

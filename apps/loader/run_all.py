@@ -116,7 +116,7 @@ class Runner:
             self._kill(p)
 
 
-TRAINER_FIELDS = ("images_per_s", "workers", "workers_why", "settle_steps", "wait_fraction", "host_wait_fraction", "gpu_util", "steps", "seconds",
+TRAINER_FIELDS = ("images_per_s", "workers", "workers_why", "settle_steps", "settled", "wait_fraction", "host_wait_fraction", "gpu_util", "steps", "seconds",
                   "startup_s", "epochs", "loss", "timeline", "mps", "gpu", "kernel", "cpus", "source",
                   "host_decode", "slots_pinned_in_place", "upload_s", "batches_uploaded")
 PRODUCER_FIELDS = ("images_per_s", "steady_images_per_s", "busy_images_per_s", "decode_wait_s", "acquire_s",
@@ -225,6 +225,10 @@ def run_config(r: Runner, a: argparse.Namespace, model: str, config: str, world:
         if world > 1:
             rec["images_per_s"] = round(sum(t["images_per_s"] for t in ok), 1)
             rec["per_rank_images_per_s"] = [t["images_per_s"] for t in ok]
+            if all("workers" in t for t in ok):
+                rec["per_rank_workers"] = [t["workers"] for t in ok]
+            if any("settled" in t for t in ok):
+                rec["settled"] = all(t.get("settled", True) for t in ok)
             rec["wait_fraction"] = _mean([t.get("wait_fraction") for t in ok])
             rec["gpu_util"] = _mean([t.get("gpu_util") for t in ok])
         if "enforced_read_only" in t0:
@@ -331,7 +335,12 @@ def summarize(path: str) -> str:
             if (x.get("decoders") or 1) > 1:
                 note = f"{x['decoders']} decode processes per GPU; " + note
             if x["config"] == "loader" and x.get("workers"):
-                note = f"{x['workers']} decode workers ({x.get('workers_why', '')[:120]}); " + note
+                per = x.get("per_rank_workers")
+                count = "/".join(map(str, per)) if per and len(set(per)) > 1 else x["workers"]
+                note = f"{count} decode workers ({x.get('workers_why', '')[:120]}); " + note
+                if x.get("settled") is False:
+                    note = (f"timed unsettled: auto was still at work at the {x.get('settle_steps')}-"
+                            f"step cap; " + note)
             if x.get("per_rank_images_per_s"):
                 note = f"ranks {x['per_rank_images_per_s']} " + note
             wait = _pct(x.get("wait_fraction"))

@@ -520,6 +520,7 @@ def test_the_library_loader_feeds_a_trainer(data, pack, procs, source):
     assert t["mode"] == "loader" and t["source"] == source and t["workers"] == 2
     assert t["steps"] == 3 and t["images_per_s"] > 0 and math.isfinite(t["loss"])
     assert t["batches_per_epoch"] == IMAGES // 4 and "as asked" in t["workers_why"]
+    assert t["settled"] is True  # a fixed worker count is settled from the start
 
 
 def test_the_library_loader_feeds_two_ddp_ranks(data, procs):
@@ -533,6 +534,33 @@ def test_the_library_loader_feeds_two_ddp_ranks(data, procs):
         assert t["rank"] == r and t["world_size"] == 2 and t["steps"] == 2
         assert t["batches_per_epoch"] == IMAGES // 2 // 4 and 1 <= t["workers"] <= 2
         assert t["workers_why"].startswith("auto"), t["workers_why"]
+        # timed once every rank's auto settled, or at the settle cap (then the record says so)
+        assert t["settled"] is True or t["settle_steps"] == 600, t
+
+
+def test_the_summary_says_when_a_loader_run_was_timed_before_auto_settled(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("loader_run_all", LOADER / "run_all.py")
+    run_all = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_all)
+    base = {"run": "r", "model": "resnet50", "world_size": 2, "batch": 256, "gpu": "G", "mps": False}
+    recs = [
+        {**base, "config": "loader", "images_per_s": 7000.0, "workers": 8, "per_rank_workers": [8, 15],
+         "workers_why": "auto: 8 workers", "settle_steps": 600, "settled": False,
+         "per_rank_images_per_s": [3500.0, 3500.0], "wait_fraction": 0.01, "gpu_util": 99.0},
+        {**base, "config": "ceiling", "images_per_s": 7700.0, "wait_fraction": 0.0, "gpu_util": 100.0},
+    ]
+    path = tmp_path / "loader.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    text = run_all.summarize(str(path))
+    row = next(line for line in text.splitlines() if " loader " in line)
+    assert "timed unsettled: auto was still at work at the 600-step cap" in row, text
+    assert "8/15 decode workers" in row, text
+    recs[0].update(settled=True, per_rank_workers=[8, 8])
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    row = next(line for line in run_all.summarize(str(path)).splitlines() if " loader " in line)
+    assert "unsettled" not in row and "8 decode workers" in row, row
 
 
 def _has_cupy() -> bool:
