@@ -674,7 +674,9 @@ class Loader:
         while self._next < start:  # what is left of an epoch the caller broke out of
             self._take()
         end = start + self.batches_per_epoch
+        first = [self._take()]  # a call that raises here (or in the skip) begins no epoch
         self._epoch += 1
+        yield first.pop()  # this frame keeps no reference: the caller's is the batch's last
         while self._next < end:
             yield self._take()
 
