@@ -127,8 +127,7 @@ def _run_nicer(increment: int) -> None:
     started after."""
     if not increment:
         return
-    os.nice(increment)
-    now = os.getpriority(os.PRIO_PROCESS, 0)
+    now = os.nice(increment)  # the calling thread's new value
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:  # not Linux: nice() was the process's
@@ -350,7 +349,6 @@ class Loader:
         self._rings: list[_Ring] = []
         self._held: dict[int, tuple[_Ring, Any]] = {}
         self._next = 0  # the batch number to hand out next
-        self._epoch = 0  # the epoch the next iteration gives
         self._taken = 0  # batches handed out
         self._waits: collections.deque = collections.deque(maxlen=WINDOW)
         self._window_ns = 0  # when the current window began (CLOCK_MONOTONIC ns)
@@ -670,13 +668,13 @@ class Loader:
         iteration starts the next epoch."""
         if self._closed:
             raise Error("this Loader is closed")
-        start = self._epoch * self.batches_per_epoch
+        # The epoch after the last batch taken, or the one it began: an epoch begins with the
+        # taking of its first batch, so a call that raised before that began none.
+        per = self.batches_per_epoch
+        start = -(-self._next // per) * per
         while self._next < start:  # what is left of an epoch the caller broke out of
             self._take()
-        end = start + self.batches_per_epoch
-        first = [self._take()]  # a call that raises here (or in the skip) begins no epoch
-        self._epoch += 1
-        yield first.pop()  # this frame keeps no reference: the caller's is the batch's last
+        end = start + per
         while self._next < end:
             yield self._take()
 
