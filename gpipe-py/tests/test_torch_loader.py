@@ -296,6 +296,29 @@ def test_a_rank_of_several_keeps_a_step_that_feeds_it_though_a_slower_peer_sets_
         assert "slowest rank's pace" in loader.why, loader.why
 
 
+def test_a_rank_of_several_that_waits_doubles_its_workers():
+    # Each worker makes a batch every 50 ms; the rank's time between batches is 20 ms, which to
+    # its host may be its own work or its wait in the all-reduce for a slower rank: it cannot
+    # tell them apart. One trainer takes 2 workers to 3 (2 x 25/20, a tenth over); a rank of
+    # several doubles them, 2 -> 4, as a prediction from that time falls short under DDP.
+    n, b = 2400, 4
+    with Loader(Numbers(n), decode_50ms, batch_size=b, device="cpu", max_workers=4, seed=8,
+                rank=0, world_size=2) as loader:
+        deadline = time.monotonic() + 120
+        epochs = []
+        while not epochs or not loader.settled:
+            assert time.monotonic() < deadline, f"auto did not settle: {loader.why}"
+            seen = []
+            for batch in loader:
+                seen.extend(batch["index"].tolist())
+                time.sleep(0.020)  # seen by the host, as the all-reduce's wait is
+            epochs.append(seen)
+        assert all(seen == order(n, 8, e)[0:n:2][:len(loader) * b] for e, seen in enumerate(epochs))
+        assert loader.workers == 4, loader.why
+        assert "workers 2-3 started" in loader.why and "so it doubles them" in loader.why, loader.why
+        assert "kept" in loader.why, loader.why
+
+
 def decode_20ms(samples, device):
     time.sleep(0.02)
     return decode(samples, device)
@@ -452,9 +475,10 @@ def test_bad_arguments_and_a_bad_decode_say_what_is_wrong():
     with Loader(Numbers(16), decode_wrong, batch_size=4, device="cpu", workers=1) as loader:
         with pytest.raises(gpipe.Error, match="decode must return a torch tensor.*returned str"):
             next(iter(loader))
-    # auto's default limit: the CPUs per GPU less one; at most 8 only for workers on a GPU
-    gpus = max(1, torch.cuda.device_count())
-    share = max(1, len(os.sched_getaffinity(0)) // gpus - 1)
+    # auto's default limit: the CPUs per trainer of the node less one (a single trainer has
+    # them all); at most 8 only for workers on a GPU
+    cpus = len(os.sched_getaffinity(0))
+    share = max(1, cpus - 1)
     with Loader(Numbers(16), decode, batch_size=4, device="cpu") as loader:
         assert loader.max_workers == share
     if torch.cuda.is_available():
@@ -466,6 +490,20 @@ def test_bad_arguments_and_a_bad_decode_say_what_is_wrong():
         with pytest.raises(ValueError, match="sees no CUDA GPU here: leave pin_memory out"):
             Loader(Numbers(10), decode, batch_size=2, device="cpu", pin_memory=True)
 
+
+
+def test_autos_limit_shares_the_cpus_among_the_trainers_of_the_node(monkeypatch):
+    cpus = len(os.sched_getaffinity(0))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    # ranks without torchrun: one trainer a rank, at most one a GPU
+    trainers = min(8, gpus) if gpus else 8
+    with Loader(Numbers(64), decode, batch_size=4, device="cpu", rank=0, world_size=8) as loader:
+        assert loader.max_workers == max(1, cpus // trainers - 1)
+    # torchrun says how many trainers this node runs
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with Loader(Numbers(64), decode, batch_size=4, device="cpu", rank=0, world_size=8) as loader:
+        assert loader.max_workers == max(1, cpus // 2 - 1)
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -8,7 +8,8 @@
 # nice: the worker_nice tests, then ResNet-50 on 4 GPUs, host decode, 14 workers per GPU at
 #   nice 0 and at the default 10, and 15 at 10, with one ceiling (0.85 / 0.946 / 0.83 at
 #   22:18-22:20 UTC on 2026-11-27, before every thread of a worker was niced).
-# ddp2: auto on 2 GPUs under the DDP rule as mended after the 22:02 run (0.99 then).
+# ddp2: auto on 2 GPUs under the DDP rule as mended after the 22:02 run (0.99 then), a waiting
+#   rank doubling its workers (2026-11-28).
 # ddp4: auto on 4 GPUs with a settle cap of 1500 steps (at 600 it was still climbing: 0.31).
 set -u
 . "$(dirname "$0")/../../../scripts/gpu/lib.sh"
@@ -18,7 +19,7 @@ data() { [ -d /tmp/loader-data ] || limit 100 python3 apps/loader/make_dataset.p
 case "${1:-}" in
   nice)
     limit 120 python3 -m pytest -v -p no:cacheprovider gpipe-py/tests/test_torch_loader.py \
-      -k "nicer or slower_peer or still_waits" >"$OUT/tests.txt" 2>&1
+      -k "nicer or slower_peer or still_waits or doubles or limit_shares" >"$OUT/tests.txt" 2>&1
     grep -E "passed|failed" "$OUT/tests.txt" | tail -1
     data
     R=(python3 apps/loader/run_all.py --data /tmp/loader-data --out "$OUT" --world-size 4 --ddp-only

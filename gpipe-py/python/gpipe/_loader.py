@@ -243,7 +243,7 @@ class Loader:
     ``len(dataset) // world_size // batch_size`` batches an epoch. ``shuffle``, ``seed``: a new
     order each epoch from ``seed + epoch``. ``workers``: decode processes, a number or
     ``"auto"`` (see :attr:`why`); ``max_workers``: the most ``auto`` starts (default: the CPUs
-    per GPU of the node less one; at most 8 where the workers decode on a GPU). ``slots``:
+    per trainer of the node less one; at most 8 where the workers decode on a GPU). ``slots``:
     batches each worker's ring holds. ``epochs``: the workers stop after this many (None:
     when the loader closes).
     ``worker_threads``: torch threads per worker. ``worker_nice``: how much lower the workers'
@@ -332,7 +332,7 @@ class Loader:
         self.dataset, self.decode = dataset, decode
         self.auto = workers == "auto"
         self.max_workers = (max_workers if max_workers is not None else
-                            _default_max_workers(_is_cuda(self.device))) \
+                            _default_max_workers(_is_cuda(self.device), world_size)) \
             if self.auto else int(workers)
         if self.max_workers < 1:
             raise ValueError(f"max_workers must be 1 or more; got {self.max_workers}")
@@ -491,17 +491,27 @@ class Loader:
         # trainer's own time per batch is what is left; the workers should keep up with that,
         # with a tenth to spare; at most twice as many at a time, each step on trial. While it
         # lives on their backlog, its take rate over theirs says how far they fall short.
+        # One rank of several (DDP) cannot tell its own time from its wait in the all-reduce
+        # for a slower rank: both are time not waiting for data, so its prediction falls short
+        # (4 H100s: "needed one every 153.5 ms" against 160.5 gave 4 -> 5 workers, and the ranks
+        # were still climbing after 600 steps). A rank that waits for data there doubles them.
         own = max(span - wait, 1e-6)
         short = max(span / own, taken / rate)
         first = self.workers
-        need = min(self.max_workers, 2 * first, max(first + 1, math.ceil(first * short * 1.1)))
+        peers = self._world > 1 and share > WAIT_SHARE
+        grow = 2 * first if peers else max(first + 1, math.ceil(first * short * 1.1))
+        need = min(self.max_workers, 2 * first, grow)
         for _ in range(need - first):
             self._start_worker()
         # what the step should bring: the trainer's own pace, or the added workers' share of it
-        self._trial = (first, rate, need, min(short, need / first))
+        self._trial = (first, rate, need, need / first if peers else min(short, need / first))
         started = f"worker {len(self._rings) - 1}" if need - first == 1 else \
             f"workers {len(self._rings) - (need - first)}-{len(self._rings) - 1}"
-        if share > WAIT_SHARE:
+        if peers:
+            because = (f"the trainer having waited {share:.0%} of the last {WINDOW} batches (more "
+                       f"than {WAIT_SHARE:.0%}), one rank of {self._world}: its time not waiting "
+                       f"includes the all-reduce's wait for slower ranks, so it doubles them")
+        elif share > WAIT_SHARE:
             because = (f"the trainer having waited {share:.0%} of the last {WINDOW} batches (more "
                        f"than {WAIT_SHARE:.0%}): a batch came every {span / WINDOW * 1e3:.1f} ms "
                        f"and it needed one every {own / WINDOW * 1e3:.1f} ms")
@@ -736,19 +746,28 @@ def _behind(made: float, taken: float) -> bool:
     return made < taken * (1 - BEHIND)
 
 
-def _default_max_workers(on_gpu: bool) -> int:
-    """auto's limit: the CPUs this process may use, shared among the node's GPUs (one
-    trainer each), one left for each trainer; at least 1. Workers that decode on the GPU
-    share it too: at most 8 of them (auto kept 1 or 2 a GPU on H100s with MPS). Workers that
-    decode on the CPU are bound by the CPUs alone (ResNet-50 on one H100 took 14 Pillow
-    workers)."""
+def _default_max_workers(on_gpu: bool, world: int) -> int:
+    """auto's limit: the CPUs this process may use, shared among the trainers of this node
+    (torchrun's LOCAL_WORLD_SIZE; else the ranks, at most one a GPU; one for a single
+    trainer), one left for each trainer; at least 1. Workers that decode on the GPU share it
+    too: at most 8 of them (auto kept 1 or 2 a GPU on H100s with MPS). Workers that decode on
+    the CPU are bound by the CPUs alone (ResNet-50 on one H100 took 14 Pillow workers)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:
         cpus = os.cpu_count() or 1
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 1
-    share = cpus // max(1, gpus) - 1
-    return max(1, min(8, share) if on_gpu else share)
+    share = max(1, cpus // _trainers_here(world) - 1)
+    return min(8, share) if on_gpu else share
+
+
+def _trainers_here(world: int) -> int:
+    """How many trainers share this node's CPUs: torchrun's LOCAL_WORLD_SIZE where it is set,
+    else the ranks (at most one a GPU where there are GPUs)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if local.isdigit() and int(local) >= 1:
+        return int(local)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return max(1, min(world, gpus) if gpus else world)
 
 
 __all__: Sequence[str] = ["Loader"]
