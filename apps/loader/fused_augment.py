@@ -23,8 +23,8 @@ import torch
 
 _SOURCE = r"""
 extern "C" __global__ void gpipe_crop_resize(
-    const unsigned long long* images,  // n addresses of 3 x H x W uint8 images
-    const float* params,               // n x 7: H, W, x1, y1, x2, y2, flip
+    const unsigned long long* images,  // n addresses of uint8 images, 3 x H x W or H x W x 3
+    const float* params,               // n x 8: H, W, x1, y1, x2, y2, flip, H x W x 3
     unsigned short* out,               // n x S x S x 3 float16 (channels_last)
     int n, int s,
     float m0, float m1, float m2, float a0, float a1, float a2)
@@ -35,7 +35,7 @@ extern "C" __global__ void gpipe_crop_resize(
     int b = (int)(i / per);
     int r = (int)(i - (long long)b * per);
     int oy = r / s, ox = r - (r / s) * s;
-    const float* p = params + 7 * b;
+    const float* p = params + 8 * b;
     int H = (int)p[0], W = (int)p[1];
     const unsigned char* img = (const unsigned char*)images[b];
     int px = p[6] > 0.5f ? s - 1 - ox : ox;  // a flipped output column reads the mirror one
@@ -44,7 +44,9 @@ extern "C" __global__ void gpipe_crop_resize(
     float bw = rw / s, bh = rh / s;
     int gw = (int)ceilf(rw / s), gh = (int)ceilf(rh / s);
     float acc0 = 0.f, acc1 = 0.f, acc2 = 0.f;
-    long long plane = (long long)H * W;
+    // where the next channel, and the next pixel of a row, are
+    long long plane = p[7] > 0.5f ? 1 : (long long)H * W;
+    long long step = p[7] > 0.5f ? 3 : 1;
     for (int iy = 0; iy < gh; ++iy) {
         float y = p[3] + oy * bh + (iy + .5f) * bh / gh;
         for (int ix = 0; ix < gw; ++ix) {
@@ -56,8 +58,8 @@ extern "C" __global__ void gpipe_crop_resize(
             if (xl >= W - 1) { xh = xl = W - 1; xx = (float)xl; } else { xh = xl + 1; }
             float ly = yy - yl, lx = xx - xl, hy = 1.f - ly, hx = 1.f - lx;
             float w1 = hy * hx, w2 = hy * lx, w3 = ly * hx, w4 = ly * lx;
-            long long o1 = (long long)yl * W + xl, o2 = (long long)yl * W + xh;
-            long long o3 = (long long)yh * W + xl, o4 = (long long)yh * W + xh;
+            long long o1 = ((long long)yl * W + xl) * step, o2 = ((long long)yl * W + xh) * step;
+            long long o3 = ((long long)yh * W + xl) * step, o4 = ((long long)yh * W + xh) * step;
             acc0 += w1 * img[o1] + w2 * img[o2] + w3 * img[o3] + w4 * img[o4];
             acc1 += w1 * img[plane + o1] + w2 * img[plane + o2] + w3 * img[plane + o3] + w4 * img[plane + o4];
             acc2 += w1 * img[2 * plane + o1] + w2 * img[2 * plane + o2] + w3 * img[2 * plane + o3]
@@ -103,7 +105,9 @@ def _kernel(device: torch.device) -> Any:
 
 def crop_resize(images: Sequence[torch.Tensor], boxes: torch.Tensor, flips: torch.Tensor, size: int,
                 mul: Sequence[float], add: Sequence[float], out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``images``: 3 x H x W uint8 CUDA tensors of one device; ``boxes``: n x 4 (x1, y1, x2,
+    """``images``: 3 x H x W uint8 CUDA tensors of one device, each laid out as 3 x H x W
+    (contiguous) or as H x W x 3 (``hwc.permute(2, 0, 1)`` of a contiguous one, as a CPU
+    JPEG decoder writes them); ``boxes``: n x 4 (x1, y1, x2,
     y2) as ``roi_align`` takes them; ``flips``: n flags. Returns (or fills ``out``) the n x 3 x
     size x size float16 channels_last batch ``crop * mul + add``, enqueued on the current
     stream. The images must stay alive until it has run (record them on the stream)."""
@@ -113,20 +117,23 @@ def crop_resize(images: Sequence[torch.Tensor], boxes: torch.Tensor, flips: torc
     n = len(images)
     dev = images[0].device
     for im in images:
-        if im.dtype != torch.uint8 or im.dim() != 3 or im.shape[0] != 3 or not im.is_contiguous() or im.device != dev:
-            raise ValueError(f"crop_resize takes contiguous 3 x H x W uint8 images on {dev}; got "
-                             f"{im.dtype} {tuple(im.shape)} on {im.device}")
+        if (im.dtype != torch.uint8 or im.dim() != 3 or im.shape[0] != 3 or im.device != dev
+                or not (im.is_contiguous() or _hwc(im))):
+            raise ValueError(f"crop_resize takes 3 x H x W uint8 images on {dev}, laid out as 3 x H x W "
+                             f"or H x W x 3; got {im.dtype} {tuple(im.shape)} (strides {im.stride()}) "
+                             f"on {im.device}")
     if out is None:
         out = torch.empty((n, 3, size, size), dtype=torch.float16, device=dev, memory_format=torch.channels_last)
     elif (tuple(out.shape) != (n, 3, size, size) or out.dtype != torch.float16
           or not out.is_contiguous(memory_format=torch.channels_last) or out.device != dev):
         raise ValueError(f"out is {out.dtype} {tuple(out.shape)} on {out.device}; expected a channels_last "
                          f"float16 {(n, 3, size, size)} on {dev}")
-    params = torch.empty((n, 7), dtype=torch.float32)
+    params = torch.empty((n, 8), dtype=torch.float32)
     params[:, 0] = torch.tensor([im.shape[1] for im in images], dtype=torch.float32)
     params[:, 1] = torch.tensor([im.shape[2] for im in images], dtype=torch.float32)
     params[:, 2:6] = boxes.float().cpu()
     params[:, 6] = flips.float().cpu()
+    params[:, 7] = torch.tensor([float(_hwc(im) and not im.is_contiguous()) for im in images])
     ptrs = torch.tensor([im.data_ptr() for im in images], dtype=torch.int64)
     params = params.pin_memory().to(dev, non_blocking=True)
     ptrs = ptrs.pin_memory().to(dev, non_blocking=True)
@@ -140,3 +147,8 @@ def crop_resize(images: Sequence[torch.Tensor], boxes: torch.Tensor, flips: torc
              np.int32(n), np.int32(size), *(np.float32(v) for v in mul), *(np.float32(v) for v in add)),
         )
     return out
+
+
+def _hwc(im: torch.Tensor) -> bool:
+    """Whether a 3 x H x W image is laid out as H x W x 3 (a channel's values 1 apart)."""
+    return im.permute(1, 2, 0).is_contiguous()

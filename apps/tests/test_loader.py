@@ -12,6 +12,7 @@ Every child process runs under a timeout, and a watchdog ends a hung test with a
 from __future__ import annotations
 
 import faulthandler
+import io
 import json
 import math
 import os
@@ -593,6 +594,12 @@ def test_the_fused_augment_kernel_computes_what_the_torch_path_does():
     assert diff.mean().item() <= 1e-3, diff.mean().item()
     out = torch.empty_like(a)
     assert fused(images, out=out) is out  # in place (a gpipe slot), the next batch's crops
+    # images laid out H x W x 3 (as a CPU JPEG decoder writes them): the same crops
+    hwc = [im.permute(1, 2, 0).contiguous().permute(2, 0, 1) for im in images]
+    again = gpu_decode.Augment(224, dev, seed=11)
+    assert torch.equal(again(hwc), a)
+    with pytest.raises(ValueError, match="laid out as 3 x H x W or H x W x 3"):
+        again([images[0][:, :, ::2]])
 
 
 # ---- host decode: CPU decode in the workers, augmentation in the trainer's process ---------
@@ -610,18 +617,24 @@ def test_host_decode_packs_a_batch_and_upload_augments_what_augment_would(data):
     buf, table, labels = host_decode.HostDecode(6, (64, 64))(samples, torch.device("cpu"))
     assert buf.dtype == torch.uint8 and buf.numel() == 6 * 3 * 64 * 64
     assert labels.tolist() == [s[1] for s in samples]
-    # each image where its row says, as torchvision decodes it (Pillow and libjpeg agree to a
-    # level or two)
+    # each image where its row says, H x W x 3, as torchvision decodes it on the CPU, and
+    # within a level or two of what Pillow decodes
+    import numpy
+    from PIL import Image
+
     decoded = gpu_decode.decode([s[0] for s in samples], torch.device("cpu"))
-    for (o, h, w), im in zip(table.tolist(), decoded):
+    for (o, h, w), im, (data, _) in zip(table.tolist(), decoded, samples):
         assert (h, w) == tuple(im.shape[1:])
-        got = buf[o : o + 3 * h * w].view(3, h, w)
-        assert (got.int() - im.int()).abs().max().item() <= 2
+        got = buf[o : o + 3 * h * w].view(h, w, 3)
+        assert torch.equal(got.permute(2, 0, 1), im)
+        with Image.open(io.BytesIO(data.numpy().tobytes())) as pil:
+            ref = torch.from_numpy(numpy.array(pil.convert("RGB")))
+        assert (got.int() - ref.int()).abs().max().item() <= 2
     # the trainer's side, on the CPU: Augment's torch path with the same draws
     up = host_decode.Upload(iter([(buf, table, labels, {"epoch": 0})]), torch.device("cpu"), SIZE, seed=3)
     out, lab, info = next(up)
     ref_aug = gpu_decode.Augment(SIZE, "cpu", seed=3)
-    images = [buf[o : o + 3 * h * w].view(3, h, w) for o, h, w in table.tolist()]
+    images = [buf[o : o + 3 * h * w].view(h, w, 3).permute(2, 0, 1).contiguous() for o, h, w in table.tolist()]
     ref = ref_aug(images)
     assert out.shape == (6, 3, SIZE, SIZE) and out.dtype == torch.float16
     assert out.is_contiguous(memory_format=torch.channels_last)

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Host decode's CPU cost, old against new, then what it buys: ResNet-50 on 4 GPUs without
+# MPS, decode on the host, auto workers, against the DDP ceiling. From the repository root
+# after scripts/gpu/build, on a 4-GPU machine, one device command (~9 min). Results under
+# $OUT: tests.txt, bench.txt, run.txt (loader.jsonl, summary.txt, logs.txt from the loader run).
+set -u
+. "$(dirname "$0")/../../../scripts/gpu/lib.sh"
+export OUT=${OUT:-/tmp/decode-cost}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+limit 150 python3 -m pytest -v -p no:cacheprovider apps/tests/test_loader.py \
+  -k "fused or host_decode" >"$OUT/tests.txt" 2>&1
+grep -E "passed|failed" "$OUT/tests.txt" | tail -1
+[ -d /tmp/loader-data ] || limit 100 python3 apps/loader/make_dataset.py /tmp/loader-data --count 20000 | tail -1
+limit 90 python3 "$(dirname "$0")/bench.py" /tmp/loader-data --seconds 5 >"$OUT/bench.txt" 2>&1
+cat "$OUT/bench.txt"
+HOST_DECODE=1 M=off WORLDS=4 MODELS=resnet50 DDP_S=${DDP_S:-370} L=${L:-380} LOADER_SETTLE=${LOADER_SETTLE:-1000} \
+  bash docs/experiments/2026-11-27-loader-lib/run.sh >"$OUT/run.txt" 2>&1
+grep -A5 "== lib" "$OUT/run.txt" | cut -c1-400
+grep -h "^settle:" "$OUT/logs.txt" 2>/dev/null | cut -c1-260 | tail -6
