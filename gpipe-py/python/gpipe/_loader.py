@@ -57,9 +57,11 @@ BEHIND = 0.1
 # After a retired step auto adds no workers for this many batches, then acts again as before
 # (a step that failed on noise, or a load that changed, is not final); doubled each time.
 RETRY_AFTER = 8 * WINDOW
-# Workers run this much nicer than the trainer (a nice increment): on 4 H100s of a 64-core node
-# 56 Pillow workers left the trainers their batches on time but slowed their steps (0.82x the
-# ceiling, GPUs 95% busy).
+# Workers run this much nicer than the trainer (a nice increment), so that where decode takes
+# every CPU the trainer's own threads come first. On 4 H100s of a 64-core node 56 Pillow
+# workers left the trainers their batches on time but slowed their steps; nice 10 against 0
+# gave 0.946x against 0.85x the ceiling in one command, 0.67x against 0.78x in another (not
+# settled: docs/python.md).
 WORKER_NICE = 10
 # How long an ending worker waits for the trainer to take its last batches.
 _DRAIN_S = 24 * 3600.0
