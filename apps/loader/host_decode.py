@@ -52,7 +52,8 @@ def largest_image(path: str) -> tuple[int, int]:
 class HostDecode:
     """decode(samples, device) for the loader's workers, on the CPU: each JPEG decoded into
     H x W x 3 uint8 (RGB; a greyscale one too), packed into one buffer sized for `batch` images
-    of at most `max_hw`; returns (buffer, table, labels)."""
+    of at most `max_hw`; returns (the buffer's used part, table, labels). Its batches vary
+    in size: give the Loader ``slot_bytes=decode.slot_bytes``."""
 
     def __init__(self, batch: int, max_hw: tuple[int, int]) -> None:
         self.batch, self.max_hw = batch, max_hw
@@ -67,7 +68,7 @@ class HostDecode:
         if len(samples) != self.batch:
             raise ValueError(f"host decode packs batches of {self.batch} images; got {len(samples)}")
         mh, mw = self.max_hw
-        if self._buf is None:  # one per worker: the loader copies it into the slot
+        if self._buf is None:  # one per worker: the loader copies its used part into the slot
             self._buf = torch.empty(self.batch * 3 * mh * mw, dtype=torch.uint8)
         buf = self._buf
         table = torch.empty((self.batch, 3), dtype=torch.int64)
@@ -84,7 +85,16 @@ class HostDecode:
             table[i, _OFFSET], table[i, _HEIGHT], table[i, _WIDTH] = at, h, w
             at += n
         labels = torch.tensor([s[1] for s in samples], dtype=torch.int64)
-        return buf, table, labels
+        return buf[:at], table, labels  # the used part: the worker copies no more
+
+    @property
+    def slot_bytes(self) -> int:
+        """The most a batch takes in a Loader's slot: each tensor at a TENSOR_ALIGN boundary."""
+        from gpipe import TENSOR_ALIGN
+
+        mh, mw = self.max_hw
+        parts = (self.batch * 3 * mh * mw, self.batch * 3 * 8, self.batch * 8)  # images, table, labels
+        return sum(-(-p // TENSOR_ALIGN) * TENSOR_ALIGN for p in parts)
 
 
 class Upload:

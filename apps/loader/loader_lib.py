@@ -160,6 +160,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         ring_device = dev
     with gpipe.torch.Loader(data, decode_fn, batch_size=a.batch, device=ring_device,
                             workers=workers, max_workers=a.max_workers, slots=a.slots,
+                            slot_bytes=decode_fn.slot_bytes if a.host_decode else None,
                             **({} if a.worker_nice is None else {"worker_nice": a.worker_nice}),
                             seed=a.seed, pin_memory=a.host_decode and dev.type == "cuda") as loader:
         step = TrainStep(a.model, data.classes, dev, ddp=ddp)

@@ -615,7 +615,9 @@ def test_host_decode_packs_a_batch_and_upload_augments_what_augment_would(data):
 
     samples = _jpegs(data, 6)
     buf, table, labels = host_decode.HostDecode(6, (64, 64))(samples, torch.device("cpu"))
-    assert buf.dtype == torch.uint8 and buf.numel() == 6 * 3 * 64 * 64
+    # the used part only, within the room the Loader's slot_bytes gives it
+    assert buf.dtype == torch.uint8 and buf.numel() == sum(3 * h * w for _, h, w in table.tolist())
+    assert host_decode.HostDecode(6, (64, 64)).slot_bytes >= 6 * 3 * 64 * 64 + 6 * 4 * 8
     assert labels.tolist() == [s[1] for s in samples]
     # each image where its row says, H x W x 3, as torchvision decodes it on the CPU, and
     # within a level or two of what Pillow decodes
@@ -673,7 +675,7 @@ def test_host_decode_upload_on_a_gpu_matches_the_cpu_path_and_holds_a_batch_one_
     ref, _, _ = next(host_decode.Upload(iter([(buf, table, labels, {})]), torch.device("cpu"), SIZE, seed=9))
     refs = []
     with gpipe.torch.Loader(samples * 3, decode, batch_size=8, device="cpu", workers=1,
-                            shuffle=False, epochs=1, pin_memory=True) as loader:
+                            shuffle=False, epochs=1, pin_memory=True, slot_bytes=decode.slot_bytes) as loader:
 
         def batches():
             for b, t, lab in loader:

@@ -5,6 +5,7 @@ the trainer waits, and a worker that fails or dies ending the trainer's loop wit
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import queue
 import signal
@@ -504,6 +505,78 @@ def test_autos_limit_shares_the_cpus_among_the_trainers_of_the_node(monkeypatch)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with Loader(Numbers(64), decode, batch_size=4, device="cpu", rank=0, world_size=8) as loader:
         assert loader.max_workers == max(1, cpus // 2 - 1)
+
+
+def decode_growing(samples, device):
+    """A batch whose size grows with its first sample: 1 KiB, then up to 4 MiB (past the
+    2 MiB a slot sized by the first batch holds)."""
+    first = samples[0][0]
+    n = 256 if first < 8 else 1 << 20
+    return {"index": torch.tensor([s[0] for s in samples]), "data": torch.full((n,), float(first))}
+
+
+def test_batches_that_grow_fit_slots_sized_by_slot_bytes():
+    with Loader(Numbers(64), decode_growing, batch_size=4, device="cpu", workers=1, shuffle=False,
+                slot_bytes=(4 << 20) + 4096) as loader:
+        sizes = []
+        for batch in loader:
+            assert torch.all(batch["data"] == batch["index"][0].float())
+            sizes.append(batch["data"].numel())
+        assert sizes == [256, 256] + [1 << 20] * 14
+
+
+def test_a_batch_larger_than_its_slot_names_slot_bytes():
+    # sized by the first batch (1 KiB, rounded up to 2 MiB), the third batch (4 MiB) does not fit
+    with Loader(Numbers(64), decode_growing, batch_size=4, device="cpu", workers=1, shuffle=False,
+                timeout=60) as loader:
+        it = iter(loader)
+        assert next(it)["data"].numel() == 256 and next(it)["data"].numel() == 256
+        with pytest.raises(gpipe.Error, match=r"batch 2 takes \d+ bytes, more than the 2097152 of a "
+                                              r"slot \(sized by this worker's first batch\): give "
+                                              r"Loader slot_bytes="):
+            next(it)
+    for bad in (0, True, 2.5, "1M"):
+        with pytest.raises(ValueError, match="slot_bytes must be an int of 1 or more"):
+            Loader(Numbers(64), decode, batch_size=4, device="cpu", slot_bytes=bad)
+
+
+def test_close_is_prompt_and_a_batch_kept_past_it_stays_valid():
+    # A worker's ring stays mapped while tensors of its batches live; close() does not wait
+    # for them (nor kill the worker): the worker ends on its own once they are dropped.
+    import gpipe._loader as impl
+
+    loader = Loader(Numbers(64), decode, batch_size=4, device="cpu", workers=2, shuffle=False)
+    it = iter(loader)
+    kept = next(it)
+    next(it)
+    t0 = time.monotonic()
+    loader.close()
+    assert time.monotonic() - t0 < impl._STOP_S  # not held up until the kill deadline
+    assert torch.equal(kept["index"], torch.arange(4)) and torch.equal(kept["image"][:, 0, 0, 0], torch.arange(4.0))
+    procs = [r.proc for r in loader._rings]
+    del kept, it
+    gc.collect()
+    deadline = time.monotonic() + 60
+    while any(p.is_alive() for p in procs):
+        assert time.monotonic() < deadline, "a worker did not end after the batches were dropped"
+        time.sleep(0.05)
+    assert [p.exitcode for p in procs] == [0, 0]  # ended, not killed
+
+
+def decode_stuck(samples, device):
+    if samples[0][0] >= 4:
+        time.sleep(3600)
+    return decode(samples, device)
+
+
+def test_close_kills_a_worker_stuck_in_decode(monkeypatch):
+    import gpipe._loader as impl
+
+    monkeypatch.setattr(impl, "_STOP_S", 0.5)
+    loader = Loader(Numbers(64), decode_stuck, batch_size=4, device="cpu", workers=1, shuffle=False)
+    assert next(iter(loader))["index"].tolist() == [0, 1, 2, 3]
+    loader.close()
+    assert loader._rings[0].proc.exitcode == -signal.SIGKILL
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

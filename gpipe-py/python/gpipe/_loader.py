@@ -65,6 +65,10 @@ RETRY_AFTER = 8 * WINDOW
 WORKER_NICE = 10
 # How long an ending worker waits for the trainer to take its last batches.
 _DRAIN_S = 24 * 3600.0
+# How long close() waits for stopped workers to reach their ring's close before it kills
+# those stuck in decode, and then for those closing to end.
+_STOP_S = 10.0
+_CLOSING_S = 1.0
 
 
 def _is_cuda(device: torch.device) -> bool:
@@ -142,7 +146,7 @@ def _run_nicer(increment: int) -> None:
 
 
 def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim: Any,
-            stop: Any, retire: Any, errors: Any) -> None:
+            stop: Any, retire: Any, closing: Any, errors: Any) -> None:
     """One decode process: claims batch numbers until stopped (or the epochs are done) and
     publishes each decoded batch into its ring at `sock`. The next batch's samples are read on
     a thread while this one decodes (file reads release the GIL). Retired, it claims no more
@@ -180,13 +184,14 @@ def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim:
             # its reads run while this batch decodes; a retired worker claims no more
             pending = None if retire.is_set() else claim_next()
             tensors, kind = _named(decode(samples, device))
+            need = _slot_bytes(tensors)
             if producer is None:
                 cuda = any(t.is_cuda for t in tensors.values())
                 # A worker that ends (retired, or its epochs done) waits in close() until the
                 # trainer has taken what it published and let go of its ring, however long
                 # the trainer's steps take; a dead trainer is let go at once.
                 producer = gpipe.Producer(
-                    sock, batch_bytes=_slot_bytes(tensors), slots=cfg["slots"], drain_timeout=_DRAIN_S,
+                    sock, batch_bytes=cfg["slot_bytes"] or need, slots=cfg["slots"], drain_timeout=_DRAIN_S,
                     backend="cuda" if cuda else "host",
                     **({"device": device.index or 0} if cuda else {}),
                 )
@@ -198,6 +203,11 @@ def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim:
                         break
                     except Timeout:
                         continue
+            if need > producer.slot_bytes:
+                sized = "slot_bytes" if cfg["slot_bytes"] else "this worker's first batch"
+                raise ValueError(f"batch {g} takes {need} bytes, more than the {producer.slot_bytes} "
+                                 f"of a slot (sized by {sized}): give Loader slot_bytes= the "
+                                 "largest batch's size")
             while not stop.is_set():
                 try:
                     producer.send(tensors, meta=[_MAGIC, g, kind, time.monotonic_ns()], timeout=0.2)
@@ -213,6 +223,7 @@ def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim:
             os._exit(1)
     finally:
         reader.shutdown(wait=False, cancel_futures=True)
+        closing.set()  # what follows waits only for the trainer (see Loader._shut_down)
         if producer is not None:
             producer.close()
 
@@ -220,13 +231,14 @@ def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim:
 class _Ring:
     """The trainer's side of one worker: its process, its ring, the batch held from it."""
 
-    def __init__(self, k: int, sock: str, proc: Any, retire: Any) -> None:
+    def __init__(self, k: int, sock: str, proc: Any, retire: Any, closing: Any) -> None:
         self.k, self.sock, self.proc = k, sock, proc
         self.consumer: Any = None
         self.held: Optional[int] = None  # the batch number received from it and not yet taken
         self.first_at: Optional[int] = None  # the batch count when its first batch came
         self.done = False
         self.retire = retire  # set: it publishes what it claimed, then ends
+        self.closing = closing  # set by the worker: it is closing its ring
         # when its latest batches were published (auto's rates), those of the current window
         self.stamps: collections.deque = collections.deque(maxlen=WINDOW)
 
@@ -246,7 +258,9 @@ class Loader:
     order each epoch from ``seed + epoch``. ``workers``: decode processes, a number or
     ``"auto"`` (see :attr:`why`); ``max_workers``: the most ``auto`` starts (default: the CPUs
     per trainer of the node less one; at most 8 where the workers decode on a GPU). ``slots``:
-    batches each worker's ring holds. ``epochs``: the workers stop after this many (None:
+    batches each worker's ring holds; ``slot_bytes``: the room a slot has for one batch
+    (default: what the worker's first batch takes, rounded up to 2 MiB; give the largest
+    batch's size where batches vary). ``epochs``: the workers stop after this many (None:
     when the loader closes).
     ``worker_threads``: torch threads per worker. ``worker_nice``: how much lower the workers'
     CPU priority is than this process's (a nice increment, 0 to 19; the kernel stops at nice
@@ -281,6 +295,7 @@ class Loader:
         workers: Union[int, str] = "auto",
         max_workers: Optional[int] = None,
         slots: int = 4,
+        slot_bytes: Optional[int] = None,
         epochs: Optional[int] = None,
         worker_threads: int = 1,
         worker_nice: int = WORKER_NICE,
@@ -299,6 +314,10 @@ class Loader:
         if not isinstance(slots, int) or slots < 2:
             raise ValueError(f"slots must be an int of 2 or more (a worker fills one while the "
                              f"trainer reads another); got {slots!r}")
+        if slot_bytes is not None and (isinstance(slot_bytes, bool) or not isinstance(slot_bytes, int)
+                                       or slot_bytes < 1):
+            raise ValueError(f"slot_bytes must be an int of 1 or more (the room a slot has for one "
+                             f"batch), or None to size slots by each worker's first batch; got {slot_bytes!r}")
         if rank is None or world_size is None:
             dist = torch.distributed
             on = dist.is_available() and dist.is_initialized()
@@ -342,7 +361,8 @@ class Loader:
         self.why = (f"{workers} worker(s), as asked" if not self.auto else
                     f"auto: 1 worker to start, up to {self.max_workers}")
         self._cfg = {"device": str(self.device), "plan": plan, "epochs": epochs,
-                     "slots": slots, "threads": worker_threads, "nice": worker_nice}
+                     "slots": slots, "slot_bytes": slot_bytes, "threads": worker_threads,
+                     "nice": worker_nice}
         self._ctx = multiprocessing.get_context("spawn")
         self._claim = self._ctx.Value("q", 0)
         self._stop = self._ctx.Event()
@@ -381,14 +401,14 @@ class Loader:
     def _start_worker(self) -> None:
         k = len(self._rings)
         sock = os.path.join(self._dir, f"w{k}.sock")
-        retire = self._ctx.Event()
+        retire, closing = self._ctx.Event(), self._ctx.Event()
         p = self._ctx.Process(
             target=_worker, name=f"gpipe-loader-worker-{k}", daemon=True,
             args=(k, sock, self.dataset, self.decode, self._cfg, self._claim, self._stop,
-                  retire, self._errors),
+                  retire, closing, self._errors),
         )
         p.start()
-        self._rings.append(_Ring(k, sock, p, retire))
+        self._rings.append(_Ring(k, sock, p, retire, closing))
 
     def _failed(self, ring: _Ring) -> Error:
         """The error of a worker that ended: its own exception if it sent one."""
@@ -695,8 +715,8 @@ class Loader:
         return self.batches_per_epoch
 
     def close(self) -> None:
-        """Stops the workers and detaches from their rings. Tensors of batches still held stay
-        valid."""
+        """Stops the workers and detaches from their rings, without waiting for batches still
+        held: their tensors stay valid, and each worker ends once they are dropped."""
         if self._closed:
             return
         self._closed = True
@@ -718,9 +738,20 @@ class Loader:
         for r in self._rings:
             if r.consumer is not None:
                 r.consumer.close()
+                r.consumer = None
+        # A worker in its ring's close waits for the consumer to be gone, which tensors of
+        # batches this process still holds keep alive (their memory is the ring's): it ends
+        # once they are dropped, or with this process (a daemon). One that has not reached its
+        # close by the deadline is stuck (a decode that does not return): killed.
+        deadline = time.monotonic() + _STOP_S
+        while time.monotonic() < deadline and any(
+                r.proc.is_alive() and not r.closing.is_set() for r in self._rings):
+            time.sleep(0.01)
+        deadline = time.monotonic() + _CLOSING_S
         for r in self._rings:
-            r.proc.join(timeout=10.0)
-            if r.proc.is_alive():
+            r.proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for r in self._rings:
+            if r.proc.is_alive() and not r.closing.is_set():
                 r.proc.kill()
                 r.proc.join(timeout=5.0)
         shutil.rmtree(self._dir, ignore_errors=True)
