@@ -6,10 +6,10 @@ Why: without MPS, decode processes on the trainer's GPU take turns with the trai
 process but the trainer's touches the GPU. The workers (processes of ``gpipe.torch.Loader``
 on host rings) decode with libjpeg-turbo (torchvision's CPU ``decode_jpeg``) and pack a
 batch's images, H x W x 3 uint8 as the decoder writes them, one after the other, into one
-buffer of the slot, with a table of where each one is. Per image on one core of this
-repository's 2-core CI machine (2026-11-28, 200 of make_dataset.py's images, 400-640 x
-300-480): 0.80 ms, where Pillow, its RGB conversion and a 3 x H x W repack took 1.31 ms; the
-fused kernel reads either layout. The trainer's
+buffer of the slot, with a table of where each one is. On a 64-core node with every core
+decoding, that made 2.9x the images a second of Pillow, its RGB conversion and a 3 x H x W
+repack (docs/experiments/2026-11-28-decode-cost); the fused kernel reads either layout. Like
+nvJPEG, it takes JPEG files only (Pillow also read PNGs with a .jpg name). The trainer's
 :class:`Upload` copies the used part of that buffer to the GPU in one transfer (from the slot
 itself, which the Loader page-locks: ``pin_memory=True``), then runs the fused augmentation kernel
 (``fused_augment.py``) on a side stream; the training stream waits for it. On the CPU (tests)
@@ -20,7 +20,6 @@ the same unpacking feeds ``gpu_decode.Augment``'s torch path.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import sys

@@ -161,7 +161,7 @@ def test_a_rank_of_several_that_still_waits_retires_a_step_that_does_not_pay():
                 rank=0, world_size=2) as loader:
         epochs = epochs_until_settled(loader)
         assert loader.workers == 1, loader.why
-        assert "retired" in loader.why and "or no waiting as one rank of 2" in loader.why, loader.why
+        assert "retired" in loader.why and "or no waiting (one rank of 2)" in loader.why, loader.why
         mine = len(loader) * b
         assert all(seen == order(n, 2, e)[0:n:2][:mine] for e, seen in enumerate(epochs))
 
@@ -275,26 +275,26 @@ def test_a_step_that_lets_the_trainer_keep_its_own_pace_is_kept():
 
 def test_a_step_that_stops_the_waiting_but_slows_the_trainer_is_retired():
     # As a decode process without MPS can: with a second worker the trainer's device needs
-    # 75 ms a batch instead of 30, slower than one worker fed it (50 ms). The trainer no
+    # 100 ms a batch instead of 30, slower than one worker fed it (50 ms). The trainer no
     # longer waits, but takes fewer batches a second: retired.
     n, b = 1200, 4
     with Loader(Numbers(n), decode_50ms, batch_size=b, device="cpu", max_workers=2, seed=5) as loader:
-        train_until_settled(loader, lambda workers: 0.030 if workers <= 1 else 0.075, n, 5)
+        train_until_settled(loader, lambda workers: 0.030 if workers <= 1 else 0.100, n, 5)
         assert loader.workers == 1 and "retired" in loader.why, loader.why
 
 
 def test_a_rank_of_several_keeps_a_step_that_feeds_it_though_a_slower_peer_sets_the_pace():
-    # The trace of the test above, on rank 0 of 2 (DDP): there the trainer's pace after the
-    # step is also what a starved peer rank imposes, through the gradients' all-reduce, and
-    # retiring the step would starve this rank next. A rank keeps a step that leaves it fed.
+    # The trace of the test above (with 58 ms a batch), on rank 0 of 2 (DDP): there the
+    # trainer's pace after the step is also what a starved peer rank imposes, through the
+    # gradients' all-reduce, and retiring the step would starve this rank next. A rank keeps a
+    # step that leaves it fed.
     n, b = 2400, 4
     with Loader(Numbers(n), decode_50ms, batch_size=b, device="cpu", max_workers=2, seed=5,
                 rank=0, world_size=2) as loader:
         train_until_settled(loader, lambda workers: 0.030 if workers <= 1 else 0.058, n, 5,
                             rank=0, world=2)
-        assert loader.workers == 2, loader.why
-        assert "kept: the trainer no longer waits" in loader.why, loader.why
-        assert "slowest rank's pace" in loader.why, loader.why
+        # kept (on a loaded machine it may be on the rate's own rise instead), never retired
+        assert loader.workers == 2 and "kept" in loader.why and "retired" not in loader.why, loader.why
 
 
 def test_a_rank_of_several_that_waits_doubles_its_workers():
@@ -319,6 +319,41 @@ def test_a_rank_of_several_that_waits_doubles_its_workers():
         assert "workers 2-3 started" in loader.why and "so it doubles them" in loader.why, loader.why
         assert "kept" in loader.why, loader.why
 
+
+
+def judge_a_step(world: int, for_waiting: bool) -> Loader:
+    """auto's verdict on a step from 1 worker to 2 that leaves the trainer fed while its take
+    rate bursts, as a DDP rank's does when its peers catch up ("2.71 made, 14.89 taken" on 4
+    H100s): the workers publish 2.7 batches/s, against 4.3 before the step, and the last 16
+    batches were taken within 64 ms, without waiting. The loader's state is set to that point."""
+    loader = Loader(Numbers(64), decode, batch_size=4, device="cpu", workers="auto",
+                    max_workers=2, rank=0, world_size=world)
+    loader._start_worker()  # the step's worker
+    now = time.monotonic_ns()
+    for r in loader._rings:  # each delivering for a while, at 1.35 batches/s
+        r.first_at = 0
+        r.stamps.extend(now - int(k * 1e9 / 1.35) for k in range(WINDOW_STAMPS, -1, -1))
+    loader._taken = 500
+    loader._trial = (1, 4.3, 2, 2.0, for_waiting)
+    loader._waits.extend([(0.0, 0.004)] * 15)
+    loader._last_t = time.monotonic() - 0.004
+    loader._maybe_scale(0.0)
+    return loader
+
+
+WINDOW_STAMPS = 8
+
+
+def test_a_ddp_rank_keeps_a_step_it_took_for_waiting_once_fed_however_its_take_rate_bursts():
+    with judge_a_step(world=2, for_waiting=True) as loader:
+        assert loader.workers == 2 and "kept: the trainer no longer waits" in loader.why, loader.why
+    # a step taken because the workers were behind is judged as for one trainer: retired (the
+    # rank was fed before it, and is after)
+    with judge_a_step(world=2, for_waiting=False) as loader:
+        assert loader.workers == 1 and "retired" in loader.why, loader.why
+    # one trainer retires either: it takes fewer batches a second than before
+    with judge_a_step(world=1, for_waiting=True) as loader:
+        assert loader.workers == 1 and "retired" in loader.why, loader.why
 
 def decode_20ms(samples, device):
     time.sleep(0.02)
@@ -477,7 +512,7 @@ def test_bad_arguments_and_a_bad_decode_say_what_is_wrong():
         with pytest.raises(gpipe.Error, match="decode must return a torch tensor.*returned str"):
             next(iter(loader))
     # auto's default limit: the CPUs per trainer of the node less one (a single trainer has
-    # them all); at most 8 only for workers on a GPU
+    # them all); at most 8 only for workers on a GPU (the arithmetic: the test below)
     cpus = len(os.sched_getaffinity(0))
     share = max(1, cpus - 1)
     with Loader(Numbers(16), decode, batch_size=4, device="cpu") as loader:
@@ -494,17 +529,25 @@ def test_bad_arguments_and_a_bad_decode_say_what_is_wrong():
 
 
 def test_autos_limit_shares_the_cpus_among_the_trainers_of_the_node(monkeypatch):
-    cpus = len(os.sched_getaffinity(0))
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    import gpipe._loader as impl
+
+    # a 64-CPU node with 4 GPUs, whatever this machine has
+    monkeypatch.setattr(impl.os, "sched_getaffinity", lambda pid: set(range(64)))
+    monkeypatch.setattr(impl.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(impl.torch.cuda, "device_count", lambda: 4)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    # ranks without torchrun: one trainer a rank, at most one a GPU
-    trainers = min(8, gpus) if gpus else 8
-    with Loader(Numbers(64), decode, batch_size=4, device="cpu", rank=0, world_size=8) as loader:
-        assert loader.max_workers == max(1, cpus // trainers - 1)
-    # torchrun says how many trainers this node runs
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    with Loader(Numbers(64), decode, batch_size=4, device="cpu", rank=0, world_size=8) as loader:
-        assert loader.max_workers == max(1, cpus // 2 - 1)
+    assert impl._default_max_workers(False, 1) == 63  # a single trainer has every CPU
+    assert impl._default_max_workers(False, 2) == 31  # one trainer a rank
+    assert impl._default_max_workers(False, 8) == 15  # at most one a GPU (8 ranks: 2 nodes)
+    assert impl._default_max_workers(True, 1) == 8  # decoding on a GPU: at most 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun says how many this node runs
+    assert impl._default_max_workers(False, 8) == 31
+    for bad in ("0", "x", ""):  # not a count: the ranks, as without torchrun
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", bad)
+        assert impl._default_max_workers(False, 8) == 15
+    monkeypatch.setattr(impl.torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert impl._default_max_workers(False, 2) == 31  # no GPU: one trainer a rank
 
 
 def decode_growing(samples, device):

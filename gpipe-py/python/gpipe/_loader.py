@@ -377,8 +377,8 @@ class Loader:
         self._pinned = PinnedHold() if self.pin_memory else None
         self._last_t: Optional[float] = None
         # auto's step on trial: (workers before it, batches/s before it, workers with it, the
-        # gain it should bring), or None
-        self._trial: Optional[tuple[int, float, int, float]] = None
+        # gain it should bring, whether the trainer waited), or None
+        self._trial: Optional[tuple[int, float, int, float, bool]] = None
         self._frozen = False  # auto found that more workers do not help, for now
         self._frozen_at = 0  # the batch count when it did
         self._retry_in = RETRY_AFTER  # batches from then until auto acts again
@@ -457,7 +457,7 @@ class Loader:
         share = wait / span if span > 0 else 1.0
         taken = len(self._waits) / span if span > 0 else 0.0  # the trainer's own take rate
         if self._trial is not None:
-            before, was, tried, predicted = self._trial
+            before, was, tried, predicted, for_waiting = self._trial
             self._trial = None
             want = 1 + max(MIN_GAIN, (predicted - 1) / 4)
             # The step paid if the rate rose by a quarter of its predicted gain, or if the trainer
@@ -468,23 +468,27 @@ class Loader:
             # One rank of several (DDP) takes batches at the slowest rank's pace, whatever its
             # own workers do: a starved peer makes its rate fall, and its take rate comes in
             # bursts as the peers catch up (4 H100s: "2.71 made, 14.89 taken" over a window).
-            # There a step that leaves the trainer fed is kept: retiring it would starve every
-            # rank (two 4-GPU runs that did so made 0.12x and 0.28x the ceiling). The cost: a
-            # step that slows the rank's own GPU, as decode workers without MPS can, is not
-            # undone there.
+            # There a step taken because the trainer waited is kept once it no longer waits:
+            # retiring it would starve every rank (two 4-GPU runs that did so made 0.12x and
+            # 0.28x the ceiling). A step taken because the workers were behind (which such
+            # bursts can also show) is judged as for one trainer: retiring it leaves the rank
+            # fed, as it was. The cost: a step that slows the rank's own GPU, as decode workers
+            # without MPS can, is not undone there.
+            peers = self._world > 1 and for_waiting
             faster = min(rate, taken) >= was * (1 + MIN_GAIN)
-            fed = share <= WAIT_SHARE and (faster or self._world > 1)
+            fed = share <= WAIT_SHARE and (faster or peers)
             paid = rate >= was * want  # want is 1 + MIN_GAIN at least
             if not (paid or fed):
-                or_peer = f", or no waiting as one rank of {self._world}" if self._world > 1 else ""
+                also = f"or no waiting (one rank of {self._world})" if peers else \
+                    f"or {1 + MIN_GAIN:.2f}x and no waiting"
                 for r in self._active()[before:]:
                     r.retire.set()
                 self._frozen, self._frozen_at = True, self._taken
                 self.why = (f"auto: {before} worker(s): {tried} made the trainer take "
                             f"{min(rate, taken):.2f} batches/s against {was:.2f} with {before}, "
-                            f"waiting {share:.0%} (it needed {want:.2f}x, or {1 + MIN_GAIN:.2f}x "
-                            f"and no waiting{or_peer}), so the added ones were retired at batch "
-                            f"{self._taken} and auto stopped there ({self._shared_by}); it acts "
+                            f"waiting {share:.0%} (it needed {want:.2f}x, {also}), so the added "
+                            f"ones were retired at batch {self._taken} and auto stopped there "
+                            f"({self._shared_by}); it acts "
                             f"again after {self._retry_in} batches")
                 self._new_window()
                 return
@@ -527,13 +531,15 @@ class Loader:
         for _ in range(need - first):
             self._start_worker()
         # what the step should bring: the trainer's own pace, or the added workers' share of it
-        self._trial = (first, rate, need, need / first if peers else min(short, need / first))
+        self._trial = (first, rate, need, need / first if peers else min(short, need / first),
+                       share > WAIT_SHARE)
         started = f"worker {len(self._rings) - 1}" if need - first == 1 else \
             f"workers {len(self._rings) - (need - first)}-{len(self._rings) - 1}"
         if peers:
+            how = "doubles them" if need == 2 * first else f"adds up to its limit of {self.max_workers}"
             because = (f"the trainer having waited {share:.0%} of the last {WINDOW} batches (more "
                        f"than {WAIT_SHARE:.0%}), one rank of {self._world}: its time not waiting "
-                       f"includes the all-reduce's wait for slower ranks, so it doubles them")
+                       f"includes the all-reduce's wait for slower ranks, so it {how}")
         elif share > WAIT_SHARE:
             because = (f"the trainer having waited {share:.0%} of the last {WINDOW} batches (more "
                        f"than {WAIT_SHARE:.0%}): a batch came every {span / WINDOW * 1e3:.1f} ms "
