@@ -70,9 +70,12 @@ elif [ "$mode" = loader ]; then
   # the one-GPU run and for each DDP run of each MPS setting.
   # HOST_DECODE=1: the workers decode on the CPU, the trainer augments on its GPU
   # (loader_lib.py --host-decode), auto up to MAX_WORKERS (default the loader's); labels end in -host.
+  # MIXED=N (with MPS): the first N workers decode on the GPU, the rest on the CPU
+  # (loader_lib.py --mixed); labels end in -mixedN.
   # LOADER_SETTLE=N: at most N steps for auto to settle before the timed ones (default 600).
   HD=(); H=
   [ -n "${HOST_DECODE:-}" ] && { HD=(--loader-host-decode --loader-max-workers "${MAX_WORKERS:-0}"); H=-host; }
+  [ -n "${MIXED:-}" ] && { HD+=(--loader-mixed "$MIXED"); H=-mixed$MIXED; }
   [ -n "${LOADER_SETTLE:-}" ] && HD+=(--loader-settle "$LOADER_SETTLE")
   G=$(gpu_count); worlds=()
   for w in ${WORLDS:-1 2 $G}; do

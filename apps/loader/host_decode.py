@@ -142,7 +142,10 @@ class Upload:
         self.held = None
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        buf, table, labels, info = next(self.batches)
+        batch = next(self.batches)
+        if len(batch) == 3:  # (images, labels, info): made on the GPU (mixed_decode.py), as is
+            return batch
+        buf, table, labels, info = batch
         t_start = time.perf_counter()
         rows = table.tolist()
         used = max(o + 3 * h * w for o, h, w in rows)

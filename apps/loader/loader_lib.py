@@ -139,6 +139,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--profile", type=int, default=0, help="steps under torch.profiler after the timed ones")
     ap.add_argument("--profile-out", default=None)
     ap.add_argument("--label", default="loader")
+    ap.add_argument("--mixed", type=int, default=0, metavar="N",
+                    help="with MPS: the first N workers decode on the GPU, the rest on the CPU, "
+                         "their batches augmented in this process (mixed_decode.py)")
     ap.add_argument("--host-decode", action="store_true",
                     help="decode on the CPU in the workers (host rings), augment on the GPU in this "
                          "process (host_decode.py): no other process touches the GPU")
@@ -150,22 +153,29 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.manual_seed(a.seed)
     data = EncodedImages(a.data)
     upload = None
-    if a.host_decode:
+    on_host = a.host_decode or a.mixed > 0  # workers that decode on the CPU: Upload augments
+    if a.mixed > 0 and dev.type != "cuda":
+        raise SystemExit("--mixed puts some decode workers on the trainer's GPU: it needs --device cuda")
+    if on_host:
         from host_decode import HostDecode, Upload, largest_image
 
         decode_fn: Any = HostDecode(a.batch, largest_image(a.data))
+        if a.mixed > 0:
+            from mixed_decode import MixedDecode
+
+            decode_fn = MixedDecode(a.mixed, dev, DecodeAugment(a.size, a.seed), decode_fn)
         ring_device = torch.device("cpu")
     else:
         decode_fn = DecodeAugment(a.size, a.seed)
         ring_device = dev
     with gpipe.torch.Loader(data, decode_fn, batch_size=a.batch, device=ring_device,
                             workers=workers, max_workers=a.max_workers, slots=a.slots,
-                            slot_bytes=decode_fn.slot_bytes if a.host_decode else None,
+                            slot_bytes=decode_fn.slot_bytes if on_host else None,
                             **({} if a.worker_nice is None else {"worker_nice": a.worker_nice}),
-                            seed=a.seed, pin_memory=a.host_decode and dev.type == "cuda") as loader:
+                            seed=a.seed, pin_memory=on_host and dev.type == "cuda") as loader:
         step = TrainStep(a.model, data.classes, dev, ddp=ddp)
         batches: Iterator = epochs(loader)
-        if a.host_decode:
+        if on_host:
             batches = upload = Upload(batches, dev, a.size, seed=a.seed * 1000 + a.rank)
         try:
             settled = settle(loader, step, batches, ddp, a.settle)
@@ -179,7 +189,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 upload.close()
         figures = {"workers": loader.workers, "workers_why": loader.why, "settle_steps": settled,
                    "settled": was_settled,
-                   "batches_per_epoch": len(loader), "host_decode": a.host_decode}
+                   "batches_per_epoch": len(loader), "host_decode": a.host_decode,
+                   "mixed_gpu_workers": a.mixed}
         if upload is not None:
             figures["slots_pinned_in_place"] = upload.pinned
             figures["upload_s"] = {k: round(v, 3) for k, v in upload.seconds.items()}

@@ -118,7 +118,7 @@ class Runner:
 
 TRAINER_FIELDS = ("images_per_s", "workers", "workers_why", "settle_steps", "settled", "wait_fraction", "host_wait_fraction", "gpu_util", "steps", "seconds",
                   "startup_s", "epochs", "loss", "timeline", "mps", "gpu", "kernel", "cpus", "source",
-                  "host_decode", "slots_pinned_in_place", "upload_s", "batches_uploaded")
+                  "host_decode", "mixed_gpu_workers", "slots_pinned_in_place", "upload_s", "batches_uploaded")
 PRODUCER_FIELDS = ("images_per_s", "steady_images_per_s", "busy_images_per_s", "decode_wait_s", "acquire_s",
                    "work_s", "read_s", "decode_s", "batches", "end", "source")
 
@@ -162,6 +162,8 @@ def run_config(r: Runner, a: argparse.Namespace, model: str, config: str, world:
                        "--slots", str(a.slots)]
                 if a.loader_host_decode:
                     cmd.append("--host-decode")
+                if a.loader_mixed:
+                    cmd += ["--mixed", str(a.loader_mixed)]
                 if a.loader_max_workers:
                     cmd += ["--max-workers", str(a.loader_max_workers)]
                 if a.loader_worker_nice is not None:
@@ -438,6 +440,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--loader-host-decode", action="store_true",
                     help="loader runs: decode on the CPU in the workers, augment on the GPU in the "
                     "trainer's process (loader_lib.py --host-decode)")
+    ap.add_argument("--loader-mixed", type=int, default=0, metavar="N",
+                    help="loader runs, with MPS: the first N workers decode on the GPU, the rest on "
+                    "the CPU (loader_lib.py --mixed)")
     ap.add_argument("--loader-max-workers", type=int, default=0,
                     help="loader runs: auto's most workers (0: the loader's default)")
     ap.add_argument("--loader-worker-nice", type=int, default=None,

@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -657,6 +658,84 @@ def test_the_library_loader_feeds_a_trainer_decoding_on_the_host(data, procs):
     assert t["mode"] == "loader" and t["host_decode"] and t["workers"] == 2
     assert t["steps"] == 3 and t["images_per_s"] > 0 and math.isfinite(t["loss"])
 
+
+
+class MadeElsewhere:
+    """A stand-in for the GPU decoder of mixed_decode: (images, labels) as an augmented batch
+    would be, its images filled with the process id that made it; slow enough (0.3 s a batch)
+    that the other workers, which start later, make batches too."""
+
+    def __call__(self, samples: list, device: torch.device) -> tuple:
+        time.sleep(0.3)
+        images = torch.full((len(samples), 3, SIZE, SIZE), float(os.getpid() % 2048), dtype=torch.float16)
+        return images.to(device), torch.tensor([s[1] for s in samples], dtype=torch.int64).to(device)
+
+
+def test_mixed_decode_gives_its_first_workers_the_gpu_decoder_and_upload_passes_their_batches(data):
+    import host_decode
+    import mixed_decode
+
+    samples = _jpegs(data, 8)
+    mixed = mixed_decode.MixedDecode(1, torch.device("cpu"), MadeElsewhere(), host_decode.HostDecode(2, (640, 480)))
+    assert mixed.slot_bytes == mixed.on_host.slot_bytes
+    with gpipe.torch.Loader(samples * 4, mixed, batch_size=2, device="cpu", workers=3, shuffle=False,
+                            epochs=1, slot_bytes=mixed.slot_bytes) as loader:
+
+        def batches():
+            for batch in loader:
+                yield (*batch, {})
+
+        up = host_decode.Upload(batches(), torch.device("cpu"), SIZE, seed=1)
+        kinds, makers, labels = [], set(), []
+        for images, lab, _ in up:
+            assert images.shape == (2, 3, SIZE, SIZE) and images.dtype == torch.float16
+            passed = bool(torch.all(images == images[0, 0, 0, 0]))  # as MadeElsewhere made it
+            kinds.append(passed)
+            if passed:
+                makers.add(int(images[0, 0, 0, 0]))
+            labels += lab.tolist()
+    # one worker took the GPU decoder, the others the host one; batches in order either way
+    assert len(makers) == 1 and any(kinds) and not all(kinds), kinds
+    assert labels == [s[1] for s in samples] * 4
+
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _has_cupy(), reason="needs a CUDA GPU and CuPy")
+def test_mixed_decode_on_a_gpu_feeds_one_trainer_from_a_gpu_ring_and_page_locked_host_rings(data):
+    """loader_lib.py --mixed's pieces: the first worker decodes on the GPU (its ring there,
+    not page-locked), the others on the CPU into page-locked host rings; every batch reaches
+    the trainer augmented on its GPU, in order."""
+    import host_decode
+    import loader_lib
+    import mixed_decode
+
+    dev = torch.device("cuda", 0)
+    samples = _jpegs(data, 8)
+    mixed = mixed_decode.MixedDecode(1, dev, loader_lib.DecodeAugment(SIZE, 5), host_decode.HostDecode(2, (64, 64)))
+    with gpipe.torch.Loader(samples * 4, mixed, batch_size=2, device="cpu", workers=3, shuffle=False,
+                            epochs=1, pin_memory=True, slot_bytes=mixed.slot_bytes) as loader:
+
+        def batches():
+            for batch in loader:
+                yield (*batch, {})
+
+        up = host_decode.Upload(batches(), dev, SIZE, seed=5)
+        labels = []
+        for images, lab, _ in up:
+            assert images.device == dev and lab.device == dev and images.shape == (2, 3, SIZE, SIZE)
+            labels += lab.tolist()
+        up.close()
+        on_gpu = [bool(r.on_gpu.value) for r in loader._rings]
+    assert on_gpu.count(True) == 1, on_gpu
+    assert up.batches_uploaded >= 1  # host workers made some of the batches
+    assert labels == [s[1] for s in samples] * 4
+
+def test_mixed_decode_refuses_a_negative_count():
+    import host_decode
+    import mixed_decode
+
+    with pytest.raises(ValueError, match="gpu_workers must be an int of 0 or more"):
+        mixed_decode.MixedDecode(-1, torch.device("cuda", 0), MadeElsewhere(), host_decode.HostDecode(2, (8, 8)))
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _has_cupy(), reason="needs a CUDA GPU and CuPy")
 def test_host_decode_upload_on_a_gpu_matches_the_cpu_path_and_holds_a_batch_one_step(data):

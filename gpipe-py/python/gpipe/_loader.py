@@ -146,7 +146,7 @@ def _run_nicer(increment: int) -> None:
 
 
 def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim: Any,
-            stop: Any, retire: Any, closing: Any, errors: Any) -> None:
+            stop: Any, retire: Any, closing: Any, on_gpu: Any, errors: Any) -> None:
     """One decode process: claims batch numbers until stopped (or the epochs are done) and
     publishes each decoded batch into its ring at `sock`. The next batch's samples are read on
     a thread while this one decodes (file reads release the GIL). Retired, it claims no more
@@ -186,14 +186,17 @@ def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim:
             tensors, kind = _named(decode(samples, device))
             need = _slot_bytes(tensors)
             if producer is None:
-                cuda = any(t.is_cuda for t in tensors.values())
+                # The ring is where decode made the batch: on its GPU, or in host memory (a
+                # decode may choose per worker); the trainer learns which before it attaches.
+                gpu = next((t.device for t in tensors.values() if t.is_cuda), None)
+                on_gpu.value = gpu is not None
                 # A worker that ends (retired, or its epochs done) waits in close() until the
                 # trainer has taken what it published and let go of its ring, however long
                 # the trainer's steps take; a dead trainer is let go at once.
                 producer = gpipe.Producer(
                     sock, batch_bytes=cfg["slot_bytes"] or need, slots=cfg["slots"], drain_timeout=_DRAIN_S,
-                    backend="cuda" if cuda else "host",
-                    **({"device": device.index or 0} if cuda else {}),
+                    backend="cuda" if gpu is not None else "host",
+                    **({"device": gpu.index or 0} if gpu is not None else {}),
                 )
                 # Broadcast rings give a consumer what is published after it attached: the
                 # first batch waits for the trainer.
@@ -231,7 +234,7 @@ def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim:
 class _Ring:
     """The trainer's side of one worker: its process, its ring, the batch held from it."""
 
-    def __init__(self, k: int, sock: str, proc: Any, retire: Any, closing: Any) -> None:
+    def __init__(self, k: int, sock: str, proc: Any, retire: Any, closing: Any, on_gpu: Any) -> None:
         self.k, self.sock, self.proc = k, sock, proc
         self.consumer: Any = None
         self.held: Optional[int] = None  # the batch number received from it and not yet taken
@@ -239,6 +242,7 @@ class _Ring:
         self.done = False
         self.retire = retire  # set: it publishes what it claimed, then ends
         self.closing = closing  # set by the worker: it is closing its ring
+        self.on_gpu = on_gpu  # set by the worker before it makes its ring: the ring is on a GPU
         # when its latest batches were published (auto's rates), those of the current window
         self.stamps: collections.deque = collections.deque(maxlen=WINDOW)
 
@@ -401,14 +405,14 @@ class Loader:
     def _start_worker(self) -> None:
         k = len(self._rings)
         sock = os.path.join(self._dir, f"w{k}.sock")
-        retire, closing = self._ctx.Event(), self._ctx.Event()
+        retire, closing, on_gpu = self._ctx.Event(), self._ctx.Event(), self._ctx.Value("b", False)
         p = self._ctx.Process(
             target=_worker, name=f"gpipe-loader-worker-{k}", daemon=True,
             args=(k, sock, self.dataset, self.decode, self._cfg, self._claim, self._stop,
-                  retire, closing, self._errors),
+                  retire, closing, on_gpu, self._errors),
         )
         p.start()
-        self._rings.append(_Ring(k, sock, p, retire, closing))
+        self._rings.append(_Ring(k, sock, p, retire, closing, on_gpu))
 
     def _failed(self, ring: _Ring) -> Error:
         """The error of a worker that ended: its own exception if it sent one."""
@@ -617,8 +621,10 @@ class Loader:
                 return False
             from . import Consumer
 
+            # A CPU loader's worker whose decode made its batches on a GPU has its ring there,
+            # read on that GPU (device None); only host rings are page-locked.
             ring.consumer = Consumer(ring.sock, device=self.device if _is_cuda(self.device) else None,
-                                     timeout=30.0, pin_memory=self.pin_memory)
+                                     timeout=30.0, pin_memory=self.pin_memory and not ring.on_gpu.value)
         return True
 
     def _poll(self, ring: _Ring, timeout: float) -> bool:

@@ -1,0 +1,65 @@
+"""The loader's mixed mode: a few of the loader's workers decode on the trainer's GPU, the
+rest on the CPU.
+
+Why: with MPS, ResNet-18 on 4 H100s reached 0.86x its DDP ceiling with every batch decoded on
+the GPUs. The trainers did not wait, so what they lost was the decode's own GPU time. Host
+decode takes that off the GPU, but a 64-core node decodes at most about 30.7k images/s on
+its CPUs, and four ResNet-18 trainers take 47.7k
+(docs/experiments/2026-11-28-decode-cost). Here the first ``gpu_workers`` workers to make a
+batch decode on the GPU, as ``loader_lib.DecodeAugment`` does; every later one decodes on
+the CPU, as ``host_decode.HostDecode`` does. So ``auto``, which starts with one worker and
+adds more, adds host workers once the GPU ones are running.
+
+A GPU worker's ring is on the trainer's GPU (the Loader reads where a worker's first batch
+was made), and its batches come already augmented: (images, labels). A host worker's batches
+are (buffer, table, labels) in a page-locked host ring; the trainer augments them with
+``host_decode.Upload``, which passes the GPU batches through as they are.
+
+    python3 apps/loader/loader_lib.py --data /tmp/loader-data --mixed 1   # with MPS running
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from typing import Any, Callable, Optional
+
+import torch
+
+
+class MixedDecode:
+    """decode(samples, device) for a CPU Loader (``device="cpu"``, ``pin_memory=True``): in
+    the first `gpu_workers` processes that call it, ``on_gpu(samples, gpu)`` with that
+    process's current CUDA device set to `gpu` (a CUDA device, but for tests); in the others,
+    ``on_host(samples, cpu)``.
+    ``on_host`` must have ``slot_bytes`` (the Loader's room for its batches)."""
+
+    def __init__(self, gpu_workers: int, gpu: torch.device, on_gpu: Callable, on_host: Any) -> None:
+        if not isinstance(gpu_workers, int) or gpu_workers < 0:
+            raise ValueError(f"gpu_workers must be an int of 0 or more; got {gpu_workers!r}")
+        self.gpu, self.on_gpu, self.on_host = gpu, on_gpu, on_host
+        # handed to the workers with the Loader's arguments when they start (spawn)
+        self._left = multiprocessing.get_context("spawn").Value("i", gpu_workers)
+        self.role: Optional[str] = None  # this process's: "gpu" or "host", at its first batch
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["role"] = None
+        return state
+
+    @property
+    def slot_bytes(self) -> int:
+        """The host decoder's room: an augmented batch on the GPU takes less (float16 crops
+        against whole uint8 images), and the Loader gives every ring the same."""
+        return self.on_host.slot_bytes
+
+    def __call__(self, samples: list, device: torch.device) -> tuple:
+        if self.role is None:
+            with self._left.get_lock():
+                self.role = "gpu" if self._left.value > 0 else "host"
+                if self.role == "gpu":
+                    self._left.value -= 1
+            if self.role == "gpu" and self.gpu.type == "cuda":
+                torch.cuda.set_device(self.gpu)
+        if self.role == "gpu":
+            return self.on_gpu(samples, self.gpu)
+        return self.on_host(samples, torch.device("cpu"))
