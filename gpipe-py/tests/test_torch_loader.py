@@ -661,6 +661,28 @@ def decode_big(samples, device):
     return {"image": idx[:, None].expand(-1, (16 << 20) // 4 // len(samples)).contiguous()}
 
 
+
+@cuda
+def test_on_a_gpu_close_is_prompt_and_a_batch_kept_past_it_stays_valid():
+    # As on the host: the workers' rings are on the GPU here, and a batch kept past close()
+    # keeps its worker (and so its memory) until it is dropped.
+    loader = Loader(Numbers(64), decode, batch_size=4, device="cuda:0", workers=2, shuffle=False)
+    it = iter(loader)
+    kept = next(it)
+    next(it)
+    loader.close()
+    torch.cuda.synchronize()
+    assert torch.equal(kept["index"].cpu(), torch.arange(4))
+    assert torch.equal(kept["image"][:, 0, 0, 0].cpu(), torch.arange(4.0))
+    procs = [r.proc for r in loader._rings]
+    del kept, it
+    gc.collect()
+    deadline = time.monotonic() + 60
+    while any(p.is_alive() for p in procs):
+        assert time.monotonic() < deadline, "a worker did not end after the batches were dropped"
+        time.sleep(0.05)
+    assert [p.exitcode for p in procs] == [0, 0]
+
 @cuda
 def test_pinned_slots_copy_to_a_gpu_without_blocking_and_unlock_when_unmapped():
     """pin_memory=True: every batch is page-locked where it lies (torch sees it pinned), a

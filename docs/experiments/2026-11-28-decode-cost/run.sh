@@ -30,8 +30,10 @@ if [ "${1:-}" = mixed ]; then
   exit 0
 fi
 limit 150 python3 -m pytest -v -p no:cacheprovider apps/tests/test_loader.py \
-  -k "fused or host_decode" >"$OUT/tests.txt" 2>&1
-grep -E "passed|failed" "$OUT/tests.txt" | tail -1
+  -k "fused or host_decode or mixed" >"$OUT/tests.txt" 2>&1
+limit 200 python3 -m pytest -v -p no:cacheprovider gpipe-py/tests/test_torch_loader.py \
+  -k "on_a_gpu or pin" >>"$OUT/tests.txt" 2>&1
+grep -E "(passed|failed).* in [0-9.]+s" "$OUT/tests.txt"
 [ -d /tmp/loader-data ] || limit 100 python3 apps/loader/make_dataset.py /tmp/loader-data --count 20000 | tail -1
 limit 90 python3 "$(dirname "$0")/bench.py" /tmp/loader-data --seconds 5 >"$OUT/bench.txt" 2>&1
 cat "$OUT/bench.txt"
