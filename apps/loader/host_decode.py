@@ -88,12 +88,17 @@ class HostDecode:
 
     @property
     def slot_bytes(self) -> int:
-        """The most a batch takes in a Loader's slot: each tensor at a TENSOR_ALIGN boundary."""
-        from gpipe import TENSOR_ALIGN
-
+        """The most a batch takes in a Loader's slot."""
         mh, mw = self.max_hw
-        parts = (self.batch * 3 * mh * mw, self.batch * 3 * 8, self.batch * 8)  # images, table, labels
-        return sum(-(-p // TENSOR_ALIGN) * TENSOR_ALIGN for p in parts)
+        return room(self.batch * 3 * mh * mw, self.batch * 3 * 8, self.batch * 8)  # images, table, labels
+
+
+def room(*nbytes: int) -> int:
+    """The bytes a Loader's slot takes for tensors of these sizes: each at a TENSOR_ALIGN
+    boundary."""
+    from gpipe import TENSOR_ALIGN
+
+    return sum(-(-n // TENSOR_ALIGN) * TENSOR_ALIGN for n in nbytes)
 
 
 class Upload:

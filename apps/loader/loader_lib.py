@@ -71,6 +71,12 @@ class DecodeAugment:
     def __getstate__(self) -> dict:
         return {"size": self.size, "seed": self.seed, "augment": None}
 
+    def batch_bytes(self, batch: int) -> int:
+        """The room a batch of `batch` takes in a Loader's slot: float16 images, int64 labels."""
+        from host_decode import room
+
+        return room(batch * 3 * self.size * self.size * 2, batch * 8)
+
     def __call__(self, samples: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self.augment is None:  # per worker: its own random stream
             self.augment = Augment(self.size, device, seed=self.seed * 1000 + os.getpid())
@@ -190,7 +196,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         figures = {"workers": loader.workers, "workers_why": loader.why, "settle_steps": settled,
                    "settled": was_settled,
                    "batches_per_epoch": len(loader), "host_decode": a.host_decode,
-                   "mixed_gpu_workers": a.mixed}
+                   "mixed_gpu_workers": decode_fn.gpu_workers_now if a.mixed > 0 else 0}
         if upload is not None:
             figures["slots_pinned_in_place"] = upload.pinned
             figures["upload_s"] = {k: round(v, 3) for k, v in upload.seconds.items()}

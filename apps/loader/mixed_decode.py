@@ -20,8 +20,9 @@ are (buffer, table, labels) in a page-locked host ring; the trainer augments the
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -30,12 +31,15 @@ class MixedDecode:
     """decode(samples, device) for a CPU Loader (``device="cpu"``, ``pin_memory=True``): in
     the first `gpu_workers` processes that call it, ``on_gpu(samples, gpu)`` with that
     process's current CUDA device set to `gpu` (a CUDA device, but for tests); in the others,
-    ``on_host(samples, cpu)``.
-    ``on_host`` must have ``slot_bytes`` (the Loader's room for its batches)."""
+    ``on_host(samples, cpu)``. A process that took the GPU decoder gives its place back when
+    it ends (a worker the Loader retired, say), so a later worker takes it.
+    ``on_host`` must have ``slot_bytes`` and ``batch`` (the Loader's room for its batches, and
+    their size), ``on_gpu`` ``batch_bytes(batch)`` (the room one of its batches takes)."""
 
-    def __init__(self, gpu_workers: int, gpu: torch.device, on_gpu: Callable, on_host: Any) -> None:
+    def __init__(self, gpu_workers: int, gpu: torch.device, on_gpu: Any, on_host: Any) -> None:
         if not isinstance(gpu_workers, int) or gpu_workers < 0:
             raise ValueError(f"gpu_workers must be an int of 0 or more; got {gpu_workers!r}")
+        self.gpu_workers = gpu_workers
         self.gpu, self.on_gpu, self.on_host = gpu, on_gpu, on_host
         # handed to the workers with the Loader's arguments when they start (spawn)
         self._left = multiprocessing.get_context("spawn").Value("i", gpu_workers)
@@ -48,9 +52,17 @@ class MixedDecode:
 
     @property
     def slot_bytes(self) -> int:
-        """The host decoder's room: an augmented batch on the GPU takes less (float16 crops
-        against whole uint8 images), and the Loader gives every ring the same."""
-        return self.on_host.slot_bytes
+        """The room for a batch of either decoder (the Loader gives every ring the same)."""
+        return max(self.on_host.slot_bytes, self.on_gpu.batch_bytes(self.on_host.batch))
+
+    @property
+    def gpu_workers_now(self) -> int:
+        """How many processes hold the GPU decoder now."""
+        return self.gpu_workers - self._left.value
+
+    def _give_back(self) -> None:
+        with self._left.get_lock():
+            self._left.value += 1
 
     def __call__(self, samples: list, device: torch.device) -> tuple:
         if self.role is None:
@@ -58,6 +70,7 @@ class MixedDecode:
                 self.role = "gpu" if self._left.value > 0 else "host"
                 if self.role == "gpu":
                     self._left.value -= 1
+                    atexit.register(self._give_back)  # a worker ends by returning: it runs
             if self.role == "gpu" and self.gpu.type == "cuda":
                 torch.cuda.set_device(self.gpu)
         if self.role == "gpu":

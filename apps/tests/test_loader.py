@@ -15,6 +15,7 @@ import faulthandler
 import io
 import json
 import math
+import multiprocessing
 import os
 import shutil
 import signal
@@ -670,6 +671,40 @@ class MadeElsewhere:
         images = torch.full((len(samples), 3, SIZE, SIZE), float(os.getpid() % 2048), dtype=torch.float16)
         return images.to(device), torch.tensor([s[1] for s in samples], dtype=torch.int64).to(device)
 
+    def batch_bytes(self, batch: int) -> int:
+        import loader_lib
+
+        return loader_lib.DecodeAugment(SIZE, 0).batch_bytes(batch)
+
+
+def _decode_once_and_end(mixed, samples: list) -> None:
+    mixed(samples, torch.device("cpu"))
+
+
+def test_mixed_decode_sizes_slots_for_either_decoder_and_a_gpu_place_outlives_no_worker(data):
+    import host_decode
+    import loader_lib
+    import mixed_decode
+
+    # images of 8 x 8 leave less room than a batch of 32 x 32 float16 crops needs
+    small = mixed_decode.MixedDecode(1, torch.device("cpu"), MadeElsewhere(), host_decode.HostDecode(2, (8, 8)))
+    crops = host_decode.room(2 * 3 * SIZE * SIZE * 2, 2 * 8)
+    assert small.slot_bytes == crops == loader_lib.DecodeAugment(SIZE, 0).batch_bytes(2) > small.on_host.slot_bytes
+    big = mixed_decode.MixedDecode(1, torch.device("cpu"), MadeElsewhere(), host_decode.HostDecode(2, (640, 480)))
+    assert big.slot_bytes == big.on_host.slot_bytes > crops
+    # a process that took the GPU decoder gives its place back when it ends
+    samples = _jpegs(data, 2)
+    ctx = multiprocessing.get_context("spawn")
+    for _ in range(2):
+        p = ctx.Process(target=_decode_once_and_end, args=(small, samples))
+        p.start()
+        p.join(60)
+        assert p.exitcode == 0
+        assert small.gpu_workers_now == 0, "the GPU decoder's place was not given back"
+    # ... and one that holds it is counted
+    small(samples, torch.device("cpu"))
+    assert small.role == "gpu" and small.gpu_workers_now == 1
+
 
 def test_mixed_decode_gives_its_first_workers_the_gpu_decoder_and_upload_passes_their_batches(data):
     import host_decode
@@ -726,7 +761,11 @@ def test_mixed_decode_on_a_gpu_feeds_one_trainer_from_a_gpu_ring_and_page_locked
             labels += lab.tolist()
         up.close()
         on_gpu = [bool(r.on_gpu.value) for r in loader._rings]
+        # where the rings are, and which are page-locked, as the trainer attached to them
+        rings = sorted((c.backend, c.pinned) for c in (r.consumer for r in loader._rings) if c is not None)
     assert on_gpu.count(True) == 1, on_gpu
+    assert rings[0] == ("cuda", False) and all(r == ("host", True) for r in rings[1:]), rings
+    assert up.pinned, "the host rings' slots are not page-locked"
     assert up.batches_uploaded >= 1  # host workers made some of the batches
     assert labels == [s[1] for s in samples] * 4
 

@@ -522,9 +522,13 @@ def test_bad_arguments_and_a_bad_decode_say_what_is_wrong():
             assert loader.max_workers == min(8, share)
         with pytest.raises(ValueError, match="made on cuda:0 already: leave pin_memory out"):
             Loader(Numbers(10), decode, batch_size=2, device="cuda:0", pin_memory=True)
-    else:
-        with pytest.raises(ValueError, match="sees no CUDA GPU here: leave pin_memory out"):
-            Loader(Numbers(10), decode, batch_size=2, device="cpu", pin_memory=True)
+    else:  # as torch's DataLoader: a warning, and batches in pageable memory
+        with pytest.warns(UserWarning, match="sees no CUDA GPU here: the batches stay in pageable"):
+            with Loader(Numbers(16), decode, batch_size=4, device="cpu", workers=1, epochs=1,
+                        shuffle=False, pin_memory=True) as loader:
+                assert not loader.pin_memory
+                got = [int(x) for batch in loader for x in batch["index"]]
+        assert got == list(range(16))
 
 
 
@@ -596,6 +600,8 @@ def test_close_is_prompt_and_a_batch_kept_past_it_stays_valid():
     loader.close()
     assert time.monotonic() - t0 < impl._STOP_S  # not held up until the kill deadline
     assert torch.equal(kept["index"], torch.arange(4)) and torch.equal(kept["image"][:, 0, 0, 0], torch.arange(4.0))
+    with pytest.raises(gpipe.Error, match="this Loader is closed"):  # not a wait for stopped workers
+        next(it)
     procs = [r.proc for r in loader._rings]
     del kept, it
     gc.collect()

@@ -3,7 +3,7 @@
 //! ring has slots; the copies stay intact while the slots are rewritten; a consumer whose own
 //! buffers are all held gets a clear error and loses nothing; `inspect` shows the choice.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pipeline_core::inspect::Snapshot;
 use pipeline_core::{
@@ -132,9 +132,21 @@ fn in_place_and_mirrored_consumers_share_a_ring_and_inspect_tells_them_apart() {
     let mut mirror: Consumer<HostConsumer> = Consumer::attach(&sock, options).unwrap();
     producer.wait_for_consumers(2, WAIT).unwrap();
     let (seg, backend) = observe(&sock, ConsumerConfig::default()).unwrap();
-    let snap = Snapshot::read(&seg, &backend.to_string());
-    let delivery: Vec<_> = snap.consumers.iter().map(|c| c.delivery).collect();
-    assert_eq!(delivery, [Some("in-place"), Some("mirror")]);
+    // A consumer writes its placement into its own page once joined; the producer's
+    // supervisor copies it into the record that inspect reads on its next round.
+    let deadline = Instant::now() + WAIT;
+    let snap = loop {
+        let snap = Snapshot::read(&seg, &backend.to_string());
+        let delivery: Vec<_> = snap.consumers.iter().map(|c| c.delivery).collect();
+        if delivery == [Some("in-place"), Some("mirror")] {
+            break snap;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "placements not folded in {WAIT:?}: {delivery:?}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    };
     assert!(snap.consumers.iter().all(|c| c.device.is_none()));
     let text = snap.to_string();
     assert!(text.contains("  mirror\n"), "{text}");

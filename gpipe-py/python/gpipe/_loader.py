@@ -29,6 +29,7 @@ import signal
 import tempfile
 import time
 import traceback
+import warnings
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -66,9 +67,8 @@ WORKER_NICE = 10
 # How long an ending worker waits for the trainer to take its last batches.
 _DRAIN_S = 24 * 3600.0
 # How long close() waits for stopped workers to reach their ring's close before it kills
-# those stuck in decode, and then for those closing to end.
+# those stuck in decode (one in its close ends on its own, once its batches are dropped).
 _STOP_S = 10.0
-_CLOSING_S = 1.0
 
 
 def _is_cuda(device: torch.device) -> bool:
@@ -184,6 +184,8 @@ def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim:
             # its reads run while this batch decodes; a retired worker claims no more
             pending = None if retire.is_set() else claim_next()
             tensors, kind = _named(decode(samples, device))
+            if stop.is_set():  # closed while it decoded: no ring to make, nothing to send
+                break
             need = _slot_bytes(tensors)
             if producer is None:
                 # The ring is where decode made the batch: on its GPU, or in host memory (a
@@ -277,7 +279,8 @@ class Loader:
     non_blocking=True)`` from a batch is a DMA that returns at once, with no copy. The loader
     keeps each batch until the GPU work queued on the current stream when the next one is
     taken has run, so a batch dropped right after such a copy on the current stream is safe;
-    for a copy on another stream, keep the batch until that copy has run.
+    for a copy on another stream, keep the batch until that copy has run. Where torch sees no
+    CUDA GPU, ``pin_memory`` warns and is off, as torch's DataLoader's.
 
     Iterating gives one epoch: what ``decode`` returned, as tensors over the ring's slot (no
     copy). They are read-only, and the slot goes back to its worker once they are gone, so
@@ -347,8 +350,10 @@ class Loader:
             raise ValueError(f"pin_memory=True page-locks batches made on the CPU; these are made "
                              f"on {self.device} already: leave pin_memory out")
         if pin_memory and not torch.cuda.is_available():
-            raise ValueError("pin_memory=True page-locks batches for copies to a GPU, but torch "
-                             "sees no CUDA GPU here: leave pin_memory out")
+            # as torch's DataLoader does: the same script runs on a machine without a GPU
+            warnings.warn("pin_memory=True page-locks batches for copies to a GPU, but torch sees "
+                          "no CUDA GPU here: the batches stay in pageable memory", stacklevel=2)
+            pin_memory = False
         self.pin_memory = bool(pin_memory)
         if self.pin_memory:
             # torch's is_pinned() answers False for every pointer until torch has initialised
@@ -668,6 +673,8 @@ class Loader:
         """The batch numbered self._next, as what decode returned."""
         from .torch import as_tensor
 
+        if self._closed:  # an iterator made before close(): its workers are stopped
+            raise Error("this Loader is closed: make a new one for more batches")
         g = self._next
         t0 = time.monotonic()
         if self._pinned is not None:
@@ -759,9 +766,6 @@ class Loader:
         while time.monotonic() < deadline and any(
                 r.proc.is_alive() and not r.closing.is_set() for r in self._rings):
             time.sleep(0.01)
-        deadline = time.monotonic() + _CLOSING_S
-        for r in self._rings:
-            r.proc.join(timeout=max(0.0, deadline - time.monotonic()))
         for r in self._rings:
             if r.proc.is_alive() and not r.closing.is_set():
                 r.proc.kill()
