@@ -760,7 +760,7 @@ def test_mixed_decode_on_a_gpu_feeds_one_trainer_from_a_gpu_ring_and_page_locked
             assert images.device == dev and lab.device == dev and images.shape == (2, 3, SIZE, SIZE)
             labels += lab.tolist()
         up.close()
-        on_gpu = [bool(r.on_gpu.value) for r in loader._rings]
+        on_gpu = [bool(r.flags.on_gpu.value) for r in loader._rings]
         # where the rings are, and which are page-locked, as the trainer attached to them
         rings = sorted((c.backend, c.pinned) for c in (r.consumer for r in loader._rings) if c is not None)
     assert on_gpu.count(True) == 1, on_gpu

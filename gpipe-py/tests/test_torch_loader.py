@@ -393,7 +393,7 @@ def test_a_pause_after_a_worker_ends_loses_none_of_its_batches():
         it = iter(loader)
         for _ in range(6):
             got += next(it)["index"].tolist()
-        loader._rings[1].retire.set()  # what auto does to the workers of a step that failed
+        loader._rings[1].flags.retire.set()  # what auto does to the workers of a step that failed
         time.sleep(7)  # longer than a producer's default drain_timeout (5 s)
         for _ in range(10):
             got += next(it)["index"].tolist()
@@ -870,6 +870,40 @@ def test_pinned_batches_go_back_only_once_the_stream_has_read_them(monkeypatch):
     assert closed_after and min(closed_after) >= last, "the ring was closed before its last copy ran"
     stream.wait(stream.queued)
     assert got == [float(i) for i in range(0, n, b)]
+
+
+def test_a_ring_that_cannot_be_page_locked_is_read_unpinned_and_loses_no_batch(monkeypatch):
+    """pin_memory where the driver refuses to page-lock a ring: the failed attach has joined
+    the ring and left it (the page-lock runs after the handshake), so a batch its worker
+    published then would reach no one. The loader warns, attaches again without the
+    page-lock, tries no other ring, and every batch comes, in order."""
+    stream = LaggingStream()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Event", stream.event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)
+    real = gpipe.Consumer
+    tried: list[str] = []
+
+    def refusing(sock: str, *a: Any, pin_memory: bool = False, **k: Any) -> Any:
+        if not pin_memory:
+            return real(sock, *a, **k)
+        tried.append(sock)
+        joined = real(sock, *a, **k)  # joined, as a page-lock after the handshake would be
+        time.sleep(0.3)  # long enough for the worker to publish to it
+        joined.close()
+        raise gpipe.AttachError("pin_memory: CUDA could not page-lock the ring's 2 MiB on device 0 "
+                                "(a stand-in refusal)")
+
+    monkeypatch.setattr(gpipe, "Consumer", refusing)
+    n, b = 64, 4
+    with pytest.warns(UserWarning, match=r"the ring of decode worker \d could not be page-locked.*"
+                                         r"a stand-in refusal"):
+        with Loader(Numbers(n), decode, batch_size=b, device="cpu", workers=2, shuffle=False,
+                    epochs=1, timeout=60, pin_memory=True) as loader:
+            got = [int(i) for batch in loader for i in batch["index"]]
+    assert got == list(range(n))
+    assert len(tried) == 1, tried
 
 
 class Unreadable(Numbers):

@@ -145,8 +145,22 @@ def _run_nicer(increment: int) -> None:
             pass
 
 
+class _Flags:
+    """What one worker and the trainer tell each other about its ring (shared objects of the
+    spawn context, handed to the worker when it starts)."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.retire = ctx.Event()  # set by the trainer: publish what it claimed, then end
+        self.closing = ctx.Event()  # set by the worker: it is closing its ring
+        # set by the worker before it makes its ring: the ring is on a GPU
+        self.on_gpu = ctx.Value("b", False)
+        # set by the trainer once it has attached for good (an attach that failed to page-lock
+        # the ring joined and left: what the worker published then reached no one)
+        self.attached = ctx.Event()
+
+
 def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim: Any,
-            stop: Any, retire: Any, closing: Any, on_gpu: Any, errors: Any) -> None:
+            stop: Any, flags: _Flags, errors: Any) -> None:
     """One decode process: claims batch numbers until stopped (or the epochs are done) and
     publishes each decoded batch into its ring at `sock`. The next batch's samples are read on
     a thread while this one decodes (file reads release the GIL). Retired, it claims no more
@@ -182,7 +196,7 @@ def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim:
             g = pending[0]
             samples = pending[1].result()  # a read that failed raises here, named with g
             # its reads run while this batch decodes; a retired worker claims no more
-            pending = None if retire.is_set() else claim_next()
+            pending = None if flags.retire.is_set() else claim_next()
             tensors, kind = _named(decode(samples, device))
             if stop.is_set():  # closed while it decoded: no ring to make, nothing to send
                 break
@@ -191,7 +205,7 @@ def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim:
                 # The ring is where decode made the batch: on its GPU, or in host memory (a
                 # decode may choose per worker); the trainer learns which before it attaches.
                 gpu = next((t.device for t in tensors.values() if t.is_cuda), None)
-                on_gpu.value = gpu is not None
+                flags.on_gpu.value = gpu is not None
                 # A worker that ends (retired, or its epochs done) waits in close() until the
                 # trainer has taken what it published and let go of its ring, however long
                 # the trainer's steps take; a dead trainer is let go at once.
@@ -201,13 +215,14 @@ def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim:
                     **({"device": gpu.index or 0} if gpu is not None else {}),
                 )
                 # Broadcast rings give a consumer what is published after it attached: the
-                # first batch waits for the trainer.
+                # first batch waits for the trainer's attach, the one it keeps.
                 while not stop.is_set():
                     try:
                         producer.wait_for_consumers(1, timeout=0.2)
-                        break
                     except Timeout:
                         continue
+                    if flags.attached.wait(0.2):
+                        break
             if need > producer.slot_bytes:
                 sized = "slot_bytes" if cfg["slot_bytes"] else "this worker's first batch"
                 raise ValueError(f"batch {g} takes {need} bytes, more than the {producer.slot_bytes} "
@@ -228,7 +243,7 @@ def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim:
             os._exit(1)
     finally:
         reader.shutdown(wait=False, cancel_futures=True)
-        closing.set()  # what follows waits only for the trainer (see Loader._shut_down)
+        flags.closing.set()  # what follows waits only for the trainer (see Loader._shut_down)
         if producer is not None:
             producer.close()
 
@@ -236,15 +251,12 @@ def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim:
 class _Ring:
     """The trainer's side of one worker: its process, its ring, the batch held from it."""
 
-    def __init__(self, k: int, sock: str, proc: Any, retire: Any, closing: Any, on_gpu: Any) -> None:
-        self.k, self.sock, self.proc = k, sock, proc
+    def __init__(self, k: int, sock: str, proc: Any, flags: _Flags) -> None:
+        self.k, self.sock, self.proc, self.flags = k, sock, proc, flags
         self.consumer: Any = None
         self.held: Optional[int] = None  # the batch number received from it and not yet taken
         self.first_at: Optional[int] = None  # the batch count when its first batch came
         self.done = False
-        self.retire = retire  # set: it publishes what it claimed, then ends
-        self.closing = closing  # set by the worker: it is closing its ring
-        self.on_gpu = on_gpu  # set by the worker before it makes its ring: the ring is on a GPU
         # when its latest batches were published (auto's rates), those of the current window
         self.stamps: collections.deque = collections.deque(maxlen=WINDOW)
 
@@ -280,7 +292,8 @@ class Loader:
     keeps each batch until the GPU work queued on the current stream when the next one is
     taken has run, so a batch dropped right after such a copy on the current stream is safe;
     for a copy on another stream, keep the batch until that copy has run. Where torch sees no
-    CUDA GPU, ``pin_memory`` warns and is off, as torch's DataLoader's.
+    CUDA GPU, ``pin_memory`` warns and is off, as torch's DataLoader's; where the driver cannot
+    page-lock a ring, the loader warns and reads it, and the rings after it, unlocked.
 
     Iterating gives one epoch: what ``decode`` returned, as tensors over the ring's slot (no
     copy). They are read-only, and the slot goes back to its worker once they are gone, so
@@ -384,6 +397,7 @@ class Loader:
         self._waits: collections.deque = collections.deque(maxlen=WINDOW)
         self._window_ns = 0  # when the current window began (CLOCK_MONOTONIC ns)
         self._pinned = PinnedHold() if self.pin_memory else None
+        self._pin_failed = False  # a ring could not be page-locked: the others are not tried
         self._last_t: Optional[float] = None
         # auto's step on trial: (workers before it, batches/s before it, workers with it, the
         # gain it should bring, whether the trainer waited), or None
@@ -405,19 +419,19 @@ class Loader:
 
     def _active(self) -> list[_Ring]:
         """The workers' rings that are not retired."""
-        return [r for r in self._rings if not r.retire.is_set()]
+        return [r for r in self._rings if not r.flags.retire.is_set()]
 
     def _start_worker(self) -> None:
         k = len(self._rings)
         sock = os.path.join(self._dir, f"w{k}.sock")
-        retire, closing, on_gpu = self._ctx.Event(), self._ctx.Event(), self._ctx.Value("b", False)
+        flags = _Flags(self._ctx)
         p = self._ctx.Process(
             target=_worker, name=f"gpipe-loader-worker-{k}", daemon=True,
             args=(k, sock, self.dataset, self.decode, self._cfg, self._claim, self._stop,
-                  retire, closing, on_gpu, self._errors),
+                  flags, self._errors),
         )
         p.start()
-        self._rings.append(_Ring(k, sock, p, retire, closing, on_gpu))
+        self._rings.append(_Ring(k, sock, p, flags))
 
     def _failed(self, ring: _Ring) -> Error:
         """The error of a worker that ended: its own exception if it sent one."""
@@ -491,7 +505,7 @@ class Loader:
                 also = f"or no waiting (one rank of {self._world})" if peers else \
                     f"or {1 + MIN_GAIN:.2f}x and no waiting"
                 for r in self._active()[before:]:
-                    r.retire.set()
+                    r.flags.retire.set()
                 self._frozen, self._frozen_at = True, self._taken
                 self.why = (f"auto: {before} worker(s): {tried} made the trainer take "
                             f"{min(rate, taken):.2f} batches/s against {was:.2f} with {before}, "
@@ -624,12 +638,24 @@ class Loader:
                 elif ring.proc.exitcode is not None:
                     raise self._failed(ring)
                 return False
-            from . import Consumer
+            from . import AttachError, Consumer
 
             # A CPU loader's worker whose decode made its batches on a GPU has its ring there,
             # read on that GPU (device None); only host rings are page-locked.
-            ring.consumer = Consumer(ring.sock, device=self.device if _is_cuda(self.device) else None,
-                                     timeout=30.0, pin_memory=self.pin_memory and not ring.on_gpu.value)
+            device = self.device if _is_cuda(self.device) else None
+            pin = self.pin_memory and not self._pin_failed and not ring.flags.on_gpu.value
+            try:
+                ring.consumer = Consumer(ring.sock, device=device, timeout=30.0, pin_memory=pin)
+            except AttachError as e:
+                if not pin:
+                    raise
+                # Copies from pageable memory work, through the driver's staging: carry on
+                ring.consumer = Consumer(ring.sock, device=device, timeout=30.0)
+                self._pin_failed = True
+                warnings.warn(f"pin_memory: the ring of decode worker {ring.k} could not be "
+                              f"page-locked, so the batches stay in pageable memory, and copies "
+                              f"from them to a GPU wait for the CPU ({e})", stacklevel=4)
+            ring.flags.attached.set()  # its worker may publish: this attach is the one kept
         return True
 
     def _poll(self, ring: _Ring, timeout: float) -> bool:
@@ -764,10 +790,10 @@ class Loader:
         # close by the deadline is stuck (a decode that does not return): killed.
         deadline = time.monotonic() + _STOP_S
         while time.monotonic() < deadline and any(
-                r.proc.is_alive() and not r.closing.is_set() for r in self._rings):
+                r.proc.is_alive() and not r.flags.closing.is_set() for r in self._rings):
             time.sleep(0.01)
         for r in self._rings:
-            if r.proc.is_alive() and not r.closing.is_set():
+            if r.proc.is_alive() and not r.flags.closing.is_set():
                 r.proc.kill()
                 r.proc.join(timeout=5.0)
         shutil.rmtree(self._dir, ignore_errors=True)
