@@ -113,7 +113,8 @@ class Upload:
     been taken; then the trainer waits for its copy (long done by then) and lets it go, so
     the slot is not refilled while the copy reads it. Where the slot is not page-locked, the
     buffer goes through a page-locked copy instead (``pinned`` is then False) and the slot
-    goes at once. ``seconds`` says where this process's time went, over
+    goes at once. ``pinned`` says whether every batch so far came page-locked,
+    ``batches_pinned`` how many did. ``seconds`` says where this process's time went, over
     ``batches_uploaded`` batches: reading the table and drawing the crops, the copy's and
     the kernel's calls (which should return at once), the labels' copy, waiting for the last
     batch's copy, and all of it.
@@ -130,6 +131,7 @@ class Upload:
         self.seconds = {"prepare": 0.0, "copy_call": 0.0, "augment_call": 0.0, "labels": 0.0,
                         "wait_last_copy": 0.0, "upload": 0.0}
         self.batches_uploaded = 0
+        self.batches_pinned = 0  # of those, copied straight from a page-locked slot
         if self.cuda and self.augment.kernel != "fused":
             raise SystemExit("host decode needs the fused augmentation kernel (CuPy, and "
                              f"GPIPE_AUGMENT not 'torch'); it is not available on {device}")
@@ -162,13 +164,14 @@ class Upload:
             return self.augment.apply(_images(buf, rows), boxes, flips), labels.clone(), info
         dev = self.device
         self.seconds["prepare"] += time.perf_counter() - t_start
-        if self.pinned is None:
-            self.pinned = buf.is_pinned()
-            if not self.pinned:
-                print("host decode: the loader's slots are not page-locked (Loader(pin_memory="
-                      "True)); copying each batch through page-locked memory instead",
-                      file=sys.stderr)
-        src = buf[:used] if self.pinned else buf[:used].pin_memory()
+        pinned = buf.is_pinned()  # per batch: a ring the driver refused to lock is not
+        if not pinned and self.pinned is not False:
+            print("host decode: the loader's slots are not page-locked (Loader(pin_memory="
+                  "True)); copying such batches through page-locked memory instead",
+                  file=sys.stderr)
+        self.pinned = pinned and self.pinned is not False
+        self.batches_pinned += pinned
+        src = buf[:used] if pinned else buf[:used].pin_memory()
         cur = torch.cuda.current_stream(dev)
         with torch.cuda.stream(self.side):
             staging = torch.empty(used, dtype=torch.uint8, device=dev)
@@ -188,7 +191,7 @@ class Upload:
         labels_d.record_stream(cur)
         self._let_go()
         # the slot is held until its copy has run; a page-locked copy of it, in its stead
-        self.held = ((buf, table, labels) if self.pinned else (src,), done)
+        self.held = ((buf, table, labels) if pinned else (src,), done)
         self.seconds["upload"] += time.perf_counter() - t_start
         self.batches_uploaded += 1
         return out, labels_d, info

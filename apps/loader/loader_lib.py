@@ -201,6 +201,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             figures["slots_pinned_in_place"] = upload.pinned
             figures["upload_s"] = {k: round(v, 3) for k, v in upload.seconds.items()}
             figures["batches_uploaded"] = upload.batches_uploaded
+            figures["batches_pinned"] = upload.batches_pinned
     leave_group()
     emit({"role": "trainer", "label": a.label, "mode": "loader", "model": a.model, "device": str(dev),
           "rank": a.rank, "world_size": a.world_size, "source": data.kind, **figures, **out,

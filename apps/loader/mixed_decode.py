@@ -20,8 +20,8 @@ are (buffer, table, labels) in a page-locked host ring; the trainer augments the
 
 from __future__ import annotations
 
-import atexit
 import multiprocessing
+import os
 from typing import Any, Optional
 
 import torch
@@ -31,8 +31,8 @@ class MixedDecode:
     """decode(samples, device) for a CPU Loader (``device="cpu"``, ``pin_memory=True``): in
     the first `gpu_workers` processes that call it, ``on_gpu(samples, gpu)`` with that
     process's current CUDA device set to `gpu` (a CUDA device, but for tests); in the others,
-    ``on_host(samples, cpu)``. A process that took the GPU decoder gives its place back when
-    it ends (a worker the Loader retired, say), so a later worker takes it.
+    ``on_host(samples, cpu)``. A GPU place whose process has ended (a worker the Loader
+    retired or killed, say) goes to the next process that asks.
     ``on_host`` must have ``slot_bytes`` and ``batch`` (the Loader's room for its batches, and
     their size), ``on_gpu`` ``batch_bytes(batch)`` (the room one of its batches takes)."""
 
@@ -41,8 +41,9 @@ class MixedDecode:
             raise ValueError(f"gpu_workers must be an int of 0 or more; got {gpu_workers!r}")
         self.gpu_workers = gpu_workers
         self.gpu, self.on_gpu, self.on_host = gpu, on_gpu, on_host
-        # handed to the workers with the Loader's arguments when they start (spawn)
-        self._left = multiprocessing.get_context("spawn").Value("i", gpu_workers)
+        # the process holding each GPU place (0: none), handed to the workers with the
+        # Loader's arguments when they start (spawn)
+        self._places = multiprocessing.get_context("spawn").Array("q", max(1, gpu_workers))
         self.role: Optional[str] = None  # this process's: "gpu" or "host", at its first batch
 
     def __getstate__(self) -> dict:
@@ -57,22 +58,34 @@ class MixedDecode:
 
     @property
     def gpu_workers_now(self) -> int:
-        """How many processes hold the GPU decoder now."""
-        return self.gpu_workers - self._left.value
-
-    def _give_back(self) -> None:
-        with self._left.get_lock():
-            self._left.value += 1
+        """How many live processes hold the GPU decoder now."""
+        with self._places.get_lock():
+            return sum(_alive(pid) for pid in self._places[: self.gpu_workers])
 
     def __call__(self, samples: list, device: torch.device) -> tuple:
         if self.role is None:
-            with self._left.get_lock():
-                self.role = "gpu" if self._left.value > 0 else "host"
-                if self.role == "gpu":
-                    self._left.value -= 1
-                    atexit.register(self._give_back)  # a worker ends by returning: it runs
+            self.role = "host"
+            with self._places.get_lock():
+                for i in range(self.gpu_workers):
+                    if not _alive(self._places[i]):
+                        self._places[i] = os.getpid()
+                        self.role = "gpu"
+                        break
             if self.role == "gpu" and self.gpu.type == "cuda":
                 torch.cuda.set_device(self.gpu)
         if self.role == "gpu":
             return self.on_gpu(samples, self.gpu)
         return self.on_host(samples, torch.device("cpu"))
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` (0: none) is running: not ended, nor a zombie its parent has not
+    reaped yet (a worker killed by the Loader is one until it is joined)."""
+    if pid == 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")

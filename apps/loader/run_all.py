@@ -118,7 +118,8 @@ class Runner:
 
 TRAINER_FIELDS = ("images_per_s", "workers", "workers_why", "settle_steps", "settled", "wait_fraction", "host_wait_fraction", "gpu_util", "steps", "seconds",
                   "startup_s", "epochs", "loss", "timeline", "mps", "gpu", "kernel", "cpus", "source",
-                  "host_decode", "mixed_gpu_workers", "slots_pinned_in_place", "upload_s", "batches_uploaded")
+                  "host_decode", "mixed_gpu_workers", "slots_pinned_in_place", "upload_s", "batches_uploaded",
+                  "batches_pinned")
 PRODUCER_FIELDS = ("images_per_s", "steady_images_per_s", "busy_images_per_s", "decode_wait_s", "acquire_s",
                    "work_s", "read_s", "decode_s", "batches", "end", "source")
 

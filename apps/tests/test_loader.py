@@ -681,6 +681,11 @@ def _decode_once_and_end(mixed, samples: list) -> None:
     mixed(samples, torch.device("cpu"))
 
 
+def _decode_once_and_hang(mixed, samples: list) -> None:
+    mixed(samples, torch.device("cpu"))
+    time.sleep(3600)
+
+
 def test_mixed_decode_sizes_slots_for_either_decoder_and_a_gpu_place_outlives_no_worker(data):
     import host_decode
     import loader_lib
@@ -692,18 +697,28 @@ def test_mixed_decode_sizes_slots_for_either_decoder_and_a_gpu_place_outlives_no
     assert small.slot_bytes == crops == loader_lib.DecodeAugment(SIZE, 0).batch_bytes(2) > small.on_host.slot_bytes
     big = mixed_decode.MixedDecode(1, torch.device("cpu"), MadeElsewhere(), host_decode.HostDecode(2, (640, 480)))
     assert big.slot_bytes == big.on_host.slot_bytes > crops
-    # a process that took the GPU decoder gives its place back when it ends
+    # a GPU place is free again once its process has ended, or been killed
     samples = _jpegs(data, 2)
     ctx = multiprocessing.get_context("spawn")
-    for _ in range(2):
-        p = ctx.Process(target=_decode_once_and_end, args=(small, samples))
-        p.start()
-        p.join(60)
-        assert p.exitcode == 0
-        assert small.gpu_workers_now == 0, "the GPU decoder's place was not given back"
-    # ... and one that holds it is counted
-    small(samples, torch.device("cpu"))
-    assert small.role == "gpu" and small.gpu_workers_now == 1
+    p = ctx.Process(target=_decode_once_and_end, args=(big, samples))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    assert big.gpu_workers_now == 0, "the GPU place of a process that ended is still taken"
+    p = ctx.Process(target=_decode_once_and_hang, args=(big, samples), daemon=True)
+    p.start()
+    deadline = time.monotonic() + 60
+    while big.gpu_workers_now == 0:
+        assert time.monotonic() < deadline and p.is_alive(), "the process took no GPU place"
+        time.sleep(0.05)
+    big(samples, torch.device("cpu"))  # the one place is held: this process decodes on the host
+    assert big.role == "host" and big.gpu_workers_now == 1
+    p.kill()
+    p.join(10)
+    assert big.gpu_workers_now == 0, "the GPU place of a killed process is still taken"
+    big.role = None  # as a new worker: the free place goes to the next process that asks
+    big(samples, torch.device("cpu"))
+    assert big.role == "gpu" and big.gpu_workers_now == 1
 
 
 def test_mixed_decode_gives_its_first_workers_the_gpu_decoder_and_upload_passes_their_batches(data):

@@ -10,6 +10,7 @@ import os
 import queue
 import signal
 import threading
+import warnings
 import time
 from typing import Any, Callable
 
@@ -522,14 +523,6 @@ def test_bad_arguments_and_a_bad_decode_say_what_is_wrong():
             assert loader.max_workers == min(8, share)
         with pytest.raises(ValueError, match="made on cuda:0 already: leave pin_memory out"):
             Loader(Numbers(10), decode, batch_size=2, device="cuda:0", pin_memory=True)
-    else:  # as torch's DataLoader: a warning, and batches in pageable memory
-        with pytest.warns(UserWarning, match="sees no CUDA GPU here: the batches stay in pageable"):
-            with Loader(Numbers(16), decode, batch_size=4, device="cpu", workers=1, epochs=1,
-                        shuffle=False, pin_memory=True) as loader:
-                assert not loader.pin_memory
-                got = [int(x) for batch in loader for x in batch["index"]]
-        assert got == list(range(16))
-
 
 
 def test_autos_limit_shares_the_cpus_among_the_trainers_of_the_node(monkeypatch):
@@ -872,11 +865,23 @@ def test_pinned_batches_go_back_only_once_the_stream_has_read_them(monkeypatch):
     assert got == [float(i) for i in range(0, n, b)]
 
 
-def test_a_ring_that_cannot_be_page_locked_is_read_unpinned_and_loses_no_batch(monkeypatch):
-    """pin_memory where the driver refuses to page-lock a ring: the failed attach has joined
-    the ring and left it (the page-lock runs after the handshake), so a batch its worker
-    published then would reach no one. The loader warns, attaches again without the
-    page-lock, tries no other ring, and every batch comes, in order."""
+def test_pin_memory_without_a_cuda_gpu_warns_and_carries_on(monkeypatch):
+    # as torch's DataLoader: a warning, and batches in pageable memory
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.warns(UserWarning, match="sees no CUDA GPU here: the batches stay in pageable") as w:
+        loader = Loader(Numbers(16), decode, batch_size=4, device="cpu", workers=1, epochs=1,
+                        shuffle=False, pin_memory=True)
+    assert w[0].filename == __file__  # the caller's line
+    with loader:
+        assert not loader.pin_memory
+        got = [int(x) for batch in loader for x in batch["index"]]
+    assert got == list(range(16))
+
+
+def _refuse_page_locks(monkeypatch) -> list:
+    """pin_memory on this host: torch's CUDA calls stand in, and an attach with the page-lock
+    joins the ring, leaves it, and raises as the driver's refusal does; returns the sockets
+    of those attaches."""
     stream = LaggingStream()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "init", lambda: None)
@@ -892,18 +897,53 @@ def test_a_ring_that_cannot_be_page_locked_is_read_unpinned_and_loses_no_batch(m
         joined = real(sock, *a, **k)  # joined, as a page-lock after the handshake would be
         time.sleep(0.3)  # long enough for the worker to publish to it
         joined.close()
-        raise gpipe.AttachError("pin_memory: CUDA could not page-lock the ring's 2 MiB on device 0 "
-                                "(a stand-in refusal)")
+        raise gpipe.AttachError("backend error: slot memory: pin_memory: CUDA could not "
+                                "page-lock the ring's 2 MiB on device 0 (a stand-in refusal)")
 
     monkeypatch.setattr(gpipe, "Consumer", refusing)
+    return tried
+
+
+def test_a_ring_that_cannot_be_page_locked_is_read_unpinned_and_loses_no_batch(monkeypatch):
+    """pin_memory where the driver refuses to page-lock a ring: the failed attach has joined
+    the ring and left it (the page-lock runs after the handshake), so a batch its worker
+    published then would reach no one. The loader warns, attaches again without the
+    page-lock, tries no other ring, and every batch comes, in order."""
+    tried = _refuse_page_locks(monkeypatch)
     n, b = 64, 4
     with pytest.warns(UserWarning, match=r"the ring of decode worker \d could not be page-locked.*"
-                                         r"a stand-in refusal"):
+                                         r"a stand-in refusal") as w:
         with Loader(Numbers(n), decode, batch_size=b, device="cpu", workers=2, shuffle=False,
                     epochs=1, timeout=60, pin_memory=True) as loader:
             got = [int(i) for batch in loader for i in batch["index"]]
     assert got == list(range(n))
     assert len(tried) == 1, tried
+    assert [x.filename for x in w] == [__file__]  # once, at the caller's line
+
+
+def test_a_page_lock_warning_made_an_error_still_leaves_the_ring_usable(monkeypatch):
+    # python -W error: the warning raises from the loop, and the worker must still publish
+    # to the attach that was kept
+    _refuse_page_locks(monkeypatch)
+    n, b = 64, 4
+    with Loader(Numbers(n), decode, batch_size=b, device="cpu", workers=1, shuffle=False,
+                epochs=1, timeout=60, pin_memory=True) as loader:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(UserWarning, match="could not be page-locked"):
+                next(iter(loader))
+        got = [int(i) for batch in loader for i in batch["index"]]
+    assert got == list(range(n))
+
+
+def test_an_attach_error_that_is_not_the_page_lock_is_raised(monkeypatch):
+    _refuse_page_locks(monkeypatch)
+    monkeypatch.setattr(gpipe, "Consumer", lambda *a, **k: (_ for _ in ()).throw(
+        gpipe.AttachError("the producer refused the attach: the ring is full")))
+    with Loader(Numbers(16), decode, batch_size=4, device="cpu", workers=1, timeout=60,
+                pin_memory=True) as loader:
+        with pytest.raises(gpipe.AttachError, match="the ring is full"):
+            next(iter(loader))
 
 
 class Unreadable(Numbers):

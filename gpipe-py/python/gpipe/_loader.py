@@ -223,6 +223,8 @@ def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim:
                         continue
                     if flags.attached.wait(0.2):
                         break
+                if stop.is_set():
+                    break
             if need > producer.slot_bytes:
                 sized = "slot_bytes" if cfg["slot_bytes"] else "this worker's first batch"
                 raise ValueError(f"batch {g} takes {need} bytes, more than the {producer.slot_bytes} "
@@ -397,7 +399,8 @@ class Loader:
         self._waits: collections.deque = collections.deque(maxlen=WINDOW)
         self._window_ns = 0  # when the current window began (CLOCK_MONOTONIC ns)
         self._pinned = PinnedHold() if self.pin_memory else None
-        self._pin_failed = False  # a ring could not be page-locked: the others are not tried
+        # the refusal of a ring's page-lock, if one came: the later rings are not tried
+        self._pin_failed: Optional[str] = None
         self._last_t: Optional[float] = None
         # auto's step on trial: (workers before it, batches/s before it, workers with it, the
         # gain it should bring, whether the trainer waited), or None
@@ -643,19 +646,27 @@ class Loader:
             # A CPU loader's worker whose decode made its batches on a GPU has its ring there,
             # read on that GPU (device None); only host rings are page-locked.
             device = self.device if _is_cuda(self.device) else None
-            pin = self.pin_memory and not self._pin_failed and not ring.flags.on_gpu.value
+            pin = self.pin_memory and self._pin_failed is None and not ring.flags.on_gpu.value
+            refused = None
             try:
                 ring.consumer = Consumer(ring.sock, device=device, timeout=30.0, pin_memory=pin)
             except AttachError as e:
-                if not pin:
+                # the page-lock's own refusals name it (gpipe-py's pin.rs and consumer.rs);
+                # any other attach error is not one pageable memory would mend
+                if not pin or "pin_memory" not in str(e):
                     raise
                 # Copies from pageable memory work, through the driver's staging: carry on
                 ring.consumer = Consumer(ring.sock, device=device, timeout=30.0)
-                self._pin_failed = True
+                # its text only: the exception's traceback would keep this call's frames, and
+                # the batch tensors they come to hold, alive
+                self._pin_failed = refused = str(e)
+            # its worker may publish: this attach is the one kept (first: a warning may raise)
+            ring.flags.attached.set()
+            if refused is not None:
                 warnings.warn(f"pin_memory: the ring of decode worker {ring.k} could not be "
-                              f"page-locked, so the batches stay in pageable memory, and copies "
-                              f"from them to a GPU wait for the CPU ({e})", stacklevel=4)
-            ring.flags.attached.set()  # its worker may publish: this attach is the one kept
+                              f"page-locked, so it and the rings after it stay in pageable memory, "
+                              f"and copies from them to a GPU wait for the CPU ({refused})",
+                              stacklevel=4)
         return True
 
     def _poll(self, ring: _Ring, timeout: float) -> bool:
