@@ -243,9 +243,10 @@ def decode_50ms(samples, device):
 
 
 def train_until_settled(loader: Loader, device_seconds: Callable[[int], float], n: int, seed: int,
-                        rank: int = 0, world: int = 1) -> None:
+                        rank: int = 0, world: int = 1, host_seconds: float = 0.0) -> None:
     """Epochs until `auto` settles, each batch followed by a device job of
-    `device_seconds(loader.workers)`; every epoch must be whole, in order, and this rank's."""
+    `device_seconds(loader.workers)` and `host_seconds` the host sees pass (a DDP rank's wait
+    in the all-reduce, say); every epoch must be whole, in order, and this rank's."""
     dev = Device(device_seconds(1))
     deadline = time.monotonic() + 120
     epochs = []
@@ -257,6 +258,7 @@ def train_until_settled(loader: Loader, device_seconds: Callable[[int], float], 
             del batch
             dev.seconds = device_seconds(loader.workers)
             dev.submit()
+            time.sleep(host_seconds)
         epochs.append(seen)
     mine = len(loader) * loader._cfg["plan"][1]
     assert all(seen == order(n, seed, e)[rank:(n // world) * world:world][:mine]
@@ -306,16 +308,8 @@ def test_a_rank_of_several_that_waits_doubles_its_workers():
     n, b = 2400, 4
     with Loader(Numbers(n), decode_50ms, batch_size=b, device="cpu", max_workers=4, seed=8,
                 rank=0, world_size=2) as loader:
-        deadline = time.monotonic() + 120
-        epochs = []
-        while not epochs or not loader.settled:
-            assert time.monotonic() < deadline, f"auto did not settle: {loader.why}"
-            seen = []
-            for batch in loader:
-                seen.extend(batch["index"].tolist())
-                time.sleep(0.020)  # seen by the host, as the all-reduce's wait is
-            epochs.append(seen)
-        assert all(seen == order(n, 8, e)[0:n:2][:len(loader) * b] for e, seen in enumerate(epochs))
+        train_until_settled(loader, lambda workers: 0.0, n, 8, rank=0, world=2,
+                            host_seconds=0.020)  # seen by the host, as the all-reduce's wait is
         assert loader.workers == 4, loader.why
         assert "workers 2-3 started" in loader.why and "so it doubles them" in loader.why, loader.why
         assert "kept" in loader.why, loader.why
