@@ -574,6 +574,16 @@ def test_a_batch_larger_than_its_slot_names_slot_bytes():
             Loader(Numbers(64), decode, batch_size=4, device="cpu", slot_bytes=bad)
 
 
+def workers_end(procs: list) -> None:
+    """The workers' processes end on their own (not killed) within a minute, their batches
+    dropped."""
+    deadline = time.monotonic() + 60
+    while any(p.is_alive() for p in procs):
+        assert time.monotonic() < deadline, "a worker did not end after the batches were dropped"
+        time.sleep(0.05)
+    assert [p.exitcode for p in procs] == [0] * len(procs)  # ended, not killed
+
+
 def test_close_is_prompt_and_a_batch_kept_past_it_stays_valid():
     # A worker's ring stays mapped while tensors of its batches live; close() does not wait
     # for them (nor kill the worker): the worker ends on its own once they are dropped.
@@ -592,11 +602,7 @@ def test_close_is_prompt_and_a_batch_kept_past_it_stays_valid():
     procs = [r.proc for r in loader._rings]
     del kept, it
     gc.collect()
-    deadline = time.monotonic() + 60
-    while any(p.is_alive() for p in procs):
-        assert time.monotonic() < deadline, "a worker did not end after the batches were dropped"
-        time.sleep(0.05)
-    assert [p.exitcode for p in procs] == [0, 0]  # ended, not killed
+    workers_end(procs)
 
 
 def decode_stuck(samples, device):
@@ -670,11 +676,7 @@ def test_on_a_gpu_close_is_prompt_and_a_batch_kept_past_it_stays_valid():
     procs = [r.proc for r in loader._rings]
     del kept, it
     gc.collect()
-    deadline = time.monotonic() + 60
-    while any(p.is_alive() for p in procs):
-        assert time.monotonic() < deadline, "a worker did not end after the batches were dropped"
-        time.sleep(0.05)
-    assert [p.exitcode for p in procs] == [0, 0]
+    workers_end(procs)
 
 @cuda
 def test_pinned_slots_copy_to_a_gpu_without_blocking_and_unlock_when_unmapped():
