@@ -720,6 +720,47 @@ def test_pinned_batches_dropped_after_a_queued_copy_are_not_refilled_under_it():
     assert torch.cat(got).cpu().tolist() == [float(i) for i in range(n)]
 
 
+TRAINER_THAT_IS_KILLED = r"""
+import os, sys
+sys.path.insert(0, os.environ["TESTS"])
+from gpipe.torch import Loader
+from test_torch_loader import Numbers, decode
+if __name__ == "__main__":
+    loader = Loader(Numbers(4000), decode, batch_size=4, device="cpu", workers=2, shuffle=False)
+    it = iter(loader)
+    next(it)
+    print(" ".join(str(r.proc.pid) for r in loader._rings), flush=True)
+    sys.stdin.readline()  # until it is killed
+"""
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` runs (not ended, nor a zombie waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def test_the_workers_of_a_killed_trainer_end(tmp_path, child):
+    """A trainer killed (OOM, kill -9, a notebook's kernel restart) stops no worker: with no
+    consumer left, its ring takes every batch at once, and a worker making batches for no one
+    would keep its CPUs busy for good. Each must notice and end."""
+    script = tmp_path / "trainer.py"  # a file: spawned workers re-import the main module
+    script.write_text(TRAINER_THAT_IS_KILLED)
+    trainer = child(f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')",
+                    env={"TESTS": os.path.dirname(os.path.abspath(__file__))})
+    pids = [int(p) for p in trainer.readline(timeout=60).split()]
+    assert len(pids) == 2 and all(running(p) for p in pids)
+    os.kill(trainer.proc.pid, signal.SIGKILL)  # the trainer alone, not its process group
+    trainer.proc.wait(timeout=10)
+    deadline = time.monotonic() + 30
+    while any(running(p) for p in pids):
+        assert time.monotonic() < deadline, f"workers {[p for p in pids if running(p)]} outlived their trainer"
+        time.sleep(0.1)
+
+
 LOADER_ON_ANOTHER_GPU = r"""
 import ctypes, os, sys, torch
 sys.path.insert(0, os.environ["TESTS"])

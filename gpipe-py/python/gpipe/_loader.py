@@ -164,8 +164,15 @@ def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim:
     """One decode process: claims batch numbers until stopped (or the epochs are done) and
     publishes each decoded batch into its ring at `sock`. The next batch's samples are read on
     a thread while this one decodes (file reads release the GIL). Retired, it claims no more
-    and ends once the batches it claimed are published."""
+    and ends once the batches it claimed are published. It ends too once the trainer is gone
+    (killed: it stopped no one), which its ring cannot tell it: a broadcast ring with no
+    consumer takes every batch at once."""
     import gpipe
+
+    trainer = multiprocessing.parent_process()
+
+    def stopping() -> bool:
+        return stop.is_set() or (trainer is not None and not trainer.is_alive())
 
     _run_nicer(cfg["nice"])  # first: threads started from here on inherit it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
@@ -192,13 +199,13 @@ def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim:
     g = -1
     try:
         pending = claim_next()
-        while pending is not None and not stop.is_set():
+        while pending is not None and not stopping():
             g = pending[0]
             samples = pending[1].result()  # a read that failed raises here, named with g
             # its reads run while this batch decodes; a retired worker claims no more
             pending = None if flags.retire.is_set() else claim_next()
             tensors, kind = _named(decode(samples, device))
-            if stop.is_set():  # closed while it decoded: no ring to make, nothing to send
+            if stopping():  # closed while it decoded: no ring to make, nothing to send
                 break
             need = _slot_bytes(tensors)
             if producer is None:
@@ -216,21 +223,21 @@ def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim:
                 )
                 # Broadcast rings give a consumer what is published after it attached: the
                 # first batch waits for the trainer's attach, the one it keeps.
-                while not stop.is_set():
+                while not stopping():
                     try:
                         producer.wait_for_consumers(1, timeout=0.2)
                     except Timeout:
                         continue
                     if flags.attached.wait(0.2):
                         break
-                if stop.is_set():
+                if stopping():
                     break
             if need > producer.slot_bytes:
                 sized = "slot_bytes" if cfg["slot_bytes"] else "this worker's first batch"
                 raise ValueError(f"batch {g} takes {need} bytes, more than the {producer.slot_bytes} "
                                  f"of a slot (sized by {sized}): give Loader slot_bytes= the "
                                  "largest batch's size")
-            while not stop.is_set():
+            while not stopping():
                 try:
                     producer.send(tensors, meta=[_MAGIC, g, kind, time.monotonic_ns()], timeout=0.2)
                     break
