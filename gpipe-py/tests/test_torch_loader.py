@@ -720,6 +720,53 @@ def test_pinned_batches_dropped_after_a_queued_copy_are_not_refilled_under_it():
     assert torch.cat(got).cpu().tolist() == [float(i) for i in range(n)]
 
 
+class WithALock(Numbers):
+    """A dataset that cannot be pickled: it holds a lock."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.lock = threading.Lock()
+
+
+def test_a_decode_or_dataset_the_workers_cannot_be_given_is_named():
+    with pytest.raises(TypeError, match=r"^decode cannot be sent to the loader's workers.*"
+                                        r"Can't pickle local object.*not as a lambda"):
+        Loader(Numbers(16), lambda samples, device: decode(samples, device), batch_size=4,
+               device="cpu", workers=1)
+    with pytest.raises(TypeError, match=r"^the dataset cannot be sent to the loader's workers.*"
+                                        r"cannot pickle '_thread.lock'"):
+        Loader(WithALock(16), decode, batch_size=4, device="cpu", workers=1)
+
+
+TRAINER_WITHOUT_A_MAIN_GUARD = r"""
+import os, sys
+sys.path.insert(0, os.environ["TESTS"])
+from gpipe.torch import Loader
+from test_torch_loader import Numbers, decode
+loader = Loader(Numbers(64), decode, batch_size=4, device="cpu", workers=1, timeout=60)
+try:
+    next(iter(loader))
+except Exception as e:
+    print(type(e).__name__, e, flush=True)
+    os._exit(0)
+"""
+
+
+def test_a_script_that_makes_its_loader_unguarded_is_told(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"  # each spawned worker imports it, and makes a Loader too
+    script.write_text(TRAINER_WITHOUT_A_MAIN_GUARD)
+    env = {**os.environ, "TESTS": os.path.dirname(os.path.abspath(__file__))}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("Error decode worker 0"), out.stdout
+    assert 'under `if __name__ == "__main__":`' in out.stdout, out.stdout
+    assert "bootstrapping phase" in out.stderr  # the worker's own account, on its stderr
+
+
 TRAINER_THAT_IS_KILLED = r"""
 import os, sys
 sys.path.insert(0, os.environ["TESTS"])

@@ -24,6 +24,7 @@ import concurrent.futures
 import math
 import multiprocessing
 import os
+import pickle
 import shutil
 import signal
 import tempfile
@@ -440,7 +441,15 @@ class Loader:
             args=(k, sock, self.dataset, self.decode, self._cfg, self._claim, self._stop,
                   flags, self._errors),
         )
-        p.start()
+        try:
+            p.start()  # pickles its arguments: no process is started if that fails
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            raise TypeError(
+                f"{_unsendable(self.dataset, self.decode)} cannot be sent to the loader's workers, "
+                f"which are separate processes given it by pickle ({type(e).__name__}: {e}); "
+                "define it at the top level of a module the workers can import, not as a "
+                "lambda or a nested function, and holding no open files or locks"
+            ) from None
         self._rings.append(_Ring(k, sock, p, flags))
 
     def _failed(self, ring: _Ring) -> Error:
@@ -459,9 +468,16 @@ class Loader:
         ring.proc.join(timeout=1.0)
         code = ring.proc.exitcode
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with {code}"
+        # one that ended while it started (before it ran a decode) could not say why: its
+        # stderr does; the usual cause is a script that makes its Loader unguarded
+        starting = (ring.consumer is None and not os.path.exists(ring.sock) and code is not None
+                    and code > 0)
+        hint = (" It ended while it started, before it could say why (its stderr does): a "
+                "script that makes a Loader must do so under `if __name__ == \"__main__\":`, "
+                "since each worker imports it") if starting else ""
         return Error(f"decode worker {ring.k} (pid {ring.proc.pid}) {how} before publishing "
                      f"batch {self._next} (epoch {self._next // self.batches_per_epoch}); "
-                     "the batches it had claimed are lost, so this epoch cannot be completed")
+                     f"the batches it had claimed are lost, so this epoch cannot be completed.{hint}")
 
     def _maybe_scale(self, waited: float) -> None:
         """auto: more workers when the trainer waited too long over the last batches, and a
@@ -832,6 +848,20 @@ class Loader:
     def __repr__(self) -> str:
         return (f"Loader({self.batches_per_epoch} batches an epoch on {self.device}, "
                 f"{self.workers} worker(s); {self.why})")
+
+
+def _unsendable(dataset: Any, decode: Callable) -> str:
+    """Which of the workers' arguments cannot be pickled. Outside a process's start, pickling
+    refuses multiprocessing's shared objects (RuntimeError), which a start sends fine."""
+    bad = []
+    for what, obj in (("the dataset", dataset), ("decode", decode)):
+        try:
+            pickle.dumps(obj)
+        except RuntimeError:
+            pass
+        except Exception:  # noqa: BLE001 - whatever pickling raises
+            bad.append(what)
+    return " and ".join(bad) or "the dataset or decode"
 
 
 def _behind(made: float, taken: float) -> bool:
