@@ -713,8 +713,9 @@ class Loader:
             raise Deadlock(
                 f"decode worker {ring.k} cannot publish batch {self._next}: this process still "
                 f"holds tensors of an earlier batch of its ring, in the slot it must refill (a "
-                f"variable of an earlier loop, say); drop them (del) before taking more, or "
-                f"make the Loader with more slots (now {self._cfg['slots']}). ({e})"
+                f"variable of an earlier loop, say); drop them (del) before taking more, keep "
+                f"a copy (.clone()) of what must outlive its step, or make the Loader with more "
+                f"slots (now {self._cfg['slots']}). ({e})"
             ) from None
         meta = b.meta
         if meta[0] != _MAGIC:
