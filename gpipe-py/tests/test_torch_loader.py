@@ -766,6 +766,17 @@ def test_a_script_that_makes_its_loader_unguarded_is_told(tmp_path):
     assert out.stdout.startswith("Error decode worker 0"), out.stdout
     assert 'under `if __name__ == "__main__":`' in out.stdout, out.stdout
     assert "bootstrapping phase" in out.stderr  # the worker's own account, on its stderr
+    # a decode defined in `python -c` (as in a notebook): the worker cannot find it
+    code = TRAINER_WITHOUT_A_MAIN_GUARD.replace(
+        "from test_torch_loader import Numbers, decode",
+        "from test_torch_loader import Numbers\n"
+        "def decode(samples, device): return torch.tensor([s[0] for s in samples])\n"
+        "import torch")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "defined in `python -c` or a notebook cannot be found there" in out.stdout, out.stdout
+    assert "Can't get attribute 'decode'" in out.stderr, out.stderr[-3000:]
 
 
 TRAINER_THAT_IS_KILLED = r"""

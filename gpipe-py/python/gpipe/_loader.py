@@ -469,12 +469,15 @@ class Loader:
         code = ring.proc.exitcode
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with {code}"
         # one that ended while it started (before it ran a decode) could not say why: its
-        # stderr does; the usual cause is a script that makes its Loader unguarded
+        # stderr does; the usual causes are a script that makes its Loader unguarded, and a
+        # decode or dataset from a __main__ the worker cannot import (python -c, a notebook)
         starting = (ring.consumer is None and not os.path.exists(ring.sock) and code is not None
                     and code > 0)
-        hint = (" It ended while it started, before it could say why (its stderr does): a "
-                "script that makes a Loader must do so under `if __name__ == \"__main__\":`, "
-                "since each worker imports it") if starting else ""
+        hint = (" It ended while it started, before it could say why (its stderr does). "
+                "Each worker imports the main script: a script must make its Loader under `if "
+                "__name__ == \"__main__\":`, and a decode or dataset defined in `python -c` "
+                "or a notebook cannot be found there (define them in a module file)"
+                ) if starting else ""
         return Error(f"decode worker {ring.k} (pid {ring.proc.pid}) {how} before publishing "
                      f"batch {self._next} (epoch {self._next // self.batches_per_epoch}); "
                      f"the batches it had claimed are lost, so this epoch cannot be completed.{hint}")
