@@ -125,7 +125,6 @@ class Upload:
         self.augment = Augment(size, device, seed=seed)  # draws on the CPU, applies on device
         self.cuda = device.type == "cuda"
         self.side = torch.cuda.Stream(device) if self.cuda else None
-        self.pinned: Optional[bool] = None
         # the last batch (its tensors, or the page-locked copy made of it) and its copy's event
         self.held: Optional[tuple[Any, Any]] = None
         self.seconds = {"prepare": 0.0, "copy_call": 0.0, "augment_call": 0.0, "labels": 0.0,
@@ -135,6 +134,11 @@ class Upload:
         if self.cuda and self.augment.kernel != "fused":
             raise SystemExit("host decode needs the fused augmentation kernel (CuPy, and "
                              f"GPIPE_AUGMENT not 'torch'); it is not available on {device}")
+
+    @property
+    def pinned(self) -> Optional[bool]:
+        """Whether every batch so far came page-locked (None before the first)."""
+        return self.batches_pinned == self.batches_uploaded if self.batches_uploaded else None
 
     def __iter__(self) -> "Upload":
         return self
@@ -165,11 +169,10 @@ class Upload:
         dev = self.device
         self.seconds["prepare"] += time.perf_counter() - t_start
         pinned = buf.is_pinned()  # per batch: a ring the driver refused to lock is not
-        if not pinned and self.pinned is not False:
+        if not pinned and self.batches_pinned == self.batches_uploaded:  # the first such batch
             print("host decode: the loader's slots are not page-locked (Loader(pin_memory="
                   "True)); copying such batches through page-locked memory instead",
                   file=sys.stderr)
-        self.pinned = pinned and self.pinned is not False
         self.batches_pinned += pinned
         src = buf[:used] if pinned else buf[:used].pin_memory()
         cur = torch.cuda.current_stream(dev)

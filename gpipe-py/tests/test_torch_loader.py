@@ -913,17 +913,24 @@ class LaggingStream:
         return Event()
 
 
+def cuda_on_a_stand_in_stream(monkeypatch) -> "LaggingStream":
+    """torch's CUDA calls that a pin_memory Loader makes, on this host: CUDA is said to be
+    there, and events are recorded on a LaggingStream, which is returned."""
+    stream = LaggingStream()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Event", stream.event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)
+    return stream
+
+
 def test_pinned_batches_go_back_only_once_the_stream_has_read_them(monkeypatch):
     """The pin_memory hold, on the host: each batch's 'copy' is queued on a stream that runs
     150 ms late and reads the slot's memory by address only (as a DMA does, holding no
     reference), and the caller drops the batch at once. A batch let go before its event was
     waited for would be refilled under the copy (two slots, one worker); the last one, left
     in the loader at the end of the `with`, would be unmapped under it."""
-    stream = LaggingStream()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "init", lambda: None)
-    monkeypatch.setattr(torch.cuda, "Event", stream.event)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)
+    stream = cuda_on_a_stand_in_stream(monkeypatch)
     real = gpipe.Consumer
     unmapped = threading.Event()
     closed_after: list[int] = []  # how much of the stream had run when a ring was closed
@@ -978,11 +985,7 @@ def _refuse_page_locks(monkeypatch) -> list:
     """pin_memory on this host: torch's CUDA calls stand in, and an attach with the page-lock
     joins the ring, leaves it, and raises as the driver's refusal does; returns the sockets
     of those attaches."""
-    stream = LaggingStream()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "init", lambda: None)
-    monkeypatch.setattr(torch.cuda, "Event", stream.event)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)
+    cuda_on_a_stand_in_stream(monkeypatch)
     real = gpipe.Consumer
     tried: list[str] = []
 
