@@ -11,9 +11,9 @@ sees the same batches in the same order on every run with the same seed.
 How many workers: a fixed number, or ``"auto"``: one to start; while the trainer waits for
 data, more, as many as its pace needs but at most twice as many at a time, each step kept only
 if the trainer then takes batches faster (on a GPU without MPS, decode processes time-slice
-with the trainer and more of them can make it slower), or, for one rank of several (DDP, whose
-pace is the slowest rank's), if it no longer waits; up to a limit set by the CPUs per trainer
-of the node. Workers are processes (``spawn``), so the dataset and the decode
+with the trainer and more of them can make it slower); up to a limit set by the CPUs per
+trainer of the node. The ranks of a DDP job (whose pace is the slowest rank's) decide
+together, from every rank's figures (`_loader_peers`). Workers are processes (``spawn``), so the dataset and the decode
 function must be picklable, as for a torch DataLoader with workers.
 """
 
@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 
 from ._gpipe import TENSOR_ALIGN, Closed, Deadlock, Error, ProducerDied, Timeout
+from ._loader_peers import LATE, Peers, Window, view
 from ._pinned_hold import PinnedHold
 
 # The header of a batch: a magic word, the batch number, what decode returned, when it was
@@ -48,7 +49,7 @@ WAIT_SHARE = 0.03
 WINDOW = 16
 # A step is kept if the rate rose by at least a quarter of the gain it was predicted to bring
 # (and by MIN_GAIN at least), or if the trainer no longer waits and takes batches at least
-# MIN_GAIN faster, or (one rank of several) no longer waits
+# MIN_GAIN faster, or (one rank of several that decides alone) no longer waits
 # (a step that brings nothing, or slows the trainer, is retired). Workers that
 # share a limit bring a few percent; Pillow decoders on a 64-core node brought 1.44x for 2x
 # the workers (each slower than one alone), which half the predicted gain (1.5x) retired.
@@ -413,6 +414,10 @@ class Loader:
         # auto's step on trial: (workers before it, batches/s before it, workers with it, the
         # gain it should bring, whether the trainer waited), or None
         self._trial: Optional[tuple[int, float, int, float, bool]] = None
+        # under DDP: the exchange of windows with the other ranks, and the job's last window
+        self._peers = Peers.of_job(rank, world_size) if self.auto else None
+        self._view: Optional[Window] = None
+        self._alone_from: Optional[int] = None  # the batch from which it gave up on them
         self._frozen = False  # auto found that more workers do not help, for now
         self._frozen_at = 0  # the batch count when it did
         self._retry_in = RETRY_AFTER  # batches from then until auto acts again
@@ -484,13 +489,25 @@ class Loader:
 
     def _maybe_scale(self, waited: float) -> None:
         """auto: more workers when the trainer waited too long over the last batches, and a
-        step kept only if the trainer then takes batches faster, or (one rank of several) no
-        longer waits (see :attr:`why`)."""
+        step kept only if the trainer then takes batches faster, or (one rank of several that
+        decides alone) no longer waits (see :attr:`why`). The ranks of a DDP job decide
+        together, from every rank's window (`_loader_peers`)."""
         now = time.monotonic()
         if self._last_t is not None:
             self._waits.append((waited, now - self._last_t))
         self._last_t = now
         if not self.auto:
+            return
+        if self._peers is not None and self._peers.pending is not None:
+            windows = self._peers.gathered()
+            if windows is not None:
+                self._view = view(windows)
+                self._decide(self._view)
+                self._new_window()  # the next exchange is over the next WINDOW batches
+            elif self._taken - self._peers.pending > LATE:
+                self._peers, self._alone_from = None, self._taken
+                self.why += f"; {self._alone}"
+                self._new_window()
             return
         if self._frozen:
             if self._taken - self._frozen_at < self._retry_in:
@@ -505,9 +522,20 @@ class Loader:
         rate = self._rate()
         if len(self._waits) < WINDOW or rate is None:
             return
-        wait, span = self._window()
+        mine = Window(*self._window(), rate, len(self._waits))
+        if self._peers is not None:
+            self._peers.publish(mine, self._taken)
+        else:
+            self._decide(mine)
+
+    def _decide(self, w: Window) -> None:
+        """auto's step from a full window's figures: this trainer's, or the job's (DDP)."""
+        wait, span, rate = w.wait, w.span, w.rate
+        assert rate is not None
+        # one rank of several that decides alone: its pace is the slowest rank's
+        alone = self._world > 1 and self._peers is None
         share = wait / span if span > 0 else 1.0
-        taken = len(self._waits) / span if span > 0 else 0.0  # the trainer's own take rate
+        taken = w.batches / span if span > 0 else 0.0  # the trainer's own take rate
         if self._trial is not None:
             before, was, tried, predicted, for_waiting = self._trial
             self._trial = None
@@ -517,8 +545,8 @@ class Loader:
             # trainer's GPU-bound pace (its host time per batch, all it sees while waiting, is
             # only the launches). Fed, the trainer's own take rate is the measure: the workers'
             # publish rate still runs ahead of it while their rings fill.
-            # One rank of several (DDP) takes batches at the slowest rank's pace, whatever its
-            # own workers do: a starved peer makes its rate fall, and its take rate comes in
+            # One rank of several (DDP) that decides alone takes batches at the slowest rank's
+            # pace, whatever its own workers do: a starved peer makes its rate fall, and its take rate comes in
             # bursts as the peers catch up (4 H100s: "2.71 made, 14.89 taken" over a window).
             # There a step taken because the trainer waited is kept once it no longer waits:
             # retiring it would starve every rank (two 4-GPU runs that did so made 0.12x and
@@ -526,7 +554,7 @@ class Loader:
             # bursts can also show) is judged as for one trainer: retiring it leaves the rank
             # fed, as it was. The cost: a step that slows the rank's own GPU, as decode workers
             # without MPS can, is not undone there.
-            peers = self._world > 1 and for_waiting
+            peers = alone and for_waiting
             faster = min(rate, taken) >= was * (1 + MIN_GAIN)
             fed = share <= WAIT_SHARE and (faster or peers)
             paid = rate >= was * want  # want is 1 + MIN_GAIN at least
@@ -573,11 +601,13 @@ class Loader:
         # One rank of several (DDP) cannot tell its own time from its wait in the all-reduce
         # for a slower rank: both are time not waiting for data, so its prediction falls short
         # (4 H100s: "needed one every 153.5 ms" against 160.5 gave 4 -> 5 workers, and the ranks
-        # were still climbing after 600 steps). A rank that waits for data there doubles them.
+        # were still climbing after 600 steps). The ranks decide together where they can, from
+        # the most starved rank's window, whose time not waiting is the step's own; a rank that
+        # decides alone and waits for data doubles them.
         own = max(span - wait, 1e-6)
         short = max(span / own, taken / rate)
         first = self.workers
-        peers = self._world > 1 and share > WAIT_SHARE
+        peers = alone and share > WAIT_SHARE
         grow = 2 * first if peers else max(first + 1, math.ceil(first * short * 1.1))
         need = min(self.max_workers, 2 * first, grow)
         for _ in range(need - first):
@@ -591,17 +621,26 @@ class Loader:
             how = "doubles them" if need == 2 * first else f"adds up to its limit of {self.max_workers}"
             because = (f"the trainer having waited {share:.0%} of the last {WINDOW} batches (more "
                        f"than {WAIT_SHARE:.0%}), one rank of {self._world}: its time not waiting "
-                       f"includes the all-reduce's wait for slower ranks, so it {how}")
+                       f"includes the all-reduce's wait for slower ranks, so it {how}"
+                       f"{'' if self._alone_from is None else f' ({self._alone})'}")
         elif share > WAIT_SHARE:
-            because = (f"the trainer having waited {share:.0%} of the last {WINDOW} batches (more "
-                       f"than {WAIT_SHARE:.0%}): a batch came every {span / WINDOW * 1e3:.1f} ms "
-                       f"and it needed one every {own / WINDOW * 1e3:.1f} ms")
+            who = "the trainer" if self._peers is None else \
+                f"the trainer of the most starved of {self._world} ranks (they decide together)"
+            because = (f"{who} having waited {share:.0%} of the last {w.batches} batches (more "
+                       f"than {WAIT_SHARE:.0%}): a batch came every {span / w.batches * 1e3:.1f} "
+                       f"ms and it needed one every {own / w.batches * 1e3:.1f} ms")
         else:
             because = (f"the workers being behind: they made {rate:.2f} batches/s and the "
                        f"trainer took {taken:.2f} from their rings' backlog, so it would soon wait")
         self.why = (f"auto: {need} workers: {started} started at batch {self._taken}, {because}; "
                     f"at most {self.max_workers}")
         self._new_window()
+
+    @property
+    def _alone(self) -> str:
+        return (f"the other ranks' figures had not come {LATE} batches after this rank's (a "
+                f"Loader made on some ranks only, or in another order?), so this rank decides "
+                f"alone from batch {self._alone_from}")
 
     @property
     def _shared_by(self) -> str:
@@ -645,17 +684,22 @@ class Loader:
         """Whether ``auto`` is done for now: every worker delivers, no step is on trial, and
         over the last batches the trainer waited no more than its threshold while the workers
         kept up with it, or auto may not add more (always true for a fixed number of workers).
-        A benchmark times its steps once this holds."""
+        A benchmark times its steps once this holds. Under DDP, where the ranks decide
+        together, "the last batches" are the job's last window: every rank answers alike."""
         if not self.auto:
             return True
-        if self._starting() or self._trial is not None or len(self._waits) < WINDOW:
-            return False
+        if self._peers is not None:
+            if self._starting() or self._trial is not None or self._view is None or self._armed:
+                return False
+            w = self._view
+        else:
+            if self._starting() or self._trial is not None or len(self._waits) < WINDOW:
+                return False
+            w = Window(*self._window(), self._rate(), len(self._waits))
         if self._frozen or self.workers >= self.max_workers:
             return True
-        wait, span = self._window()
-        rate = self._rate()
-        return span <= 0 or (wait / span <= WAIT_SHARE and
-                             (rate is None or not _behind(rate, len(self._waits) / span)))
+        return w.span <= 0 or (w.wait / w.span <= WAIT_SHARE and
+                               (w.rate is None or not _behind(w.rate, w.batches / w.span)))
 
     # -- batches -------------------------------------------------------------------------
 
