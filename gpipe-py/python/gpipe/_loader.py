@@ -417,6 +417,7 @@ class Loader:
         # under DDP: the exchange of windows with the other ranks, and the job's last window
         self._peers = Peers.of_job(rank, world_size) if self.auto else None
         self._view: Optional[Window] = None
+        self._fed_views = 0  # the job's last windows in a row that were fed, with nothing to do
         self._alone_from: Optional[int] = None  # the batch from which it gave up on them
         self._frozen = False  # auto found that more workers do not help, for now
         self._frozen_at = 0  # the batch count when it did
@@ -504,6 +505,8 @@ class Loader:
                 self._view = view(windows)
                 self._decide(self._view)
                 self._new_window()  # the next exchange is over the next WINDOW batches
+                fed = self._trial is None and not self._armed and _fed(self._view)
+                self._fed_views = self._fed_views + 1 if fed else 0
             elif self._taken - self._peers.pending > LATE:
                 self._peers, self._alone_from = None, self._taken
                 self.why += f"; {self._alone}"
@@ -685,21 +688,21 @@ class Loader:
         over the last batches the trainer waited no more than its threshold while the workers
         kept up with it, or auto may not add more (always true for a fixed number of workers).
         A benchmark times its steps once this holds. Under DDP, where the ranks decide
-        together, "the last batches" are the job's last window: every rank answers alike."""
+        together, "the last batches" are the job's last two windows, each of 16 batches, one
+        window being too few: a window just after a step can be fed from the rings' backlog
+        (2 H200s, ResNet-18: settled on one such window, then waited 12%)."""
         if not self.auto:
             return True
+        if self._starting() or self._trial is not None:
+            return False
         if self._peers is not None:
-            if self._starting() or self._trial is not None or self._view is None or self._armed:
+            if self._armed:
                 return False
-            w = self._view
-        else:
-            if self._starting() or self._trial is not None or len(self._waits) < WINDOW:
-                return False
-            w = Window(*self._window(), self._rate(), len(self._waits))
-        if self._frozen or self.workers >= self.max_workers:
-            return True
-        return w.span <= 0 or (w.wait / w.span <= WAIT_SHARE and
-                               (w.rate is None or not _behind(w.rate, w.batches / w.span)))
+            return self._frozen or self.workers >= self.max_workers or self._fed_views >= 2
+        if len(self._waits) < WINDOW:
+            return False
+        return (self._frozen or self.workers >= self.max_workers or
+                _fed(Window(*self._window(), self._rate(), len(self._waits))))
 
     # -- batches -------------------------------------------------------------------------
 
@@ -910,6 +913,13 @@ def _unsendable(dataset: Any, decode: Callable) -> str:
         except Exception:  # noqa: BLE001 - whatever pickling raises
             bad.append(what)
     return " and ".join(bad) or "the dataset or decode"
+
+
+def _fed(w: Window) -> bool:
+    """Whether over window `w` the trainer waited no more than its threshold while the
+    workers kept up with it."""
+    return w.span <= 0 or (w.wait / w.span <= WAIT_SHARE and
+                           (w.rate is None or not _behind(w.rate, w.batches / w.span)))
 
 
 def _behind(made: float, taken: float) -> bool:
