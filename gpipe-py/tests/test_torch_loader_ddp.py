@@ -31,7 +31,7 @@ def _rank(rank: int, world: int, init: str, n: int, seed: int, one_loader_only: 
             dist.barrier()  # rank 0 alone makes a Loader; this one waits for it to finish
             out.put((rank, None, None, None))
             return
-        deadline = time.monotonic() + 150
+        deadline = time.monotonic() + 90
         with Loader(Numbers(n), decode_50ms, batch_size=4, device="cpu", max_workers=4,
                     seed=seed) as loader:
             epochs, settled_for = [], 0
@@ -78,7 +78,7 @@ def run_ranks(tmp_path, one_loader_only: bool) -> dict:
         p.start()
     got = {}
     try:
-        deadline = time.monotonic() + 200
+        deadline = time.monotonic() + 110  # within conftest's 120 s watchdog
         while len(got) < 2:
             left = deadline - time.monotonic()
             assert left > 0, f"the ranks did not finish: {got}"
