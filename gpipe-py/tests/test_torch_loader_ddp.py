@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import signal
 import time
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from gpipe import _loader_peers
 from gpipe.torch import Loader
 
 from test_torch_loader import Numbers, decode_50ms, order
@@ -31,6 +33,8 @@ def _rank(rank: int, world: int, init: str, n: int, seed: int, one_loader_only: 
             dist.barrier()  # rank 0 alone makes a Loader; this one waits for it to finish
             out.put((rank, None, None, None))
             return
+        if one_loader_only:
+            _loader_peers.LATE_S = 5.0  # its 60 s would outlast the test's watchdog
         deadline = time.monotonic() + 90
         with Loader(Numbers(n), decode_50ms, batch_size=4, device="cpu", max_workers=4,
                     seed=seed) as loader:
@@ -105,7 +109,9 @@ def test_ddp_ranks_decide_their_workers_together_and_keep_the_same_number(tmp_pa
     assert w0 == w1, f"the ranks kept different numbers of workers: {got}"
     # 3 feed a 20 ms step from 50 ms workers; a fourth only where noise called for one
     assert 3 <= w0 <= 4, got
-    assert "they decide together" in why0 and why0 == why1, got
+    # the same decisions, at batches a step or two apart
+    assert "they decide together" in why0, got
+    assert re.sub(r"batch \d+", "batch N", why0) == re.sub(r"batch \d+", "batch N", why1), got
     assert whole0 and whole1, got
 
 
@@ -113,5 +119,5 @@ def test_a_loader_on_one_rank_only_decides_alone_once_its_peers_figures_do_not_c
     got = run_ranks(tmp_path, one_loader_only=True)
     w0, why0, whole0 = got[0]
     assert w0 is not None, got
-    assert "so this rank decides alone from batch" in why0, why0
+    assert "figures had not come" in why0 and "so this rank decides alone from batch" in why0, why0
     assert whole0, got

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 
 from ._gpipe import TENSOR_ALIGN, Closed, Deadlock, Error, ProducerDied, Timeout
-from ._loader_peers import LATE, Peers, Window, view
+from ._loader_peers import LATE, LATE_S, Peers, Window, view
 from ._pinned_hold import PinnedHold
 
 # The header of a batch: a magic word, the batch number, what decode returned, when it was
@@ -415,10 +415,12 @@ class Loader:
         # gain it should bring, whether the trainer waited), or None
         self._trial: Optional[tuple[int, float, int, float, bool]] = None
         # under DDP: the exchange of windows with the other ranks, and the job's last window
-        self._peers = Peers.of_job(rank, world_size) if self.auto else None
+        self._peers = Peers.of_job(rank, world_size, f"{n}-{batch_size}-{int(seed)}") \
+            if self.auto else None
         self._view: Optional[Window] = None
         self._fed_views = 0  # the job's last windows in a row that were fed, with nothing to do
         self._alone_from: Optional[int] = None  # the batch from which it gave up on them
+        self._alone_why = ""
         self._frozen = False  # auto found that more workers do not help, for now
         self._frozen_at = 0  # the batch count when it did
         self._retry_in = RETRY_AFTER  # batches from then until auto acts again
@@ -500,17 +502,21 @@ class Loader:
         if not self.auto:
             return
         if self._peers is not None and self._peers.pending is not None:
-            windows = self._peers.gathered()
+            try:
+                windows = self._peers.gathered()
+            except RuntimeError as e:  # the store is gone (rank 0's process group ended)
+                self._decide_alone(f"the process group's store failed ({e})")
+                return
             if windows is not None:
                 self._view = view(windows)
                 self._decide(self._view)
                 self._new_window()  # the next exchange is over the next WINDOW batches
                 fed = self._trial is None and not self._armed and _fed(self._view)
                 self._fed_views = self._fed_views + 1 if fed else 0
-            elif self._taken - self._peers.pending > LATE:
-                self._peers, self._alone_from = None, self._taken
-                self.why += f"; {self._alone}"
-                self._new_window()
+            elif self._peers.late(self._taken):
+                self._decide_alone(f"the other ranks' figures had not come {LATE} batches and "
+                                   f"{LATE_S:.0f} s after this rank's (a Loader made on some "
+                                   f"ranks only?)")
             return
         if self._frozen:
             if self._taken - self._frozen_at < self._retry_in:
@@ -525,11 +531,22 @@ class Loader:
         rate = self._rate()
         if len(self._waits) < WINDOW or rate is None:
             return
-        mine = Window(*self._window(), rate, len(self._waits))
-        if self._peers is not None:
-            self._peers.publish(mine, self._taken)
-        else:
+        mine = Window(*self._window(), rate, len(self._waits), self.max_workers)
+        if self._peers is None:
             self._decide(mine)
+            return
+        try:
+            self._peers.publish(mine, self._taken)
+        except RuntimeError as e:
+            self._decide_alone(f"the process group's store failed ({e})")
+
+    def _decide_alone(self, why: str) -> None:
+        """Gives up on the other ranks' figures for good: from now on this rank decides
+        alone, as a rank of several without ``torch.distributed`` does."""
+        self._peers, self._alone_from, self._alone_why = None, self._taken, why
+        self._fed_views = 0
+        self.why += f"; {self._alone}"
+        self._new_window()
 
     def _decide(self, w: Window) -> None:
         """auto's step from a full window's figures: this trainer's, or the job's (DDP)."""
@@ -537,6 +554,7 @@ class Loader:
         assert rate is not None
         # one rank of several that decides alone: its pace is the slowest rank's
         alone = self._world > 1 and self._peers is None
+        # w.most: this rank's limit, or the job's lowest (the ranks step together)
         share = wait / span if span > 0 else 1.0
         taken = w.batches / span if span > 0 else 0.0  # the trainer's own take rate
         if self._trial is not None:
@@ -587,7 +605,7 @@ class Loader:
                 self.why += (f"; kept: the trainer no longer waits ({share:.0%}) and takes "
                              f"{taken:.2f} batches/s against {was:.2f} with {before}")
         behind = _behind(rate, taken)
-        if self.workers >= self.max_workers or span <= 0 or (share <= WAIT_SHARE and not behind):
+        if self.workers >= w.most or span <= 0 or (share <= WAIT_SHARE and not behind):
             self._armed = False
             return
         if not self._armed:
@@ -612,7 +630,7 @@ class Loader:
         first = self.workers
         peers = alone and share > WAIT_SHARE
         grow = 2 * first if peers else max(first + 1, math.ceil(first * short * 1.1))
-        need = min(self.max_workers, 2 * first, grow)
+        need = min(w.most, 2 * first, grow)
         for _ in range(need - first):
             self._start_worker()
         # what the step should bring: the trainer's own pace, or the added workers' share of it
@@ -621,7 +639,7 @@ class Loader:
         started = f"worker {len(self._rings) - 1}" if need - first == 1 else \
             f"workers {len(self._rings) - (need - first)}-{len(self._rings) - 1}"
         if peers:
-            how = "doubles them" if need == 2 * first else f"adds up to its limit of {self.max_workers}"
+            how = "doubles them" if need == 2 * first else f"adds up to its limit of {w.most}"
             because = (f"the trainer having waited {share:.0%} of the last {WINDOW} batches (more "
                        f"than {WAIT_SHARE:.0%}), one rank of {self._world}: its time not waiting "
                        f"includes the all-reduce's wait for slower ranks, so it {how}"
@@ -636,14 +654,12 @@ class Loader:
             because = (f"the workers being behind: they made {rate:.2f} batches/s and the "
                        f"trainer took {taken:.2f} from their rings' backlog, so it would soon wait")
         self.why = (f"auto: {need} workers: {started} started at batch {self._taken}, {because}; "
-                    f"at most {self.max_workers}")
+                    f"at most {w.most}")
         self._new_window()
 
     @property
     def _alone(self) -> str:
-        return (f"the other ranks' figures had not come {LATE} batches after this rank's (a "
-                f"Loader made on some ranks only, or in another order?), so this rank decides "
-                f"alone from batch {self._alone_from}")
+        return f"{self._alone_why}, so this rank decides alone from batch {self._alone_from}"
 
     @property
     def _shared_by(self) -> str:
@@ -698,11 +714,12 @@ class Loader:
         if self._peers is not None:
             if self._armed:
                 return False
-            return self._frozen or self.workers >= self.max_workers or self._fed_views >= 2
+            most = self.max_workers if self._view is None else self._view.most
+            return self._frozen or self.workers >= most or self._fed_views >= 2
         if len(self._waits) < WINDOW:
             return False
         return (self._frozen or self.workers >= self.max_workers or
-                _fed(Window(*self._window(), self._rate(), len(self._waits))))
+                _fed(Window(*self._window(), self._rate(), len(self._waits), self.max_workers)))
 
     # -- batches -------------------------------------------------------------------------
 

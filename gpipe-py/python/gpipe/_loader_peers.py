@@ -15,52 +15,65 @@ rank, so the ranks keep the same number of workers.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
+import time
 from typing import NamedTuple, Optional
 
-# A rank whose peers' k-th window has not come this many batches after its own gives up on
-# them and decides alone (a Loader made on some ranks only, or in another order).
+# A rank whose peers' k-th window has not come this many batches and seconds after its own
+# gives up on them and decides alone (a Loader made on some ranks only, or in another order).
+# Both: a peer's window waits until its new workers deliver, which on busy CPUs can take
+# seconds, and at 50 steps a second that is hundreds of batches.
 LATE = 8 * 16
+LATE_S = 60.0
 
-_SEQ = itertools.count()  # the Loaders of this process that exchange windows, in order made
+# the Loaders of this process that exchange windows, by shape, in the order made
+_SEQ: collections.defaultdict = collections.defaultdict(itertools.count)
 
 
 class Window(NamedTuple):
     """One rank's last window: its trainer's time waiting for batches and the time they took
-    (seconds), the batches its workers publish a second (None: not known yet), and how many
-    batches the window has."""
+    (seconds), the batches its workers publish a second (None: not known yet), how many
+    batches the window has, and the most workers the rank may have."""
 
     wait: float
     span: float
     rate: Optional[float]
     batches: int
+    most: int
 
 
 def view(windows: list[Window]) -> Window:
     """The job's window from every rank's (in rank order): the wait and span of the rank that
-    waited the largest share, and the slowest rank's workers' rate."""
+    waited the largest share, the slowest rank's workers' rate, and the lowest limit (so that
+    a rank at its limit does not leave the others to step without it)."""
     worst = max(windows, key=lambda w: w.wait / w.span if w.span > 0 else 1.0)
     rates = [w.rate for w in windows]
     rate = None if any(r is None for r in rates) else min(rates)
-    return Window(worst.wait, worst.span, rate, worst.batches)
+    return Window(worst.wait, worst.span, rate, worst.batches, min(w.most for w in windows))
 
 
 class Peers:
     """This rank's exchange of windows with the other ranks of its job."""
 
-    def __init__(self, store, rank: int, world: int) -> None:
+    def __init__(self, store, rank: int, world: int, tag: str) -> None:
         self.rank, self.world = rank, world
         self._store = store
-        self._prefix = f"gpipe-loader/{next(_SEQ)}"
+        # the Loaders of one shape, in the order made: a Loader made on some ranks only
+        # shifts the count of its own shape, not of the others
+        self._prefix = f"gpipe-loader/{tag}/{next(_SEQ[tag])}"
         self._k = 0  # the next window this rank publishes
-        self.pending: Optional[int] = None  # the batch count at which it published one
-        # whose peers waits for theirs
+        # the batch count and time at which it published one whose peers it waits for
+        self.pending: Optional[int] = None
+        self.pending_since = 0.0
 
     @classmethod
-    def of_job(cls, rank: int, world: int) -> Optional[Peers]:
+    def of_job(cls, rank: int, world: int, tag: str) -> Optional[Peers]:
         """The exchange for this rank, or None where there is no job to exchange with: one
-        rank, or ``torch.distributed`` not initialised (rank and world_size given by hand)."""
+        rank, or ``torch.distributed`` not initialised (rank and world_size given by hand).
+        `tag` names the Loader's shape (its data set's size, batch size, seed): only Loaders
+        of the same shape exchange."""
         if world < 2:
             return None
         try:
@@ -74,28 +87,36 @@ class Peers:
             store = distributed_c10d._get_default_store()
         except (ImportError, AttributeError, RuntimeError, ValueError):
             return None
-        return cls(store, rank, world)
+        return cls(store, rank, world, tag)
 
     def _key(self, k: int, rank: int) -> str:
         return f"{self._prefix}/{k}/{rank}"
 
     def publish(self, mine: Window, taken: int) -> None:
-        """Publishes this rank's window; :meth:`gathered` then says when every rank's is in."""
+        """Publishes this rank's window; :meth:`gathered` then says when every rank's is in.
+        Raises RuntimeError where the store fails (its server, on rank 0, gone)."""
         self._store.set(self._key(self._k, self.rank), json.dumps(mine._asdict()))
+        self._store.add(f"{self._prefix}/{self._k}/n", 1)
         if self._k >= 8:  # every peer read it long ago, or this rank gave up on them
-            try:
-                self._store.delete_key(self._key(self._k - 8, self.rank))
-            except (AttributeError, RuntimeError):
-                pass
-        self.pending = taken
+            self._store.delete_key(self._key(self._k - 8, self.rank))
+            if self.rank == 0:
+                self._store.delete_key(f"{self._prefix}/{self._k - 8}/n")
+        self.pending, self.pending_since = taken, time.monotonic()
 
     def gathered(self) -> Optional[list[Window]]:
         """Every rank's window of the one this rank published last, in rank order, once all
-        are in (then the next may be published); None before."""
-        keys = [self._key(self._k, r) for r in range(self.world)]
-        if not self._store.check(keys):
+        are in (then the next may be published); None before. One counter is asked on each
+        call, and the windows read once they are all in. Raises RuntimeError where the store
+        fails."""
+        if self._store.add(f"{self._prefix}/{self._k}/n", 0) < self.world:
             return None
-        windows = [Window(**json.loads(self._store.get(k))) for k in keys]
+        windows = [Window(**json.loads(self._store.get(self._key(self._k, r))))
+                   for r in range(self.world)]
         self._k += 1
         self.pending = None
         return windows
+
+    def late(self, taken: int) -> bool:
+        """Whether the peers' windows are so late that this rank should decide alone."""
+        return (self.pending is not None and taken - self.pending > LATE
+                and time.monotonic() - self.pending_since > LATE_S)
