@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from gpipe import _loader_peers
+from gpipe._loader_peers import Window, view
 from gpipe.torch import Loader
 
 from test_torch_loader import Numbers, decode_50ms, order
@@ -121,3 +122,14 @@ def test_a_loader_on_one_rank_only_decides_alone_once_its_peers_figures_do_not_c
     assert w0 is not None, got
     assert "figures had not come" in why0 and "so this rank decides alone from batch" in why0, why0
     assert whole0, got
+
+
+def test_the_jobs_view_is_the_most_starved_ranks_window_with_the_slowest_rate_and_lowest_limit():
+    # rank 1 waited 60% of its span: its time not waiting (0.4 s) is the step's own; rank 0's
+    # 0.9 s includes its wait in the all-reduce for rank 1
+    ranks = [Window(0.1, 1.0, 30.0, 16, 15), Window(0.6, 1.0, 12.0, 16, 7), Window(0.0, 1.1, 20.0, 16, 9)]
+    assert view(ranks) == Window(0.6, 1.0, 12.0, 16, 7)
+    # a rank whose workers' rate is not known yet leaves the job's unknown
+    assert view([Window(0.1, 1.0, None, 16, 4), Window(0.0, 1.0, 9.0, 16, 4)]).rate is None
+    # the order of the ranks does not change the view: every rank computes the same
+    assert view(ranks[::-1]) == view(ranks)

@@ -10,7 +10,7 @@ window, waits (without blocking its trainer) for every rank's k-th, and decides 
 of all: the job waited as long as its most starved rank waited, whose time not waiting is the
 step's own (its data came last, so the others were in the all-reduce already), and the
 workers make what the slowest rank's make. The same figures give the same decision on every
-rank, so the ranks keep the same number of workers.
+rank, so the ranks keep the same number of workers (the same job: 8 on every rank, 0.99x).
 """
 
 from __future__ import annotations
@@ -110,8 +110,10 @@ class Peers:
         fails."""
         if self._store.add(f"{self._prefix}/{self._k}/n", 0) < self.world:
             return None
-        windows = [Window(**json.loads(self._store.get(self._key(self._k, r))))
-                   for r in range(self.world)]
+        keys = [self._key(self._k, r) for r in range(self.world)]
+        many = getattr(self._store, "multi_get", None)  # one round trip where the store has it
+        values = many(keys) if many is not None else [self._store.get(k) for k in keys]
+        windows = [Window(**json.loads(v)) for v in values]
         self._k += 1
         self.pending = None
         return windows
