@@ -18,7 +18,7 @@ use crate::args;
 use crate::batch::{AnyBatch, BatchCell, PyBatch, forked_child};
 use crate::blocking::{TICK, blocking, deadline};
 use crate::dlpack::{DEVICE_CPU, DEVICE_CUDA, DLDevice};
-use crate::errors::{AttachError, Closed, attach_error, to_py};
+use crate::errors::{AttachError, Closed, PinError, attach_error, to_py};
 use crate::pin;
 use crate::ring::RingInfo;
 
@@ -77,9 +77,16 @@ fn signal_arrived() -> bool {
 /// An attach failed: the exception a signal handler raised meanwhile, if any (Ctrl-C is
 /// KeyboardInterrupt, not an attach error), else the attach error.
 fn attach_failed(e: Error) -> PyErr {
+    let refused = pin::take_refusal();
     SIGNAL_ERROR
         .with(|s| s.borrow_mut().take())
-        .unwrap_or_else(|| attach_error(e))
+        .unwrap_or_else(|| {
+            if refused {
+                PinError::new_err(e.to_string())
+            } else {
+                attach_error(e)
+            }
+        })
 }
 
 /// The consuming side of a ring: attaches to the producer listening on ``socket`` and
@@ -201,7 +208,7 @@ impl PyConsumer {
                     )));
                 }
                 if pin_memory && !pipeline_cuda::driver::driver_present() {
-                    return Err(AttachError::new_err(
+                    return Err(PinError::new_err(
                         "pin_memory=True page-locks the batches for copies to a GPU, but no CUDA driver (libcuda.so.1) can be loaded here; leave pin_memory out",
                     ));
                 }

@@ -35,6 +35,12 @@ pub(crate) mod exc {
     );
     create_exception!(
         gpipe,
+        PinError,
+        AttachError,
+        "pin_memory could not page-lock the ring (no CUDA driver here, or the driver refused); the ring can be read without pin_memory."
+    );
+    create_exception!(
+        gpipe,
         Detached,
         Error,
         "The producer detached this consumer (its lag policy, or a protocol violation)."
@@ -66,8 +72,8 @@ pub(crate) mod exc {
 }
 
 pub(crate) use exc::{
-    AttachError, BackendError, Closed, Deadlock, Detached, Error as GpipeError, ProducerDied,
-    ProtocolError, Timeout,
+    AttachError, BackendError, Closed, Deadlock, Detached, Error as GpipeError, PinError,
+    ProducerDied, ProtocolError, Timeout,
 };
 
 /// Maps a core error to its exception class, keeping the Rust message.

@@ -24,8 +24,8 @@ use pipeline_core::DType;
 use pyo3::prelude::*;
 
 use crate::errors::{
-    AttachError, BackendError, Closed, Deadlock, Detached, GpipeError, ProducerDied, ProtocolError,
-    Timeout,
+    AttachError, BackendError, Closed, Deadlock, Detached, GpipeError, PinError, ProducerDied,
+    ProtocolError, Timeout,
 };
 
 /// The native module.
@@ -36,6 +36,7 @@ fn _gpipe(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ProducerDied", py.get_type::<ProducerDied>())?;
     m.add("Closed", py.get_type::<Closed>())?;
     m.add("AttachError", py.get_type::<AttachError>())?;
+    m.add("PinError", py.get_type::<PinError>())?;
     m.add("Detached", py.get_type::<Detached>())?;
     m.add("Timeout", py.get_type::<Timeout>())?;
     m.add("Deadlock", py.get_type::<Deadlock>())?;

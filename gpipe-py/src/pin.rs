@@ -16,6 +16,22 @@ use pipeline_cuda::driver::{Context, HostRegistration, SavedContext, current_dev
 /// (torch's `current_device`, whose context it is), or of device 0 where the thread has none;
 /// the thread's current context is left as it was.
 pub(crate) fn page_lock(ptr: *const u8, len: usize) -> Result<MapGuard, String> {
+    lock(ptr, len).inspect_err(|_| REFUSED.with(|r| r.set(true)))
+}
+
+thread_local! {
+    /// Set where [`page_lock`] failed on this thread: the attach that called it raises
+    /// `PinError` ([`take_refusal`]), which a caller can tell from every other attach error.
+    static REFUSED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the page-lock failed on this thread since the last call (which clears it). The
+/// attach calls it on its own thread, where `HostOptions::on_map` ran.
+pub(crate) fn take_refusal() -> bool {
+    REFUSED.with(|r| r.replace(false))
+}
+
+fn lock(ptr: *const u8, len: usize) -> Result<MapGuard, String> {
     let start = |e| format!("pin_memory: cannot start CUDA ({e})");
     let ordinal = current_device().map_err(start)?.unwrap_or(0);
     let saved = SavedContext::save().map_err(start)?;

@@ -996,7 +996,7 @@ def _refuse_page_locks(monkeypatch) -> list:
         joined = real(sock, *a, **k)  # joined, as a page-lock after the handshake would be
         time.sleep(0.3)  # long enough for the worker to publish to it
         joined.close()
-        raise gpipe.AttachError("backend error: slot memory: pin_memory: CUDA could not "
+        raise gpipe.PinError("backend error: slot memory: pin_memory: CUDA could not "
                                 "page-lock the ring's 2 MiB on device 0 (a stand-in refusal)")
 
     monkeypatch.setattr(gpipe, "Consumer", refusing)
@@ -1038,7 +1038,8 @@ def test_a_page_lock_warning_made_an_error_still_leaves_the_ring_usable(monkeypa
 def test_an_attach_error_that_is_not_the_page_lock_is_raised(monkeypatch):
     _refuse_page_locks(monkeypatch)
     monkeypatch.setattr(gpipe, "Consumer", lambda *a, **k: (_ for _ in ()).throw(
-        gpipe.AttachError("the producer refused the attach: the ring is full")))
+        # its text names pin_memory: the loader goes by the class (PinError), not the text
+        gpipe.AttachError("the producer refused the attach of a pin_memory consumer: the ring is full")))
     with Loader(Numbers(16), decode, batch_size=4, device="cpu", workers=1, timeout=60,
                 pin_memory=True) as loader:
         with pytest.raises(gpipe.AttachError, match="the ring is full"):

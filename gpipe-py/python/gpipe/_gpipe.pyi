@@ -32,6 +32,10 @@ class AttachError(Error):
     """Attaching failed: nothing listens on the socket, permission, or a version or backend
     mismatch. The message says which."""
 
+class PinError(AttachError):
+    """``pin_memory=True`` could not page-lock the ring: no CUDA driver here, or the driver
+    refused. Nothing else failed: the ring can be attached without ``pin_memory``."""
+
 class Detached(Error):
     """The producer detached this consumer (its lag policy, e.g. detach_after_ms, or a
     protocol violation). Tensors still held from its batches may see new data."""

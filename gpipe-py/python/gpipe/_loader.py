@@ -731,7 +731,7 @@ class Loader:
                 elif ring.proc.exitcode is not None:
                     raise self._failed(ring)
                 return False
-            from . import AttachError, Consumer
+            from . import Consumer, PinError
 
             # A CPU loader's worker whose decode made its batches on a GPU has its ring there,
             # read on that GPU (device None); only host rings are page-locked.
@@ -740,11 +740,9 @@ class Loader:
             refused = None
             try:
                 ring.consumer = Consumer(ring.sock, device=device, timeout=30.0, pin_memory=pin)
-            except AttachError as e:
-                # the page-lock's own refusals name it (gpipe-py's pin.rs and consumer.rs);
-                # any other attach error is not one pageable memory would mend
-                if not pin or "pin_memory" not in str(e):
-                    raise
+            except PinError as e:
+                # the page-lock's own refusal: any other attach error is not one pageable
+                # memory would mend, and raises
                 # Copies from pageable memory work, through the driver's staging: carry on
                 ring.consumer = Consumer(ring.sock, device=device, timeout=30.0)
                 # its text only: the exception's traceback would keep this call's frames, and
