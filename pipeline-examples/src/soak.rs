@@ -273,10 +273,11 @@ fn errors(dir: &Path, n: u64) -> PathBuf {
 struct Tally {
     started: u64,
     killed: u64,
-    /// Consumers that ended without SIGKILL: (number, ended after the close). Their reports
-    /// and logs stay on disk until the run's last memory sample is taken, so the producer's
-    /// RSS measures the producer and not this bookkeeping (a log holds every batch seen).
-    ended: Vec<(u64, bool)>,
+    /// Consumers that ended without SIGKILL: (number, ended after the close, how it exited,
+    /// for a problem report). Their reports and logs stay on disk until the run's last memory
+    /// sample is taken, so the producer's RSS measures the producer and not this bookkeeping
+    /// (a log holds every batch seen).
+    ended: Vec<(u64, bool, String)>,
     problems: Vec<String>,
 }
 
@@ -304,15 +305,18 @@ fn reap(dir: &Path, live: &mut Vec<Live>, tally: &mut Tally, at_end: bool) {
             let _ = std::fs::remove_file(errors(dir, l.n));
             continue;
         }
-        tally.ended.push((l.n, at_end));
+        let how = match status {
+            Some(s) => s.to_string(),
+            None => "its exit status unknown".to_string(),
+        };
+        tally.ended.push((l.n, at_end, how));
     }
 }
 
 /// Reads the report and the sequence log of a consumer that ended without SIGKILL.
 fn read_ended(
     dir: &Path,
-    n: u64,
-    at_end: bool,
+    (n, at_end, how): (u64, bool, &str),
     problems: &mut Vec<String>,
 ) -> Option<(ConsumerReport, Vec<u64>)> {
     let (out, seq) = outputs(dir, n);
@@ -325,12 +329,12 @@ fn read_ended(
         let said = std::fs::read_to_string(errors(dir, n)).unwrap_or_default();
         let said = said.trim();
         problems.push(if said.is_empty() {
-            format!("consumer {n} exited without a report")
+            format!("consumer {n} exited without a report ({how})")
         } else {
             let tail: Vec<&str> = said.lines().rev().take(3).collect();
             let tail: Vec<&str> = tail.into_iter().rev().collect();
             format!(
-                "consumer {n} exited without a report; it said: {}",
+                "consumer {n} exited without a report ({how}); it said: {}",
                 tail.join(" / ")
             )
         });
@@ -531,9 +535,9 @@ pub fn run<B: ProducerBackend, F: Fill<B>>(
     }
     let mut t = std::mem::take(&mut *tally.lock().unwrap_or_else(|e| e.into_inner()));
     let mut reports = Vec::with_capacity(t.ended.len());
-    for &(n, at_end) in &t.ended {
-        if let Some((r, log)) = read_ended(&dir, n, at_end, &mut t.problems) {
-            reports.push((r, log, at_end));
+    for (n, at_end, how) in &t.ended {
+        if let Some((r, log)) = read_ended(&dir, (*n, *at_end, how), &mut t.problems) {
+            reports.push((r, log, *at_end));
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
