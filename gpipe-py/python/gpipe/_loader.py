@@ -13,8 +13,8 @@ data, more, as many as its pace needs but at most twice as many at a time, each 
 if the trainer then takes batches faster (on a GPU without MPS, decode processes time-slice
 with the trainer and more of them can make it slower); up to a limit set by the CPUs per
 trainer of the node. The ranks of a DDP job (whose pace is the slowest rank's) decide
-together, from every rank's figures (`_loader_peers`). Workers are processes (``spawn``), so the dataset and the decode
-function must be picklable, as for a torch DataLoader with workers.
+together, from every rank's figures (`_loader_peers`). Workers are processes (``spawn``), so
+the dataset and the decode function must be picklable, as for a torch DataLoader with workers.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 
 from ._gpipe import TENSOR_ALIGN, Closed, Deadlock, Error, ProducerDied, Timeout
-from ._loader_peers import LATE, LATE_S, Peers, Window, view
+from ._loader_peers import Peers, Window, view
 from ._pinned_hold import PinnedHold
 
 # The header of a batch: a magic word, the batch number, what decode returned, when it was
@@ -419,8 +419,8 @@ class Loader:
             if self.auto else None
         self._view: Optional[Window] = None
         self._fed_views = 0  # the job's last windows in a row that were fed, with nothing to do
-        self._alone_from: Optional[int] = None  # the batch from which it gave up on them
-        self._alone_why = ""
+        # why, and from which batch, a rank of a DDP job gave up on the others' figures
+        self._alone: Optional[str] = None
         self._frozen = False  # auto found that more workers do not help, for now
         self._frozen_at = 0  # the batch count when it did
         self._retry_in = RETRY_AFTER  # batches from then until auto acts again
@@ -514,9 +514,7 @@ class Loader:
                 fed = self._trial is None and not self._armed and _fed(self._view)
                 self._fed_views = self._fed_views + 1 if fed else 0
             elif self._peers.late(self._taken):
-                self._decide_alone(f"the other ranks' figures had not come {LATE} batches and "
-                                   f"{LATE_S:.0f} s after this rank's (a Loader made on some "
-                                   f"ranks only?)")
+                self._decide_alone(self._peers.late_why)
             return
         if self._frozen:
             if self._taken - self._frozen_at < self._retry_in:
@@ -531,7 +529,7 @@ class Loader:
         rate = self._rate()
         if len(self._waits) < WINDOW or rate is None:
             return
-        mine = Window(*self._window(), rate, len(self._waits), self.max_workers)
+        mine = self._mine(rate)
         if self._peers is None:
             self._decide(mine)
             return
@@ -543,10 +541,14 @@ class Loader:
     def _decide_alone(self, why: str) -> None:
         """Gives up on the other ranks' figures for good: from now on this rank decides
         alone, as a rank of several without ``torch.distributed`` does."""
-        self._peers, self._alone_from, self._alone_why = None, self._taken, why
-        self._fed_views = 0
+        self._peers, self._fed_views = None, 0
+        self._alone = f"{why}, so this rank decides alone from batch {self._taken}"
         self.why += f"; {self._alone}"
         self._new_window()
+
+    def _mine(self, rate: Optional[float]) -> Window:
+        """This trainer's current window, with its workers' `rate`."""
+        return Window(*self._window(), rate, len(self._waits), self.max_workers)
 
     def _decide(self, w: Window) -> None:
         """auto's step from a full window's figures: this trainer's, or the job's (DDP)."""
@@ -567,8 +569,9 @@ class Loader:
             # only the launches). Fed, the trainer's own take rate is the measure: the workers'
             # publish rate still runs ahead of it while their rings fill.
             # One rank of several (DDP) that decides alone takes batches at the slowest rank's
-            # pace, whatever its own workers do: a starved peer makes its rate fall, and its take rate comes in
-            # bursts as the peers catch up (4 H100s: "2.71 made, 14.89 taken" over a window).
+            # pace, whatever its own workers do: a starved peer makes its rate fall, and its
+            # take rate comes in bursts as the peers catch up (4 H100s: "2.71 made, 14.89
+            # taken" over a window).
             # There a step taken because the trainer waited is kept once it no longer waits:
             # retiring it would starve every rank (two 4-GPU runs that did so made 0.12x and
             # 0.28x the ceiling). A step taken because the workers were behind (which such
@@ -643,7 +646,7 @@ class Loader:
             because = (f"the trainer having waited {share:.0%} of the last {WINDOW} batches (more "
                        f"than {WAIT_SHARE:.0%}), one rank of {self._world}: its time not waiting "
                        f"includes the all-reduce's wait for slower ranks, so it {how}"
-                       f"{'' if self._alone_from is None else f' ({self._alone})'}")
+                       f"{'' if self._alone is None else f' ({self._alone})'}")
         elif share > WAIT_SHARE:
             who = "the trainer" if self._peers is None else \
                 f"the trainer of the most starved of {self._world} ranks (they decide together)"
@@ -656,10 +659,6 @@ class Loader:
         self.why = (f"auto: {need} workers: {started} started at batch {self._taken}, {because}; "
                     f"at most {w.most}")
         self._new_window()
-
-    @property
-    def _alone(self) -> str:
-        return f"{self._alone_why}, so this rank decides alone from batch {self._alone_from}"
 
     @property
     def _shared_by(self) -> str:
@@ -719,7 +718,7 @@ class Loader:
         if len(self._waits) < WINDOW:
             return False
         return (self._frozen or self.workers >= self.max_workers or
-                _fed(Window(*self._window(), self._rate(), len(self._waits), self.max_workers)))
+                _fed(self._mine(self._rate())))
 
     # -- batches -------------------------------------------------------------------------
 

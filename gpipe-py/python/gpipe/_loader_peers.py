@@ -118,6 +118,9 @@ class Peers:
         self.pending = None
         return windows
 
+    late_why = (f"the other ranks' figures had not come {LATE} batches and {LATE_S:.0f} s after "
+                f"this rank's (a Loader made on some ranks only?)")
+
     def late(self, taken: int) -> bool:
         """Whether the peers' windows are so late that this rank should decide alone."""
         return (self.pending is not None and taken - self.pending > LATE
