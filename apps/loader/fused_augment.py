@@ -111,7 +111,6 @@ def crop_resize(images: Sequence[torch.Tensor], boxes: torch.Tensor, flips: torc
     y2) as ``roi_align`` takes them; ``flips``: n flags. Returns (or fills ``out``) the n x 3 x
     size x size float16 channels_last batch ``crop * mul + add``, enqueued on the current
     stream. The images must stay alive until it has run (record them on the stream)."""
-    import cupy
     import numpy as np
 
     n = len(images)
@@ -122,28 +121,68 @@ def crop_resize(images: Sequence[torch.Tensor], boxes: torch.Tensor, flips: torc
             raise ValueError(f"crop_resize takes 3 x H x W uint8 images on {dev}, laid out as 3 x H x W "
                              f"or H x W x 3; got {im.dtype} {tuple(im.shape)} (strides {im.stride()}) "
                              f"on {im.device}")
+    ptrs = np.array([im.data_ptr() for im in images], dtype=np.int64)
+    heights = np.array([im.shape[1] for im in images])
+    widths = np.array([im.shape[2] for im in images])
+    hwc = np.array([_hwc(im) and not im.is_contiguous() for im in images])
+    return _launch(dev, ptrs, heights, widths, hwc, boxes, flips, size, mul, add, out)
+
+
+def crop_resize_packed(flat: torch.Tensor, table: Any, boxes: torch.Tensor, flips: torch.Tensor, size: int,
+                       mul: Sequence[float], add: Sequence[float], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """What :func:`crop_resize` does, for images packed one after the other in ``flat`` (a
+    contiguous uint8 CUDA tensor), each H x W x 3, where ``table``'s rows (offset, height,
+    width; n x 3 integers, a tensor or an array) say. No tensor is made per image: a
+    trainer that augments a batch of 256 spends its CPU time on the batch, not on 256 views
+    of it (host_decode.py's Upload). ``flat`` must stay alive until it has run."""
+    import numpy as np
+
+    t = np.asarray(table.numpy() if isinstance(table, torch.Tensor) else table, dtype=np.int64)
+    if (flat.dtype != torch.uint8 or flat.dim() != 1 or not flat.is_contiguous() or flat.device.type != "cuda"
+            or t.ndim != 2 or t.shape[1] != 3 or t.shape[0] == 0):
+        raise ValueError(f"crop_resize_packed takes a contiguous 1-D uint8 CUDA tensor and an n x 3 table "
+                         f"(offset, height, width); got {flat.dtype} {tuple(flat.shape)} on {flat.device} "
+                         f"and a table of shape {t.shape}")
+    offsets, heights, widths = t[:, 0], t[:, 1], t[:, 2]
+    ends = offsets + 3 * heights * widths
+    if (offsets < 0).any() or (heights < 1).any() or (widths < 1).any() or ends.max() > flat.numel():
+        raise ValueError(f"crop_resize_packed: the table's images do not all lie in the {flat.numel()} "
+                         "bytes given (a negative offset, an empty image, or one past the end)")
+    return _launch(flat.device, flat.data_ptr() + offsets, heights, widths, np.ones(len(t), dtype=bool),
+                   boxes, flips, size, mul, add, out)
+
+
+def _launch(dev: torch.device, ptrs: Any, heights: Any, widths: Any, hwc: Any, boxes: torch.Tensor,
+            flips: torch.Tensor, size: int, mul: Sequence[float], add: Sequence[float],
+            out: Optional[torch.Tensor]) -> torch.Tensor:
+    """Enqueues the kernel on the current stream for n images at the addresses ``ptrs`` (their
+    heights, widths and whether each is H x W x 3: NumPy arrays of n)."""
+    import cupy
+    import numpy as np
+
+    n = len(ptrs)
     if out is None:
         out = torch.empty((n, 3, size, size), dtype=torch.float16, device=dev, memory_format=torch.channels_last)
     elif (tuple(out.shape) != (n, 3, size, size) or out.dtype != torch.float16
           or not out.is_contiguous(memory_format=torch.channels_last) or out.device != dev):
         raise ValueError(f"out is {out.dtype} {tuple(out.shape)} on {out.device}; expected a channels_last "
                          f"float16 {(n, 3, size, size)} on {dev}")
-    params = torch.empty((n, 8), dtype=torch.float32)
-    params[:, 0] = torch.tensor([im.shape[1] for im in images], dtype=torch.float32)
-    params[:, 1] = torch.tensor([im.shape[2] for im in images], dtype=torch.float32)
-    params[:, 2:6] = boxes.float().cpu()
-    params[:, 6] = flips.float().cpu()
-    params[:, 7] = torch.tensor([float(_hwc(im) and not im.is_contiguous()) for im in images])
-    ptrs = torch.tensor([im.data_ptr() for im in images], dtype=torch.int64)
-    params = params.pin_memory().to(dev, non_blocking=True)
-    ptrs = ptrs.pin_memory().to(dev, non_blocking=True)
+    # built with NumPy on this thread: torch's CPU ops would go through its intra-op pool
+    # (see gpu_decode.Augment.boxes)
+    params = np.empty((n, 8), dtype=np.float32)
+    params[:, 0], params[:, 1] = heights, widths
+    params[:, 2:6] = boxes.cpu().numpy()
+    params[:, 6] = flips.cpu().numpy()
+    params[:, 7] = hwc
+    params_d = torch.from_numpy(params).pin_memory().to(dev, non_blocking=True)
+    ptrs_d = torch.from_numpy(np.asarray(ptrs, dtype=np.int64)).pin_memory().to(dev, non_blocking=True)
     total = n * size * size
     threads = 256
     stream = torch.cuda.current_stream(dev)
     with cupy.cuda.Device(dev.index or 0), cupy.cuda.ExternalStream(stream.cuda_stream):
         _kernel(dev)(
             ((total + threads - 1) // threads,), (threads,),
-            (np.uint64(ptrs.data_ptr()), np.uint64(params.data_ptr()), np.uint64(out.data_ptr()),
+            (np.uint64(ptrs_d.data_ptr()), np.uint64(params_d.data_ptr()), np.uint64(out.data_ptr()),
              np.int32(n), np.int32(size), *(np.float32(v) for v in mul), *(np.float32(v) for v in add)),
         )
     return out

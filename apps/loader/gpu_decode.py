@@ -541,6 +541,26 @@ class Augment:
         torch.addcmul(self.add, crops, self.mul, out=out)  # normalise, cast, lay out: one kernel
         return out
 
+    def apply_packed(self, flat: torch.Tensor, table: torch.Tensor, boxes: torch.Tensor, flips: torch.Tensor,
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """:meth:`apply` for images packed in ``flat`` (1-D uint8), each H x W x 3 where
+        ``table``'s rows (offset, height, width) say, as host_decode.py packs them. The fused
+        kernel reads them where they lie, with no tensor made per image; the torch path takes
+        views of them."""
+        if self.kernel == "fused" and flat.device.type == "cuda":
+            import fused_augment
+
+            flat.record_stream(torch.cuda.current_stream(flat.device))  # used on this stream
+            return fused_augment.crop_resize_packed(flat, table, boxes, flips, self.size, self.mul_c,
+                                                    self.add_c, out)
+        return self.apply(unpack(flat, table), boxes, flips, out)
+
+
+def unpack(flat: torch.Tensor, table: torch.Tensor) -> list[torch.Tensor]:
+    """The images packed in ``flat`` as H x W x 3, by ``table``'s rows (offset, height,
+    width): 3 x H x W views of them."""
+    return [flat[o : o + 3 * h * w].view(h, w, 3).permute(2, 0, 1) for o, h, w in table.tolist()]
+
 
 def _bench(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

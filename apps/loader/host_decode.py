@@ -158,14 +158,12 @@ class Upload:
             return batch
         buf, table, labels, info = batch
         t_start = time.perf_counter()
-        rows = table.tolist()
-        used = max(o + 3 * h * w for o, h, w in rows)
-        heights = torch.tensor([h for _, h, _ in rows])
-        widths = torch.tensor([w for _, _, w in rows])
-        boxes = self.augment.boxes(heights, widths)
+        rows = table.numpy()  # the slot's own table: read here, held with the batch
+        used = int((rows[:, _OFFSET] + 3 * rows[:, _HEIGHT] * rows[:, _WIDTH]).max())
+        boxes = self.augment.boxes(torch.from_numpy(rows[:, _HEIGHT]), torch.from_numpy(rows[:, _WIDTH]))
         flips = self.augment.flips(len(rows))
         if not self.cuda:
-            return self.augment.apply(_images(buf, rows), boxes, flips), labels.clone(), info
+            return self.augment.apply_packed(buf, table, boxes, flips), labels.clone(), info
         dev = self.device
         self.seconds["prepare"] += time.perf_counter() - t_start
         pinned = buf.is_pinned()  # per batch: a ring the driver refused to lock is not
@@ -181,7 +179,7 @@ class Upload:
             t0 = time.perf_counter()
             staging.copy_(src, non_blocking=True)  # returns at once: the source is page-locked
             t1 = time.perf_counter()
-            out = self.augment.apply(_images(staging, rows), boxes, flips)  # the fused kernel
+            out = self.augment.apply_packed(staging, table, boxes, flips)  # the fused kernel
             t2 = time.perf_counter()
             labels_d = labels.pin_memory().to(dev, non_blocking=True)
             done = torch.cuda.Event(blocking=True)  # a wait for it sleeps: the CPUs decode
@@ -204,8 +202,3 @@ class Upload:
         if self.cuda:
             self._let_go()
 
-
-def _images(flat: torch.Tensor, rows: list) -> list[torch.Tensor]:
-    """The images packed in `flat` as H x W x 3, by the table's rows (offset, height, width):
-    3 x H x W views of them."""
-    return [flat[o : o + 3 * h * w].view(h, w, 3).permute(2, 0, 1) for o, h, w in rows]

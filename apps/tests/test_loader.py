@@ -602,6 +602,18 @@ def test_the_fused_augment_kernel_computes_what_the_torch_path_does():
     assert torch.equal(again(hwc), a)
     with pytest.raises(ValueError, match="laid out as 3 x H x W or H x W x 3"):
         again([images[0][:, :, ::2]])
+    # the same images packed one after the other, H x W x 3, read by the table (host decode's
+    # Upload): the same crops, from one tensor and no view per image
+    parts = [im.permute(1, 2, 0).reshape(-1) for im in images]
+    offsets = torch.tensor([0] + [p.numel() for p in parts]).cumsum(0)[:-1]
+    table = torch.stack([offsets, torch.tensor([h for h, _ in sizes * 4]), torch.tensor([w for _, w in sizes * 4])], 1)
+    packed = gpu_decode.Augment(224, dev, seed=11)
+    boxes = packed.boxes(table[:, 1], table[:, 2])
+    assert torch.equal(packed.apply_packed(torch.cat(parts), table, boxes, packed.flips(len(parts))), a)
+    bad = table.clone()
+    bad[-1, 0] += 1  # its last image runs one byte past the end
+    with pytest.raises(ValueError, match="do not all lie in the"):
+        packed.apply_packed(torch.cat(parts), bad, boxes, packed.flips(len(parts)))
 
 
 # ---- host decode: CPU decode in the workers, augmentation in the trainer's process ---------

@@ -4,7 +4,7 @@
 # on a 4-GPU machine, one device command each (~6-9 min). Results under $OUT: tests.txt,
 # bench.txt, run.txt (loader.jsonl, summary.txt, logs.txt from the loader runs).
 #   bash docs/experiments/2026-11-28-decode-cost/run.sh       # tests, bench, ResNet-50 on 4 GPUs
-#   bash docs/experiments/2026-11-28-decode-cost/run.sh r18   # ResNet-18 on 1 and 2 GPUs
+#   bash docs/experiments/2026-11-28-decode-cost/run.sh r18   # ResNet-18 on 1 and 2 GPUs (WORLDS=2: on 2)
 #   bash docs/experiments/2026-11-28-decode-cost/run.sh mixed # ResNet-18 on 4 GPUs, MPS on:
 #     the first worker a GPU decodes on it, auto adds host decoders (loader_lib.py --mixed)
 set -u
@@ -13,7 +13,7 @@ export OUT=${OUT:-/tmp/decode-cost}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 if [ "${1:-}" = r18 ]; then
   [ -d /tmp/loader-data ] || limit 100 python3 apps/loader/make_dataset.py /tmp/loader-data --count 20000 | tail -1
-  HOST_DECODE=1 M=off WORLDS="1 2" MODELS=resnet18 ONE_S=${ONE_S:-240} DDP_S=${DDP_S:-270} L=${L:-530} \
+  HOST_DECODE=1 M=off WORLDS="${WORLDS:-1 2}" MODELS=resnet18 ONE_S=${ONE_S:-240} DDP_S=${DDP_S:-270} L=${L:-530} \
     LOADER_SETTLE=${LOADER_SETTLE:-1200} bash docs/experiments/2026-11-27-loader-lib/run.sh >"$OUT/run.txt" 2>&1
   grep -A6 "== lib" "$OUT/run.txt" | cut -c1-400
   grep -h "^settle:" "$OUT/logs.txt" 2>/dev/null | cut -c1-260 | tail -6
