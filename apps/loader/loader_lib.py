@@ -178,7 +178,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                             workers=workers, max_workers=a.max_workers, slots=a.slots,
                             slot_bytes=decode_fn.slot_bytes if on_host else None,
                             **({} if a.worker_nice is None else {"worker_nice": a.worker_nice}),
-                            seed=a.seed, pin_memory=on_host and dev.type == "cuda") as loader:
+                            seed=a.seed, pin_memory=on_host and dev.type == "cuda",
+                            # a GPU decoder and CPU ones: in order, the fast one's ring fills
+                            # and waits for a CPU one's batch
+                            in_order=a.mixed == 0) as loader:
         step = TrainStep(a.model, data.classes, dev, ddp=ddp)
         batches: Iterator = epochs(loader)
         if on_host:

@@ -15,6 +15,12 @@ was made), and its batches come already augmented: (images, labels). A host work
 are (buffer, table, labels) in a page-locked host ring; the trainer augments them with
 ``host_decode.Upload``, which passes the GPU batches through as they are.
 
+The two kinds differ about tenfold in speed: on 4 H200s with MPS (ResNet-18, 2026-11-28) one
+GPU worker fed its trainer 28 batches/s, and a CPU worker makes about 3 (256 images at 1.3 ms
+each, docs/experiments/2026-11-28-decode-cost/bench.py). So the Loader is made with
+``in_order=False``: in order, the GPU worker's ring filled and the trainer waited for the CPU
+worker's batch, taking 7 batches/s. ``auto`` sizes its steps in workers of the newest kind.
+
     python3 apps/loader/loader_lib.py --data /tmp/loader-data --mixed 1   # with MPS running
 """
 

@@ -84,6 +84,43 @@ def test_every_batch_of_each_epoch_once_in_order():
             assert seen == order(n, 5, epoch)  # the whole epoch, once, in the shuffled order
 
 
+class HeldBack:
+    """decode whose batch of sample 0 waits (at most 60 s) until `marker` exists: the trainer
+    makes it once it has taken another batch."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __call__(self, samples, device):
+        deadline = time.monotonic() + 60
+        while samples[0][0] == 0 and not os.path.exists(self.marker):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the trainer took no other batch before batch 0 in 60 s")
+            time.sleep(0.01)
+        return decode(samples, device)
+
+
+def test_out_of_order_hands_out_what_came_first_and_each_epoch_whole(tmp_path):
+    """in_order=False: the epoch's first batch is held back in its worker until the trainer
+    has taken another, so the others go first; the next epoch's batches, which the fast
+    worker makes meanwhile, wait until this epoch's are all out."""
+    marker = tmp_path / "taken"
+    n, b = 64, 8
+    with Loader(Numbers(n), HeldBack(str(marker)), batch_size=b, device="cpu", workers=2,
+                shuffle=False, in_order=False, timeout=90) as loader:
+        for epoch in range(3):
+            seen = []
+            for batch in loader:
+                first = batch["index"][0].item()
+                assert batch["index"].tolist() == list(range(first, first + b))  # a whole batch
+                seen.append(first // b)
+                marker.touch()
+                del batch
+            assert sorted(seen) == list(range(n // b)), (epoch, seen)  # each batch once
+            if epoch == 0:
+                assert seen[0] != 0, seen  # batch 0 could come only after another was taken
+
+
 def test_ranks_split_each_epoch_between_them_without_overlap():
     n, b = 203, 10
     got = []
@@ -329,7 +366,7 @@ def judge_a_step(world: int, for_waiting: bool) -> Loader:
         r.first_at = 0
         r.stamps.extend(now - int(k * 1e9 / 1.35) for k in range(WINDOW_STAMPS, -1, -1))
     loader._taken = 500
-    loader._trial = (1, 4.3, 2, 2.0, for_waiting)
+    loader._trial = (1, 4.3, 2, 2.0, for_waiting, True)
     loader._waits.extend([(0.0, 0.004)] * 15)
     loader._last_t = time.monotonic() - 0.004
     loader._maybe_scale(0.0)
@@ -349,6 +386,40 @@ def test_a_ddp_rank_keeps_a_step_it_took_for_waiting_once_fed_however_its_take_r
     # one trainer retires either: it takes fewer batches a second than before
     with judge_a_step(world=1, for_waiting=True) as loader:
         assert loader.workers == 1 and "retired" in loader.why, loader.why
+
+
+def test_workers_of_two_kinds_are_sized_by_the_newest_kind_and_a_blind_step_by_what_it_adds():
+    """MixedDecode's case (figures made up, of its order): a first worker decoding on the GPU
+    makes 28 batches/s, a CPU worker 2.5. auto's first step (1 -> 2) predicted the second worker from the first: 2x. Judged by
+    that, the 9% it brought is a failure; judged by what the CPU worker makes, now measured, it
+    paid. The next step is sized in CPU workers: the trainer needs 1.5x the rate."""
+    from gpipe._loader_peers import Window
+
+    with Loader(Numbers(64), decode, batch_size=4, device="cpu", workers="auto",
+                max_workers=6, rank=0, world_size=1) as loader:
+        loader._start_worker()  # the step's worker
+        loader._taken = 500
+        loader._trial = (1, 28.0, 2, 2.0, True, True)  # taken while the workers were of one kind
+        # waiting half the time (so only the rate can say it paid): 30.5 batches/s
+        loader._decide(Window(0.5, 1.0, 30.5, 16, 6, each=2.5))
+        assert loader.workers == 2 and "kept: 30.50 batches/s against 28.00" in loader.why, loader.why
+        assert loader._trial is None and loader._armed  # the next window of waiting steps
+        loader._decide(Window(0.5, 1.0, 30.5, 16, 6, each=2.5))
+        # short 2x (half the time waiting): the rate is 12.2 CPU workers' worth, and 1.2x more
+        # of it (a tenth to spare) is 15 more; at most 12 at a time (twice the rate), and 6
+        # workers in all: 4 more, not the 1 that counting the workers alike would add
+        assert loader.workers == 6, loader.why
+        assert loader._trial[:3] == (2, 30.5, 6) and loader._trial[5] is False
+        assert loader._trial[3] == pytest.approx((30.5 + 4 * 2.5) / 30.5)
+    with Loader(Numbers(64), decode, batch_size=4, device="cpu", workers="auto",
+                max_workers=6, rank=0, world_size=1) as loader:
+        loader._start_worker()
+        loader._taken = 500
+        loader._trial = (1, 28.0, 2, 2.0, True, True)
+        # the workers are of one kind: the prediction stands, and 9% is not a quarter of it
+        loader._decide(Window(0.5, 1.0, 30.5, 16, 6))
+        assert loader.workers == 1 and "retired" in loader.why, loader.why
+
 
 def decode_20ms(samples, device):
     time.sleep(0.02)

@@ -133,3 +133,6 @@ def test_the_jobs_view_is_the_most_starved_ranks_window_with_the_slowest_rate_an
     assert view([Window(0.1, 1.0, None, 16, 4), Window(0.0, 1.0, 9.0, 16, 4)]).rate is None
     # the order of the ranks does not change the view: every rank computes the same
     assert view(ranks[::-1]) == view(ranks)
+    # workers of two kinds on every rank: the slowest newest kind's rate; else one kind
+    assert view([Window(0.1, 1.0, 9.0, 16, 4, 2.5), Window(0.0, 1.0, 9.0, 16, 4, 2.0)]).each == 2.0
+    assert view([Window(0.1, 1.0, 9.0, 16, 4, 2.5), Window(0.0, 1.0, 9.0, 16, 4)]).each is None

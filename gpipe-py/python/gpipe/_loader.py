@@ -305,6 +305,13 @@ class Loader:
     for a copy on another stream, keep the batch until that copy has run. Where torch sees no
     CUDA GPU, ``pin_memory`` warns and is off, as torch's DataLoader's; where the driver cannot
     page-lock a ring, the loader warns and reads it, and the rings after it, unlocked.
+    ``in_order`` (as torch's DataLoader's): True hands an epoch's batches out in their order,
+    so the trainer waits for the worker of the next one however many others are ready.
+    False hands out whichever of the epoch's batches came first: every epoch still gives each
+    of its batches once, and the next epoch begins after the last of them, but their order
+    within it varies from run to run. Workers of different speeds (``MixedDecode`` in
+    ``apps/loader``: one decoding on the GPU, the rest on the CPU) need it: in order, the
+    fast ones fill their rings and wait for the slow one's batch.
 
     Iterating gives one epoch: what ``decode`` returned, as tensors over the ring's slot (no
     copy). They are read-only, and the slot goes back to its worker once they are gone, so
@@ -332,6 +339,7 @@ class Loader:
         worker_nice: int = WORKER_NICE,
         timeout: Optional[float] = None,
         pin_memory: bool = False,
+        in_order: bool = True,
     ) -> None:
         if not callable(decode):
             raise TypeError(f"decode must be a function decode(samples, device); got {type(decode).__name__}")
@@ -391,6 +399,7 @@ class Loader:
         if self.max_workers < 1:
             raise ValueError(f"max_workers must be 1 or more; got {self.max_workers}")
         self.timeout = timeout
+        self.in_order = bool(in_order)
         self.why = (f"{workers} worker(s), as asked" if not self.auto else
                     f"auto: 1 worker to start, up to {self.max_workers}")
         self._cfg = {"device": str(self.device), "plan": plan, "epochs": epochs,
@@ -403,7 +412,9 @@ class Loader:
         self._dir = tempfile.mkdtemp(prefix="gpipe-loader-")
         self._rings: list[_Ring] = []
         self._held: dict[int, tuple[_Ring, Any]] = {}
-        self._next = 0  # the batch number to hand out next
+        # batches handed out: in order, also the number of the next one; either way each
+        # epoch's batches go out before the next epoch's
+        self._next = 0
         self._taken = 0  # batches handed out
         self._waits: collections.deque = collections.deque(maxlen=WINDOW)
         self._window_ns = 0  # when the current window began (CLOCK_MONOTONIC ns)
@@ -487,8 +498,8 @@ class Loader:
                 "or a notebook cannot be found there (define them in a module file)"
                 ) if starting else ""
         return Error(f"decode worker {ring.k} (pid {ring.proc.pid}) {how} before publishing "
-                     f"batch {self._next} (epoch {self._next // self.batches_per_epoch}); "
-                     f"the batches it had claimed are lost, so this epoch cannot be completed.{hint}")
+                     f"{self._wanted()}; the batches it had claimed are lost, so this epoch "
+                     f"cannot be completed.{hint}")
 
     def _maybe_scale(self, waited: float) -> None:
         """auto: more workers when the trainer waited too long over the last batches, and a
@@ -548,7 +559,19 @@ class Loader:
 
     def _mine(self, rate: Optional[float]) -> Window:
         """This trainer's current window, with its workers' `rate`."""
-        return Window(*self._window(), rate, len(self._waits), self.max_workers)
+        return Window(*self._window(), rate, len(self._waits), self.max_workers, self._each())
+
+    def _each(self) -> Optional[float]:
+        """Where the workers are of two kinds (a decode that makes some workers' batches on a
+        GPU and the others' on the CPU, as ``MixedDecode`` in apps/loader does), the batches a
+        second each worker of the newest one's kind makes: the workers auto adds are like it.
+        None where they are all of one kind, or before each has published a few."""
+        active = self._active()
+        kinds = {r.flags.on_gpu.value for r in active}
+        if len(kinds) < 2 or any(len(r.stamps) < 5 for r in active):
+            return None
+        like = [r for r in active if r.flags.on_gpu.value == active[-1].flags.on_gpu.value]
+        return sum(_own_rate(r) for r in like) / len(like)
 
     def _decide(self, w: Window) -> None:
         """auto's step from a full window's figures: this trainer's, or the job's (DDP)."""
@@ -560,8 +583,13 @@ class Loader:
         share = wait / span if span > 0 else 1.0
         taken = w.batches / span if span > 0 else 0.0  # the trainer's own take rate
         if self._trial is not None:
-            before, was, tried, predicted, for_waiting = self._trial
+            before, was, tried, predicted, for_waiting, blind = self._trial
             self._trial = None
+            if blind and w.each is not None:
+                # The step added workers of another kind than those before it (a GPU worker's
+                # rate predicted the first CPU worker's: 28 batches/s against 2.5, 4 H200s),
+                # whose rate it could not know: what they make, now measured, is its gain.
+                predicted = (was + (tried - before) * w.each) / was
             want = 1 + max(MIN_GAIN, (predicted - 1) / 4)
             # The step paid if the rate rose by a quarter of its predicted gain, or if the trainer
             # no longer waits and takes batches faster than before: the prediction cannot know the
@@ -632,13 +660,24 @@ class Loader:
         short = max(span / own, taken / rate)
         first = self.workers
         peers = alone and share > WAIT_SHARE
-        grow = 2 * first if peers else max(first + 1, math.ceil(first * short * 1.1))
-        need = min(w.most, 2 * first, grow)
+        each = w.each
+        if each is None:  # workers of one kind: each makes the workers' rate over their count
+            grow = 2 * first if peers else max(first + 1, math.ceil(first * short * 1.1))
+            need = min(w.most, 2 * first, grow)
+            gain = need / first
+        else:
+            # Workers of two kinds: the added ones are like the newest, each making `each`
+            # batches a second. The same rule, counted in such workers: at most as many as
+            # the workers' rate is worth (twice the rate), as many as the trainer's pace needs.
+            worth = max(1, math.floor(rate / each))
+            add = worth if peers else max(1, math.ceil(rate / each * (short * 1.1 - 1)))
+            need = min(w.most, first + min(worth, add))
+            gain = (rate + (need - first) * each) / rate
         for _ in range(need - first):
             self._start_worker()
         # what the step should bring: the trainer's own pace, or the added workers' share of it
-        self._trial = (first, rate, need, need / first if peers else min(short, need / first),
-                       share > WAIT_SHARE)
+        self._trial = (first, rate, need, gain if peers else min(short, gain), share > WAIT_SHARE,
+                       each is None)
         started = f"worker {len(self._rings) - 1}" if need - first == 1 else \
             f"workers {len(self._rings) - (need - first)}-{len(self._rings) - 1}"
         if peers:
@@ -687,7 +726,7 @@ class Loader:
         active = self._active()
         if any(len(r.stamps) < 5 for r in active):
             return None
-        return sum((len(r.stamps) - 1) * 1e9 / max(r.stamps[-1] - r.stamps[0], 1) for r in active)
+        return sum(_own_rate(r) for r in active)
 
     def _starting(self) -> bool:
         """A worker has not delivered yet, or only its first few batches: while a new worker
@@ -775,7 +814,7 @@ class Loader:
                 self._pinned.let_go_all()  # our own hold for copies: let go, try again
                 return False
             raise Deadlock(
-                f"decode worker {ring.k} cannot publish batch {self._next}: this process still "
+                f"decode worker {ring.k} cannot publish its next batch: this process still "
                 f"holds tensors of an earlier batch of its ring, in the slot it must refill (a "
                 f"variable of an earlier loop, say); drop them (del) before taking more, keep "
                 f"a copy (.clone()) of what must outlive its step, or make the Loader with more "
@@ -795,34 +834,33 @@ class Loader:
         return True
 
     def _take(self) -> Any:
-        """The batch numbered self._next, as what decode returned."""
+        """The next batch (see _pick), as what decode returned."""
         from .torch import as_tensor
 
         if self._closed:  # an iterator made before close(): its workers are stopped
             raise Error("this Loader is closed: make a new one for more batches")
-        g = self._next
         t0 = time.monotonic()
         if self._pinned is not None:
             self._pinned.before_take()
         deadline = None if self.timeout is None else t0 + self.timeout
-        while g not in self._held:
+        while (g := self._pick()) is None:
             waiting = [r for r in self._rings if r.held is None and not r.done]
             if not waiting:
-                raise Error(f"batch {g} will never come: every decode worker has finished "
+                raise Error(f"{self._wanted()} will never come: every decode worker has finished "
                             f"(epochs={self._cfg['epochs']} ends at batch "
                             f"{(self._cfg['epochs'] or 0) * self.batches_per_epoch})")
             got = False
             for r in waiting:
                 if self._attach(r):
                     got |= self._poll(r, 0.0)
-            if not got and g not in self._held:
+            if not got and self._pick() is None:
                 ready = [r for r in waiting if r.consumer is not None and not r.done]
                 if ready:  # sleep on one ring briefly: a batch may come on any of them
                     self._poll(ready[int(time.monotonic() * 1e4) % len(ready)], 0.0005)
                 else:
                     time.sleep(0.001)
             if deadline is not None and time.monotonic() > deadline:
-                raise Timeout(f"batch {g} did not come within {self.timeout} s from "
+                raise Timeout(f"{self._wanted()} did not come within {self.timeout} s from "
                               f"{self.workers} decode worker(s)")
         ring, b = self._held.pop(g)
         ring.held = None
@@ -839,6 +877,23 @@ class Loader:
         if kind == _TUPLE:
             return tuple(tensors)
         return dict(zip(names, tensors))
+
+    def _pick(self) -> Optional[int]:
+        """The number of the received batch to hand out next, or None while none may go: in
+        order, batch self._next; else the lowest received one of the epoch being handed out
+        (the next epoch's wait until this one's are all out)."""
+        if self.in_order:
+            return self._next if self._next in self._held else None
+        end = (self._next // self.batches_per_epoch + 1) * self.batches_per_epoch
+        ready = [g for g in self._held if g < end]
+        return min(ready) if ready else None
+
+    def _wanted(self) -> str:
+        """What the trainer is waiting for, for its errors."""
+        epoch, k = divmod(self._next, self.batches_per_epoch)
+        if self.in_order:
+            return f"batch {self._next} (epoch {epoch})"
+        return f"the next batch of epoch {epoch} ({k} of its {self.batches_per_epoch} handed out)"
 
     def __iter__(self) -> Iterator[Any]:
         """One epoch's batches. An epoch left unfinished (a ``break``) is skipped: the next
@@ -927,6 +982,11 @@ def _unsendable(dataset: Any, decode: Callable) -> str:
         except Exception:  # noqa: BLE001 - whatever pickling raises
             bad.append(what)
     return " and ".join(bad) or "the dataset or decode"
+
+
+def _own_rate(ring: _Ring) -> float:
+    """The batches a second `ring`'s worker published over the window (its stamps)."""
+    return (len(ring.stamps) - 1) * 1e9 / max(ring.stamps[-1] - ring.stamps[0], 1)
 
 
 def _fed(w: Window) -> bool:

@@ -35,23 +35,29 @@ _SEQ: collections.defaultdict = collections.defaultdict(itertools.count)
 class Window(NamedTuple):
     """One rank's last window: its trainer's time waiting for batches and the time they took
     (seconds), the batches its workers publish a second (None: not known yet), how many
-    batches the window has, and the most workers the rank may have."""
+    batches the window has, the most workers the rank may have, and, where its workers are
+    of two kinds (some decode on a GPU, the rest on the CPU), the batches a second each
+    worker of the newest one's kind makes (None: they are all of one kind)."""
 
     wait: float
     span: float
     rate: Optional[float]
     batches: int
     most: int
+    each: Optional[float] = None
 
 
 def view(windows: list[Window]) -> Window:
     """The job's window from every rank's (in rank order): the wait and span of the rank that
     waited the largest share, the slowest rank's workers' rate, and the lowest limit (so that
-    a rank at its limit does not leave the others to step without it)."""
+    a rank at its limit does not leave the others to step without it); the slowest rate of a
+    newest worker's kind, where every rank's workers are of two kinds."""
     worst = max(windows, key=lambda w: w.wait / w.span if w.span > 0 else 1.0)
     rates = [w.rate for w in windows]
     rate = None if any(r is None for r in rates) else min(rates)
-    return Window(worst.wait, worst.span, rate, worst.batches, min(w.most for w in windows))
+    eaches = [w.each for w in windows]
+    each = None if any(e is None for e in eaches) else min(eaches)
+    return Window(worst.wait, worst.span, rate, worst.batches, min(w.most for w in windows), each)
 
 
 class Peers:
