@@ -586,9 +586,9 @@ class Loader:
             before, was, tried, predicted, for_waiting, blind = self._trial
             self._trial = None
             if blind and w.each is not None:
-                # The step added workers of another kind than those before it (a GPU worker's
-                # rate predicted the first CPU worker's: 28 batches/s against 2.5, 4 H200s),
-                # whose rate it could not know: what they make, now measured, is its gain.
+                # The step added workers of another kind than those before it, whose rate it
+                # could not know (a GPU worker's 28 batches/s predicted the first CPU worker's,
+                # about 3; ResNet-18, 4 H200s): what they make, now measured, is its gain.
                 predicted = (was + (tried - before) * w.each) / was
             want = 1 + max(MIN_GAIN, (predicted - 1) / 4)
             # The step paid if the rate rose by a quarter of its predicted gain, or if the trainer
