@@ -5,7 +5,7 @@
 # bench.txt, run.txt (loader.jsonl, summary.txt, logs.txt from the loader runs).
 #   bash docs/experiments/2026-11-28-decode-cost/run.sh       # tests, bench, ResNet-50 on 4 GPUs
 #   bash docs/experiments/2026-11-28-decode-cost/run.sh r18   # ResNet-18 on 1 and 2 GPUs (WORLDS=2: on 2)
-#   bash docs/experiments/2026-11-28-decode-cost/run.sh mixed # ResNet-18 on 4 GPUs, MPS on:
+#   bash docs/experiments/2026-11-28-decode-cost/run.sh mixed # ResNet-18 on 4 GPUs (WORLDS=2: 2), MPS on:
 #     the first worker a GPU decodes on it, auto adds host decoders (loader_lib.py --mixed)
 set -u
 . "$(dirname "$0")/../../../scripts/gpu/lib.sh"
@@ -23,7 +23,7 @@ if [ "${1:-}" = mixed ]; then
   [ -d /tmp/loader-data ] || limit 100 python3 apps/loader/make_dataset.py /tmp/loader-data --count 20000 | tail -1
   limit 150 python3 -m pytest -v -p no:cacheprovider apps/tests/test_loader.py -k mixed >"$OUT/tests.txt" 2>&1
   grep -E "passed|failed" "$OUT/tests.txt" | tail -1
-  MIXED=${MIXED:-1} M=on WORLDS=4 MODELS=resnet18 DDP_S=${DDP_S:-360} L=${L:-370} \
+  MIXED=${MIXED:-1} M=on WORLDS=${WORLDS:-4} MODELS=resnet18 DDP_S=${DDP_S:-360} L=${L:-370} \
     LOADER_SETTLE=${LOADER_SETTLE:-1000} bash docs/experiments/2026-11-27-loader-lib/run.sh >"$OUT/run.txt" 2>&1
   grep -A6 "== lib" "$OUT/run.txt" | cut -c1-400
   grep -h "^settle:" "$OUT/logs.txt" 2>/dev/null | cut -c1-260 | tail -6
