@@ -305,13 +305,14 @@ class Loader:
     for a copy on another stream, keep the batch until that copy has run. Where torch sees no
     CUDA GPU, ``pin_memory`` warns and is off, as torch's DataLoader's; where the driver cannot
     page-lock a ring, the loader warns and reads it, and the rings after it, unlocked.
-    ``in_order`` (as torch's DataLoader's): True hands an epoch's batches out in their order,
-    so the trainer waits for the worker of the next one however many others are ready.
-    False hands out whichever of the epoch's batches came first: every epoch still gives each
-    of its batches once, and the next epoch begins after the last of them, but their order
-    within it varies from run to run. Workers of different speeds (``MixedDecode`` in
-    ``apps/loader``: one decoding on the GPU, the rest on the CPU) need it: in order, the
-    fast ones fill their rings and wait for the slow one's batch.
+    ``in_order``: True hands the batches out in their order, so the trainer waits for the
+    worker of the next one however many others are ready. False hands out whichever batch came
+    first: each iteration still gives ``len(loader)`` batches, and each batch of each epoch
+    goes out once, but a batch that comes late goes out in a later iteration than its epoch's
+    (unlike torch's DataLoader's ``in_order=False``, whose epochs wait for their last batch).
+    Workers of different speeds (``MixedDecode`` in ``apps/loader``: one decoding on the GPU,
+    the rest on the CPU) need it: in order, the fast ones fill their rings and wait for the
+    slow one's batch; with a wait at each epoch's end, a DDP job waits for every rank's.
 
     Iterating gives one epoch: what ``decode`` returned, as tensors over the ring's slot (no
     copy). They are read-only, and the slot goes back to its worker once they are gone, so
@@ -412,8 +413,7 @@ class Loader:
         self._dir = tempfile.mkdtemp(prefix="gpipe-loader-")
         self._rings: list[_Ring] = []
         self._held: dict[int, tuple[_Ring, Any]] = {}
-        # batches handed out: in order, also the number of the next one; either way each
-        # epoch's batches go out before the next epoch's
+        # batches handed out (in order, also the number of the next one)
         self._next = 0
         self._taken = 0  # batches handed out
         self._waits: collections.deque = collections.deque(maxlen=WINDOW)
@@ -880,20 +880,18 @@ class Loader:
 
     def _pick(self) -> Optional[int]:
         """The number of the received batch to hand out next, or None while none may go: in
-        order, batch self._next; else the lowest received one of the epoch being handed out
-        (the next epoch's wait until this one's are all out)."""
+        order, batch self._next; else the lowest received one, of whichever epoch (a late
+        batch goes out as soon as it comes)."""
         if self.in_order:
             return self._next if self._next in self._held else None
-        end = (self._next // self.batches_per_epoch + 1) * self.batches_per_epoch
-        ready = [g for g in self._held if g < end]
-        return min(ready) if ready else None
+        return min(self._held) if self._held else None
 
     def _wanted(self) -> str:
         """What the trainer is waiting for, for its errors."""
         epoch, k = divmod(self._next, self.batches_per_epoch)
         if self.in_order:
             return f"batch {self._next} (epoch {epoch})"
-        return f"the next batch of epoch {epoch} ({k} of its {self.batches_per_epoch} handed out)"
+        return f"batch {k + 1} of iteration {epoch} (any of the batches not yet handed out)"
 
     def __iter__(self) -> Iterator[Any]:
         """One epoch's batches. An epoch left unfinished (a ``break``) is skipped: the next
