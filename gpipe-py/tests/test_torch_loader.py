@@ -432,14 +432,16 @@ def decode_20ms(samples, device):
 
 def test_auto_adds_a_worker_before_a_backlog_runs_out():
     # One worker makes a batch every 20 ms; the trainer takes one every 16 ms from a ring of
-    # 32 that filled while it paused, so it would not wait for about 160 batches. `auto` sees
-    # the workers make 0.8 of what the trainer takes and adds one before the backlog is gone.
+    # 64 that filled while it paused, so it would not wait for about 320 batches. `auto` sees
+    # the workers make 0.8 of what the trainer takes and adds one before the backlog is gone
+    # (after about 110: a window once the worker's first 16 + 64 are taken, and a second).
+    # With 32 slots a loaded CI machine, its worker making one every 26 ms, ran out first.
     n, b = 4000, 4
-    with Loader(Numbers(n), decode_20ms, batch_size=b, device="cpu", max_workers=2, slots=32,
+    with Loader(Numbers(n), decode_20ms, batch_size=b, device="cpu", max_workers=2, slots=64,
                 seed=6) as loader:
         it = iter(loader)
         next(it)
-        time.sleep(2.0)  # the ring fills
+        time.sleep(3.0)  # the ring fills
         taken, waited = 1, 0.0
         while loader.workers < 2:
             t = time.monotonic()
