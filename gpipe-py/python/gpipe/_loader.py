@@ -31,7 +31,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -259,6 +259,19 @@ def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim:
             producer.close()
 
 
+class _Trial(NamedTuple):
+    """auto's step on trial: the workers before it, their batches a second, the workers with
+    it, the gain it should bring, whether the trainer waited (else the workers were behind),
+    and whether the workers before it were all of one kind."""
+
+    before: int
+    was: float
+    tried: int
+    predicted: float
+    for_waiting: bool
+    one_kind: bool
+
+
 class _Ring:
     """The trainer's side of one worker: its process, its ring, the batch held from it."""
 
@@ -422,9 +435,7 @@ class Loader:
         # the refusal of a ring's page-lock, if one came: the later rings are not tried
         self._pin_failed: Optional[str] = None
         self._last_t: Optional[float] = None
-        # auto's step on trial: (workers before it, batches/s before it, workers with it, the
-        # gain it should bring, whether the trainer waited), or None
-        self._trial: Optional[tuple[int, float, int, float, bool]] = None
+        self._trial: Optional[_Trial] = None  # auto's step on trial
         # under DDP: the exchange of windows with the other ranks, and the job's last window
         self._peers = Peers.of_job(rank, world_size, f"{n}-{batch_size}-{int(seed)}") \
             if self.auto else None
@@ -583,9 +594,9 @@ class Loader:
         share = wait / span if span > 0 else 1.0
         taken = w.batches / span if span > 0 else 0.0  # the trainer's own take rate
         if self._trial is not None:
-            before, was, tried, predicted, for_waiting, blind = self._trial
+            before, was, tried, predicted, for_waiting, one_kind = self._trial
             self._trial = None
-            if blind and w.each is not None:
+            if one_kind and w.each is not None:
                 # The step added workers of another kind than those before it, whose rate it
                 # could not know (a GPU worker's 28 batches/s predicted the first CPU worker's,
                 # about 3; ResNet-18, 4 H200s): what they make, now measured, is its gain.
@@ -676,8 +687,8 @@ class Loader:
         for _ in range(need - first):
             self._start_worker()
         # what the step should bring: the trainer's own pace, or the added workers' share of it
-        self._trial = (first, rate, need, gain if peers else min(short, gain), share > WAIT_SHARE,
-                       each is None)
+        self._trial = _Trial(first, rate, need, gain if peers else min(short, gain),
+                             share > WAIT_SHARE, each is None)
         started = f"worker {len(self._rings) - 1}" if need - first == 1 else \
             f"workers {len(self._rings) - (need - first)}-{len(self._rings) - 1}"
         if peers:
