@@ -10,6 +10,8 @@ use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyString};
 
+use crate::pin::PinMode;
+
 /// `repr(obj)`, cut to a length that fits in a message.
 fn short_repr(obj: &Bound<'_, PyAny>) -> String {
     let r = obj
@@ -446,4 +448,29 @@ pub(crate) fn socket(obj: &Bound<'_, PyAny>) -> PyResult<std::path::PathBuf> {
             given(obj)
         ))
     })
+}
+
+/// `Consumer(pin_memory=)`: True, False, or "try".
+pub(crate) fn pin_memory(obj: &Bound<'_, PyAny>) -> PyResult<PinMode> {
+    let accepts = "True, False, or \"try\" (page-lock where the driver allows it, else read the ring unlocked)";
+    if obj.is_instance_of::<PyBool>() {
+        return Ok(if obj.is_truthy()? {
+            PinMode::On
+        } else {
+            PinMode::Off
+        });
+    }
+    if obj.is_instance_of::<PyString>() {
+        return match obj.extract::<String>()?.as_str() {
+            "try" => Ok(PinMode::Try),
+            _ => Err(PyValueError::new_err(format!(
+                "pin_memory must be {accepts}, not {}",
+                short_repr(obj)
+            ))),
+        };
+    }
+    Err(PyTypeError::new_err(format!(
+        "pin_memory must be {accepts}, {}",
+        given(obj)
+    )))
 }

@@ -19,7 +19,7 @@ use crate::batch::{AnyBatch, BatchCell, PyBatch, forked_child};
 use crate::blocking::{TICK, blocking, deadline};
 use crate::dlpack::{DEVICE_CPU, DEVICE_CUDA, DLDevice};
 use crate::errors::{AttachError, Closed, PinError, attach_error, to_py};
-use crate::pin;
+use crate::pin::{self, PinMode};
 use crate::ring::RingInfo;
 
 /// A consumer on one of the backends.
@@ -77,7 +77,7 @@ fn signal_arrived() -> bool {
 /// An attach failed: the exception a signal handler raised meanwhile, if any (Ctrl-C is
 /// KeyboardInterrupt, not an attach error), else the attach error.
 fn attach_failed(e: Error) -> PyErr {
-    let refused = pin::take_refusal();
+    let refused = pin::take_refusal().is_some();
     SIGNAL_ERROR
         .with(|s| s.borrow_mut().take())
         .unwrap_or_else(|| {
@@ -123,7 +123,11 @@ fn attach_failed(e: Error) -> PyErr {
 /// into pinned memory first. That copy reads the slot after the call returns: keep the batch
 /// until it has run (its stream synchronised, or an event waited for), since the slot goes
 /// back to the producer once the batch's tensors are gone. The lock is made once the
-/// attach's handshake is over: ``timeout`` does not bound it.
+/// attach's handshake is over: ``timeout`` does not bound it. Where the driver refuses it,
+/// ``True`` raises PinError (the consumer had joined the ring and leaves it, so a batch the
+/// producer published meanwhile is not delivered to a later attach); ``"try"`` reads the
+/// ring unlocked instead, missing nothing, with ``pinned`` False and ``pin_refused`` saying
+/// why.
 ///
 /// Wrong arguments raise TypeError (a wrong type) or ValueError (a value out of range),
 /// naming the argument.
@@ -141,12 +145,14 @@ pub struct PyConsumer {
     side_signals: bool,
     /// Host: the batches are page-locked for copies to a GPU (`pin_memory`).
     pinned: bool,
+    /// `pin_memory="try"` where the lock was refused: why (the batches are read unlocked).
+    pin_refused: Option<String>,
 }
 
 #[pymethods]
 impl PyConsumer {
     #[new]
-    #[pyo3(signature = (socket, *, device=None, timeout=5.0, spin=None, delivery="auto", mirror_buffers=None, side_signals=None, allow_producer_uids=None, pin_memory=false))]
+    #[pyo3(signature = (socket, *, device=None, timeout=5.0, spin=None, delivery="auto", mirror_buffers=None, side_signals=None, allow_producer_uids=None, pin_memory=PinMode::Off))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -158,7 +164,7 @@ impl PyConsumer {
         #[pyo3(from_py_with = args::mirror_buffers)] mirror_buffers: Option<u32>,
         side_signals: Option<bool>,
         allow_producer_uids: Option<Vec<u32>>,
-        pin_memory: bool,
+        #[pyo3(from_py_with = args::pin_memory)] pin_memory: PinMode,
     ) -> PyResult<Self> {
         let delivery: Delivery = delivery.parse().map_err(PyValueError::new_err)?;
         if !(timeout.is_finite() && timeout > 0.0) {
@@ -198,6 +204,8 @@ impl PyConsumer {
             .detach(|| PendingAttach::connect(&path, config))
             .map_err(attach_failed)?;
         let layout = pending.layout();
+        let mut pinned = false;
+        let mut pin_refused = None;
         let (inner, dl) = match pending.backend() {
             BackendKind::Host => {
                 if let Some(d) = device {
@@ -207,12 +215,24 @@ impl PyConsumer {
                         socket.display()
                     )));
                 }
-                if pin_memory && !pipeline_cuda::driver::driver_present() {
-                    return Err(PinError::new_err(
-                        "pin_memory=True page-locks the batches for copies to a GPU, but no CUDA driver (libcuda.so.1) can be loaded here; leave pin_memory out",
-                    ));
+                let no_driver = "no CUDA driver (libcuda.so.1) can be loaded here";
+                let mut pin_memory = pin_memory;
+                if pin_memory != PinMode::Off && !pipeline_cuda::driver::driver_present() {
+                    if pin_memory == PinMode::On {
+                        return Err(PinError::new_err(format!(
+                            "pin_memory=True page-locks the batches for copies to a GPU, but {no_driver}; leave pin_memory out, or pass pin_memory=\"try\""
+                        )));
+                    }
+                    pin_refused = Some(format!("pin_memory: {no_driver}"));
+                    pin_memory = PinMode::Off;
                 }
-                let on_map: Option<OnMap> = pin_memory.then_some(pin::page_lock);
+                let on_map: Option<OnMap> = match pin_memory {
+                    PinMode::Off => None,
+                    PinMode::On => Some(pin::page_lock),
+                    PinMode::Try => Some(pin::page_lock_or_not),
+                };
+                // what an earlier attach on this thread may have left
+                let _ = pin::take_refusal();
                 let c = py
                     .detach(|| {
                         pending.finish::<HostConsumer>(HostOptions {
@@ -222,6 +242,9 @@ impl PyConsumer {
                         })
                     })
                     .map_err(attach_failed)?;
+                // "try" refused: read unlocked, and say why
+                pin_refused = pin_refused.or(pin::take_refusal());
+                pinned = pin_memory != PinMode::Off && pin_refused.is_none();
                 (
                     AnyConsumer::Host(c),
                     DLDevice {
@@ -231,9 +254,9 @@ impl PyConsumer {
                 )
             }
             BackendKind::Cuda => {
-                if pin_memory {
+                if pin_memory != PinMode::Off {
                     return Err(PyValueError::new_err(format!(
-                        "pin_memory=True page-locks batches in host memory, but the producer's ring at {} is in CUDA memory (its batches are on the GPU already); leave pin_memory out",
+                        "pin_memory page-locks batches in host memory, but the producer's ring at {} is in CUDA memory (its batches are on the GPU already); leave pin_memory out",
                         socket.display()
                     )));
                 }
@@ -319,7 +342,8 @@ impl PyConsumer {
             index,
             mirrored,
             side_signals,
-            pinned: pin_memory,
+            pinned,
+            pin_refused,
         })
     }
 
@@ -421,10 +445,17 @@ impl PyConsumer {
     }
 
     /// True when the batches of this host ring are page-locked for copies to a GPU
-    /// (``pin_memory=True``).
+    /// (``pin_memory=True``, or ``"try"`` where the driver allowed it).
     #[getter]
     fn pinned(&self) -> bool {
         self.pinned
+    }
+
+    /// Why the batches are not page-locked although ``pin_memory="try"`` asked for it (the
+    /// driver's refusal, or no CUDA driver here); None otherwise.
+    #[getter]
+    fn pin_refused(&self) -> Option<String> {
+        self.pin_refused.clone()
     }
 
     /// "host" or "cuda".

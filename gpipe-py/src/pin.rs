@@ -1,4 +1,4 @@
-//! `pin_memory=True` on a host ring: its batches page-locked with the CUDA driver, so that a
+//! `pin_memory=True` (or `"try"`) on a host ring: its batches page-locked with the CUDA driver, so that a
 //! copy from one to a GPU is a DMA that returns at once (as from torch's pinned memory)
 //! instead of a copy through the driver's staging buffers that holds the host.
 //!
@@ -11,24 +11,55 @@ use std::sync::Arc;
 use pipeline_core::MapGuard;
 use pipeline_cuda::driver::{Context, HostRegistration, SavedContext, current_device};
 
-/// `HostOptions::on_map`: page-locks `len` bytes at `ptr`, read-only and portable to every
-/// GPU of the process. The context is the primary one of the calling thread's current device
-/// (torch's `current_device`, whose context it is), or of device 0 where the thread has none;
-/// the thread's current context is left as it was.
+/// What a Consumer's `pin_memory` asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum PinMode {
+    /// `False`: the batches are read from pageable memory.
+    Off,
+    /// `True`: page-locked, or the attach fails with `PinError`.
+    On,
+    /// `"try"`: page-locked where the driver allows it, else read unlocked; the attach stands
+    /// either way, so no batch published meanwhile is missed, and the consumer says why.
+    Try,
+}
+
+/// `HostOptions::on_map` for `pin_memory=True`: page-locks `len` bytes at `ptr`, read-only
+/// and portable to every GPU of the process. The context is the primary one of the calling
+/// thread's current device (torch's `current_device`, whose context it is), or of device 0
+/// where the thread has none; the thread's current context is left as it was. A refusal
+/// fails the attach, which raises `PinError` ([`take_refusal`]).
 pub(crate) fn page_lock(ptr: *const u8, len: usize) -> Result<MapGuard, String> {
-    lock(ptr, len).inspect_err(|_| REFUSED.with(|r| r.set(true)))
+    lock(ptr, len)
+        .map_err(|why| format!("{why}; leave pin_memory out, or pass pin_memory=\"try\" to read the ring unlocked where the driver refuses"))
+        .inspect_err(|why| refused(why.clone()))
+}
+
+/// `HostOptions::on_map` for `pin_memory="try"`: [`page_lock`]'s lock where the driver gives
+/// it; where it refuses, a guard that holds nothing (the batches are read unlocked) and the
+/// refusal kept for [`take_refusal`]. It never fails the attach.
+pub(crate) fn page_lock_or_not(ptr: *const u8, len: usize) -> Result<MapGuard, String> {
+    Ok(lock(ptr, len).unwrap_or_else(|why| {
+        refused(why);
+        Box::new(())
+    }))
 }
 
 thread_local! {
-    /// Set where [`page_lock`] failed on this thread: the attach that called it raises
-    /// `PinError` ([`take_refusal`]), which a caller can tell from every other attach error.
-    static REFUSED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Why the page-lock failed on this thread, if it did since the last [`take_refusal`].
+    /// The attach calls both on its own thread, where `HostOptions::on_map` ran.
+    static REFUSAL: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
 }
 
-/// Whether the page-lock failed on this thread since the last call (which clears it). The
-/// attach calls it on its own thread, where `HostOptions::on_map` ran.
-pub(crate) fn take_refusal() -> bool {
-    REFUSED.with(|r| r.replace(false))
+fn refused(why: String) {
+    REFUSAL.with(|r| *r.borrow_mut() = Some(why));
+}
+
+/// Why the page-lock failed on this thread since the last call (which clears it): an attach
+/// with `pin_memory=True` that failed raises `PinError` where this is `Some`, which a caller
+/// can tell from every other attach error; one with `"try"` keeps it as the consumer's
+/// `pin_refused`.
+pub(crate) fn take_refusal() -> Option<String> {
+    REFUSAL.with(|r| r.borrow_mut().take())
 }
 
 fn lock(ptr: *const u8, len: usize) -> Result<MapGuard, String> {
@@ -41,8 +72,7 @@ fn lock(ptr: *const u8, len: usize) -> Result<MapGuard, String> {
     // bytes (`HostOptions::on_map`), so the range stays mapped for the registration's life.
     let lock = unsafe { HostRegistration::read_only(&ctx, ptr, len) }.map_err(|e| {
         format!(
-            "pin_memory: CUDA could not page-lock the ring's {} MiB on device {ordinal} ({e}); \
-             leave pin_memory out where the driver cannot register host memory read-only",
+            "pin_memory: CUDA could not page-lock the ring's {} MiB on device {ordinal} ({e})",
             len >> 20
         )
     })?;

@@ -216,6 +216,8 @@ def test_a_numpy_integer_is_an_integer(sock):
         ({"timeout": "5"}, TypeError, "timeout"),
         ({"mirror_buffers": -1}, ValueError, "mirror_buffers"),
         ({"spin": "fast"}, TypeError, "spin"),
+        ({"pin_memory": "yes"}, ValueError, "pin_memory"),
+        ({"pin_memory": 1}, TypeError, "pin_memory"),
     ],
 )
 def test_consumer_arguments_name_themselves(ring_socket, kwargs, exc, says):
@@ -241,6 +243,21 @@ def test_pin_memory_without_a_cuda_driver_says_so(make_ring):
     # PinError, an AttachError: the one attach error that an attach without pin_memory mends
     with pytest.raises(gpipe.PinError, match="no CUDA driver .*leave pin_memory out"):
         gpipe.Consumer(p.socket, pin_memory=True)
+
+
+def test_pin_memory_try_without_a_cuda_driver_reads_unlocked_and_misses_nothing(sock):
+    if _cuda_driver_here():
+        pytest.skip("a CUDA driver is here: test_torch.py page-locks batches with it")
+    with gpipe.Producer(sock, backend="host", slots=2, batch_bytes=1 << 20) as p:
+        with gpipe.Consumer(sock, pin_memory="try") as c:
+            assert not c.pinned
+            assert "no CUDA driver" in c.pin_refused, c.pin_refused
+            # the attach stands: every batch published after it comes, from the first
+            p.wait_for_consumers(1, timeout=5)
+            for i in range(5):
+                p.send({"x": np.full(16, i, dtype=np.uint8)})
+                with c.recv(timeout=5) as b:
+                    assert np.from_dlpack(b["x"]).tolist() == [i] * 16
 
 
 @pytest.fixture

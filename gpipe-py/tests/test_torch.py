@@ -27,11 +27,12 @@ def test_torch_round_trip_keeps_dtype_shape_and_channels_last(make_ring):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("pin", [True, "try"])
 @pytest.mark.parametrize("delivery", ["in-place", "mirror"])
-def test_pin_memory_page_locks_batches_where_they_lie(make_ring, delivery):
+def test_pin_memory_page_locks_batches_where_they_lie(make_ring, delivery, pin):
     torch.cuda.init()  # until it has, torch's is_pinned() says False for any pointer
-    p, c = make_ring(consumer={"pin_memory": True, "delivery": delivery})
-    assert c.pinned
+    p, c = make_ring(consumer={"pin_memory": pin, "delivery": delivery})
+    assert c.pinned and c.pin_refused is None
     x = torch.arange(1 << 18, dtype=torch.float32)
     p.send({"x": x})
     dev = torch.device("cuda", 0)

@@ -1058,33 +1058,46 @@ def test_pin_memory_without_a_cuda_gpu_warns_and_carries_on(monkeypatch):
     assert got == list(range(16))
 
 
+class _RefusedLock:
+    """A consumer attached with pin_memory="try" where the driver refused the lock: the real
+    consumer, unpinned, saying why."""
+
+    pinned = False
+    pin_refused = ("pin_memory: CUDA could not page-lock the ring's 2 MiB on device 0 "
+                   "(a stand-in refusal)")
+
+    def __init__(self, consumer: Any) -> None:
+        self._consumer = consumer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._consumer, name)
+
+
 def _refuse_page_locks(monkeypatch) -> list:
-    """pin_memory on this host: torch's CUDA calls stand in, and an attach with the page-lock
-    joins the ring, leaves it, and raises as the driver's refusal does; returns the sockets
-    of those attaches."""
+    """pin_memory on this host: torch's CUDA calls stand in, and an attach that asks for the
+    page-lock is refused it as the driver would refuse; returns the sockets of those
+    attaches."""
     cuda_on_a_stand_in_stream(monkeypatch)
     real = gpipe.Consumer
     tried: list[str] = []
 
-    def refusing(sock: str, *a: Any, pin_memory: bool = False, **k: Any) -> Any:
+    def refusing(sock: str, *a: Any, pin_memory: Any = False, **k: Any) -> Any:
         if not pin_memory:
             return real(sock, *a, **k)
+        assert pin_memory == "try", "the loader must keep its attach where the lock is refused"
         tried.append(sock)
-        joined = real(sock, *a, **k)  # joined, as a page-lock after the handshake would be
-        time.sleep(0.3)  # long enough for the worker to publish to it
-        joined.close()
-        raise gpipe.PinError("backend error: slot memory: pin_memory: CUDA could not "
-                                "page-lock the ring's 2 MiB on device 0 (a stand-in refusal)")
+        joined = real(sock, *a, **k)
+        time.sleep(0.3)  # the page-lock's time: long enough for the worker to publish
+        return _RefusedLock(joined)
 
     monkeypatch.setattr(gpipe, "Consumer", refusing)
     return tried
 
 
 def test_a_ring_that_cannot_be_page_locked_is_read_unpinned_and_loses_no_batch(monkeypatch):
-    """pin_memory where the driver refuses to page-lock a ring: the failed attach has joined
-    the ring and left it (the page-lock runs after the handshake), so a batch its worker
-    published then would reach no one. The loader warns, attaches again without the
-    page-lock, tries no other ring, and every batch comes, in order."""
+    """pin_memory where the driver refuses to page-lock a ring: the attach has joined the ring
+    (the page-lock runs after the handshake) and stands, reading the ring unlocked. The loader
+    warns, tries no other ring, and every batch comes, in order."""
     tried = _refuse_page_locks(monkeypatch)
     n, b = 64, 4
     with pytest.warns(UserWarning, match=r"the ring of decode worker \d could not be page-locked.*"

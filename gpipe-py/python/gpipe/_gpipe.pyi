@@ -34,7 +34,8 @@ class AttachError(Error):
 
 class PinError(AttachError):
     """``pin_memory=True`` could not page-lock the ring: no CUDA driver here, or the driver
-    refused. Nothing else failed: the ring can be attached without ``pin_memory``."""
+    refused. Nothing else failed: the ring can be attached without ``pin_memory``, or with
+    ``pin_memory="try"``, which reads it unlocked where the lock is refused."""
 
 class Detached(Error):
     """The producer detached this consumer (its lag policy, e.g. detach_after_ms, or a
@@ -190,7 +191,11 @@ class Consumer:
     into pinned memory first. That copy reads the slot after the call returns: keep the batch
     until it has run (its stream synchronised, or an event waited for), since the slot goes
     back to the producer once the batch's tensors are gone. The lock is made once the
-    attach's handshake is over: ``timeout`` does not bound it.
+    attach's handshake is over: ``timeout`` does not bound it. Where the driver refuses it,
+    ``True`` raises PinError (the consumer had joined the ring and leaves it, so a batch the
+    producer published meanwhile is not delivered to a later attach); ``"try"`` reads the
+    ring unlocked instead, missing nothing, with ``pinned`` False and ``pin_refused`` saying
+    why.
 
     Wrong arguments raise TypeError (a wrong type) or ValueError (a value out of range),
     naming the argument.
@@ -221,7 +226,10 @@ class Consumer:
     consumer's own memory, the producer's slot released as soon as it is made)."""
     pinned: bool
     """True when this host ring's batches are page-locked for copies to a GPU
-    (``pin_memory=True``)."""
+    (``pin_memory=True``, or ``"try"`` where the driver allowed it)."""
+    pin_refused: Optional[str]
+    """Why the batches are not page-locked although ``pin_memory="try"`` asked for it (the
+    driver's refusal, or no CUDA driver here); None otherwise."""
     side_signals: bool
     """True when this CUDA consumer waits for `ready` and writes `finished` on side streams
     of its own, joined to the tensors' streams by in-process events."""
@@ -238,7 +246,7 @@ class Consumer:
         mirror_buffers: Optional[int] = None,
         side_signals: Optional[bool] = None,
         allow_producer_uids: Optional[Sequence[int]] = None,
-        pin_memory: bool = False,
+        pin_memory: Union[bool, Literal["try"]] = False,
     ) -> None:
         """Attaches to the producer at `socket`: see the class docstring for the arguments."""
     def recv(self, timeout: Optional[float] = None) -> Batch:

@@ -156,9 +156,6 @@ class _Flags:
         self.closing = ctx.Event()  # set by the worker: it is closing its ring
         # set by the worker before it makes its ring: the ring is on a GPU
         self.on_gpu = ctx.Value("b", False)
-        # set by the trainer once it has attached for good (an attach that failed to page-lock
-        # the ring joined and left: what the worker published then reached no one)
-        self.attached = ctx.Event()
 
 
 def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim: Any,
@@ -224,14 +221,14 @@ def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim:
                     **({"device": gpu.index or 0} if gpu is not None else {}),
                 )
                 # Broadcast rings give a consumer what is published after it attached: the
-                # first batch waits for the trainer's attach, the one it keeps.
+                # first batch waits for the trainer's attach (which stands once joined: a
+                # refused page-lock reads the ring unlocked, pin_memory="try").
                 while not stopping():
                     try:
                         producer.wait_for_consumers(1, timeout=0.2)
+                        break
                     except Timeout:
                         continue
-                    if flags.attached.wait(0.2):
-                        break
                 if stopping():
                     break
             if need > producer.slot_bytes:
@@ -780,26 +777,19 @@ class Loader:
                 elif ring.proc.exitcode is not None:
                     raise self._failed(ring)
                 return False
-            from . import Consumer, PinError
+            from . import Consumer
 
             # A CPU loader's worker whose decode made its batches on a GPU has its ring there,
             # read on that GPU (device None); only host rings are page-locked.
             device = self.device if _is_cuda(self.device) else None
             pin = self.pin_memory and self._pin_failed is None and not ring.flags.on_gpu.value
-            refused = None
-            try:
-                ring.consumer = Consumer(ring.sock, device=device, timeout=30.0, pin_memory=pin)
-            except PinError as e:
-                # the page-lock's own refusal: any other attach error is not one pageable
-                # memory would mend, and raises
-                # Copies from pageable memory work, through the driver's staging: carry on
-                ring.consumer = Consumer(ring.sock, device=device, timeout=30.0)
-                # its text only: the exception's traceback would keep this call's frames, and
-                # the batch tensors they come to hold, alive
-                self._pin_failed = refused = str(e)
-            # its worker may publish: this attach is the one kept (first: a warning may raise)
-            ring.flags.attached.set()
+            # "try": where the driver refuses the lock, the attach stands and reads the ring
+            # unlocked (copies from pageable memory work, through the driver's staging)
+            ring.consumer = Consumer(ring.sock, device=device, timeout=30.0,
+                                     pin_memory="try" if pin else False)
+            refused = ring.consumer.pin_refused
             if refused is not None:
+                self._pin_failed = refused
                 warnings.warn(f"pin_memory: the ring of decode worker {ring.k} could not be "
                               f"page-locked, so it and the rings after it stay in pageable memory, "
                               f"and copies from them to a GPU wait for the CPU ({refused})",
