@@ -153,6 +153,11 @@ pub struct PyConsumer {
 impl PyConsumer {
     #[new]
     #[pyo3(signature = (socket, *, device=None, timeout=5.0, spin=None, delivery="auto", mirror_buffers=None, side_signals=None, allow_producer_uids=None, pin_memory=PinMode::Off))]
+    // As `signature`, with pin_memory's default as Python writes it (pyo3 writes a default
+    // that is not a literal as "...").
+    #[pyo3(
+        text_signature = "(socket, *, device=None, timeout=5.0, spin=None, delivery='auto', mirror_buffers=None, side_signals=None, allow_producer_uids=None, pin_memory=False)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
