@@ -136,3 +136,24 @@ def test_the_jobs_view_is_the_most_starved_ranks_window_with_the_slowest_rate_an
     # workers of two kinds on every rank: the slowest newest kind's rate; else one kind
     assert view([Window(0.1, 1.0, 9.0, 16, 4, 2.5), Window(0.0, 1.0, 9.0, 16, 4, 2.0)]).each == 2.0
     assert view([Window(0.1, 1.0, 9.0, 16, 4, 2.5), Window(0.0, 1.0, 9.0, 16, 4)]).each is None
+
+
+@pytest.mark.parametrize("windows", [3, 20])
+def test_the_last_rank_to_close_leaves_nothing_of_the_exchange_in_the_store(windows):
+    # two ranks' exchanges on one store, as two DDP ranks' Loaders: each window published by
+    # both and gathered by both; rank 1 published one more that rank 0 never saw
+    store = dist.HashStore()
+    store.set("the job's own", "kept")
+    ranks = [_loader_peers.Peers(store, r, 2, "store-test") for r in range(2)]
+    ranks[1]._prefix = ranks[0]._prefix  # the same Loader in two processes: here, one
+    w = Window(0.0, 1.0, 10.0, 16, 4)
+    for k in range(windows):
+        for p in ranks:
+            p.publish(w, k * 16)
+        for p in ranks:
+            assert p.gathered() == [w, w]
+    ranks[1].publish(w, windows * 16)
+    ranks[0].close()
+    assert store.num_keys() > 1, "the first rank to close deleted what its peer may still read"
+    ranks[1].close()
+    assert store.num_keys() == 1 and store.get("the job's own") == b"kept"

@@ -436,6 +436,7 @@ class Loader:
         # under DDP: the exchange of windows with the other ranks, and the job's last window
         self._peers = Peers.of_job(rank, world_size, f"{n}-{batch_size}-{int(seed)}") \
             if self.auto else None
+        self._exchange = self._peers  # kept once decided alone: close() clears it from the store
         self._view: Optional[Window] = None
         self._fed_views = 0  # the job's last windows in a row that were fed, with nothing to do
         # why, and from which batch, a rank of a DDP job gave up on the others' figures
@@ -923,6 +924,8 @@ class Loader:
                 self._pinned.close()
         finally:  # stop the workers even if that wait failed
             self._shut_down()
+            if self._exchange is not None:
+                self._exchange.close()
 
     def _shut_down(self) -> None:
         """Stops the workers, gives back what is held and detaches from the rings."""

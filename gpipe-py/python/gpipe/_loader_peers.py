@@ -124,6 +124,28 @@ class Peers:
         self.pending = None
         return windows
 
+    def close(self) -> None:
+        """This rank's Loader is closed. The last rank of the job to close deletes what the
+        exchange left in the store (each rank's last windows, their counters), which no rank
+        reads any more: a job that makes a Loader per epoch leaves nothing behind. A store
+        that fails (rank 0's process group gone) is left as it is."""
+        p = self._prefix
+        try:
+            self._store.set(f"{p}/last/{self.rank}", str(self._k))
+            if self._store.add(f"{p}/closed", 1) < self.world:
+                return
+            # each rank's windows up to its last (published, perhaps not gathered), less those
+            # it deleted itself as it went (publish keeps 8)
+            lasts = [int(self._store.get(f"{p}/last/{r}")) for r in range(self.world)]
+            keys = [self._key(k, r) for r, last in enumerate(lasts)
+                    for k in range(max(0, last - 9), last + 1)]
+            keys += [f"{p}/{k}/n" for k in range(max(0, min(lasts) - 9), max(lasts) + 1)]
+            keys += [f"{p}/last/{r}" for r in range(self.world)] + [f"{p}/closed"]
+            for key in keys:
+                self._store.delete_key(key)  # False where it is not there
+        except (RuntimeError, ValueError):
+            pass
+
     late_why = (f"the other ranks' figures had not come {LATE} batches and {LATE_S:.0f} s after "
                 f"this rank's (a Loader made on some ranks only?)")
 
