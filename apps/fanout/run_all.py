@@ -75,6 +75,17 @@ class Config:
     model_devices: Optional[list[int]] = None
     # gpipe.Consumer(delivery=...) of the models' processes.
     delivery: str = "auto"
+    # Each process of a gpipe run on two CPUs of its own (the source on the first two of this
+    # process's CPUs, model k on the next two after it), not wherever the scheduler puts it.
+    pin_cpus: bool = False
+
+    def cpus_of(self, k: int) -> Optional[set[int]]:
+        """The CPUs of a gpipe run's process k (0: the source, k: model k - 1) with
+        --pin-cpus; None without it, or where this machine has too few."""
+        if not self.pin_cpus:
+            return None
+        mine = sorted(os.sched_getaffinity(0))
+        return set(mine[2 * k:2 * k + 2]) if 2 * k + 2 <= len(mine) else None
 
     @property
     def device(self) -> str:
@@ -93,14 +104,17 @@ class Config:
 class Proc:
     """A child process in its own process group, stdout to a file, stderr to a log."""
 
-    def __init__(self, label: str, argv: list[str], cfg: Config):
+    def __init__(self, label: str, argv: list[str], cfg: Config, cpus: Optional[set[int]] = None):
         os.makedirs(cfg.logdir, exist_ok=True)
         self.label = label
         self.err_path = os.path.join(cfg.logdir, f"{label}.err")
         self.out = tempfile.TemporaryFile("w+")
+        # on `cpus` from its first instruction: every thread it starts inherits them
+        pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
         with open(self.err_path, "w") as err:
             self.p = subprocess.Popen(
-                argv, stdout=self.out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True
+                argv, stdout=self.out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True,
+                preexec_fn=pin,
             )
 
     def wait(self, deadline: float) -> Optional[int]:
@@ -170,6 +184,7 @@ def run_gpipe(
         + ["--threads", str(cfg.threads), "--wait-timeout", str(cfg.run_timeout)]
         + cfg.shape_args(),
         cfg,
+        cfg.cpus_of(0),
     )
     cons = []
     for k, m in enumerate(models):
@@ -186,7 +201,7 @@ def run_gpipe(
             argv += ["--spin", str(cfg.spin)]
         if cfg.delivery != "auto":
             argv += ["--delivery", cfg.delivery]
-        cons.append(Proc(f"{label}-{k}-{m}", argv, cfg))
+        cons.append(Proc(f"{label}-{k}-{m}", argv, cfg, cfg.cpus_of(k + 1)))
     deadline = time.monotonic() + cfg.run_timeout
     t0 = time.monotonic()
     codes = [src.wait(deadline)] + [c.wait(deadline) for c in cons]
@@ -231,6 +246,8 @@ def run_gpipe(
     rec["latency_run"] = latency
     if cfg.model_devices:
         rec["model_devices"] = cfg.model_devices
+    if cfg.pin_cpus:
+        rec["pinned_cpus"] = [sorted(c) if c else None for c in map(cfg.cpus_of, range(len(models) + 1))]
     rec["wall_s"] = round(time.monotonic() - t0, 1)
     return rec
 
@@ -530,6 +547,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="the gpipe consumers' delivery (default auto: in place on GPU 0, mirrored on "
         "another GPU)",
     )
+    ap.add_argument(
+        "--pin-cpus",
+        action="store_true",
+        help="run each process of a gpipe run on two CPUs of its own (the source on the first "
+        "two of this process's CPUs, model k on the next two after it; the record's 'pinned_cpus')",
+    )
     return ap.parse_args(argv)
 
 
@@ -563,6 +586,7 @@ def main(argv=None) -> int:
         spin=a.spin,
         delivery=a.delivery,
         model_devices=[int(d) for d in a.model_devices.split(",")] if a.model_devices else None,
+        pin_cpus=a.pin_cpus,
     )
     if cfg.model_devices is not None and len(cfg.model_devices) != len(models):
         raise SystemExit(

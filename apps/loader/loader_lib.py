@@ -122,6 +122,15 @@ def settle(loader: gpipe.torch.Loader, step: TrainStep, batches: Iterator, ddp: 
     return done
 
 
+def cpu_list(spec: str) -> list[int]:
+    """CPU numbers from a list as taskset writes them: "0-3,8" is [0, 1, 2, 3, 8]."""
+    cpus: list[int] = []
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        cpus += range(int(first), int(last or first) + 1)
+    return cpus
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True, help="data set folder or pack")
@@ -136,6 +145,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--settle", type=int, default=600,
                     help="most steps to let workers=auto find its workers before warm-up and timing")
     ap.add_argument("--slots", type=int, default=4, help="batches in each worker's ring")
+    ap.add_argument("--worker-cpus", type=cpu_list, default=None,
+                    help="the CPUs the decode workers run on, as taskset writes them, e.g. 4-63 "
+                    "(default: any; the others stay free for the trainers)")
     ap.add_argument("--worker-nice", type=int, default=None,
                     help="how much nicer the workers run than the trainer (default: the loader's)")
     ap.add_argument("--seed", type=int, default=0)
@@ -178,6 +190,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                             workers=workers, max_workers=a.max_workers, slots=a.slots,
                             slot_bytes=decode_fn.slot_bytes if on_host else None,
                             **({} if a.worker_nice is None else {"worker_nice": a.worker_nice}),
+                            worker_cpus=a.worker_cpus,
                             seed=a.seed, pin_memory=on_host and dev.type == "cuda",
                             # a GPU decoder and CPU ones: in order, the fast one's ring fills
                             # and waits for a CPU one's batch

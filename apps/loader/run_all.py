@@ -169,6 +169,8 @@ def run_config(r: Runner, a: argparse.Namespace, model: str, config: str, world:
                     cmd += ["--max-workers", str(a.loader_max_workers)]
                 if a.loader_worker_nice is not None:
                     cmd += ["--worker-nice", str(a.loader_worker_nice)]
+                if a.loader_worker_cpus:
+                    cmd += ["--worker-cpus", a.loader_worker_cpus]
             else:
                 cmd = [PY, os.path.join(HERE, "baselines.py"), config, "--workers", str(a.workers)]
             cmd += ["--model", model, "--batch", str(a.batch), "--size", str(a.size), "--steps", str(steps),
@@ -446,6 +448,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "the CPU (loader_lib.py --mixed)")
     ap.add_argument("--loader-max-workers", type=int, default=0,
                     help="loader runs: auto's most workers (0: the loader's default)")
+    ap.add_argument("--loader-worker-cpus", default="",
+                    help="loader runs: the CPUs the decode workers run on, e.g. 4-63 (default: any)")
     ap.add_argument("--loader-worker-nice", type=int, default=None,
                     help="loader runs: how much nicer the decode workers run than the trainer "
                     "(default: the loader's)")

@@ -1,6 +1,6 @@
-//! `pin_memory=True` (or `"try"`) on a host ring: its batches page-locked with the CUDA driver, so that a
-//! copy from one to a GPU is a DMA that returns at once (as from torch's pinned memory)
-//! instead of a copy through the driver's staging buffers that holds the host.
+//! `pin_memory=True` (or `"try"`) on a host ring: its batches page-locked with the CUDA
+//! driver, so that a copy from one to a GPU is a DMA that returns at once (as from torch's
+//! pinned memory) instead of a copy through the driver's staging buffers that holds the host.
 //!
 //! The lock lives exactly as long as the mapping: pipeline-core keeps it beside the memory
 //! (`HostOptions::on_map`) and drops it just before unmapping, so no registration outlives

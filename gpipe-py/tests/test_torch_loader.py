@@ -520,6 +520,39 @@ def test_workers_run_nicer_than_the_trainer_so_its_own_threads_come_first():
         Loader(Numbers(40), decode, batch_size=4, device="cpu", worker_nice=True)
 
 
+def thread_cpus(pid: int) -> dict[int, set[int]]:
+    """Each thread of process `pid` and the CPUs it may run on."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out[int(tid)] = os.sched_getaffinity(int(tid))
+        except OSError:  # the thread ended meanwhile
+            pass
+    return out
+
+
+def test_workers_run_on_the_cpus_given_and_every_thread_of_theirs_too():
+    mine = sorted(os.sched_getaffinity(0))
+    # the last CPU of this process's: the workers' threads run there, the trainer anywhere
+    with Loader(Numbers(40), decode, batch_size=4, device="cpu", workers=2, worker_threads=2,
+                worker_cpus=[mine[-1]]) as loader:
+        deadline = time.monotonic() + 60
+        while any(r.first_at is None for r in loader._rings):  # each worker has published
+            assert time.monotonic() < deadline, "a worker published nothing in 60 s"
+            assert sum(1 for _ in loader) == 10
+        for r in loader._rings:
+            cpus = thread_cpus(r.proc.pid)
+            assert len(cpus) > 1 and all(c == {mine[-1]} for c in cpus.values()), cpus
+    assert sorted(os.sched_getaffinity(0)) == mine  # the trainer's own are untouched
+    with pytest.raises(ValueError, match=r"worker_cpus must be CPUs this process may run on "
+                                         r"\(.*\); 4096-4097 are not"):
+        Loader(Numbers(40), decode, batch_size=4, device="cpu", worker_cpus=[4096, 4097, mine[0]])
+    with pytest.raises(ValueError, match="none given"):
+        Loader(Numbers(40), decode, batch_size=4, device="cpu", worker_cpus=[])
+    with pytest.raises(TypeError, match="worker_cpus must be CPU numbers"):
+        Loader(Numbers(40), decode, batch_size=4, device="cpu", worker_cpus="0-3")
+
+
 def test_a_fixed_worker_count_is_settled_from_the_start():
     with Loader(Numbers(64), decode, batch_size=4, device="cpu", workers=2) as loader:
         assert loader.settled and loader.why == "2 worker(s), as asked"

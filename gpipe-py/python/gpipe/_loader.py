@@ -23,6 +23,7 @@ import collections
 import concurrent.futures
 import math
 import multiprocessing
+import operator
 import os
 import pickle
 import shutil
@@ -31,7 +32,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -147,6 +148,19 @@ def _run_nicer(increment: int) -> None:
             pass
 
 
+def _run_on(cpus: Optional[list[int]]) -> None:
+    """Keeps this process on `cpus` (None: as it is): every thread it has (an affinity is a
+    thread's, as nice is), and so every thread started after."""
+    if cpus is None:
+        return
+    os.sched_setaffinity(0, cpus)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # a thread that has ended since
+            pass
+
+
 class _Flags:
     """What one worker and the trainer tell each other about its ring (shared objects of the
     spawn context, handed to the worker when it starts)."""
@@ -173,7 +187,9 @@ def _worker(k: int, sock: str, dataset: Any, decode: Callable, cfg: dict, claim:
     def stopping() -> bool:
         return stop.is_set() or (trainer is not None and not trainer.is_alive())
 
-    _run_nicer(cfg["nice"])  # first: threads started from here on inherit it
+    # first: threads started from here on inherit both
+    _run_on(cfg["cpus"])
+    _run_nicer(cfg["nice"])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     torch.set_num_threads(cfg["threads"])
     device = torch.device(cfg["device"])
@@ -304,7 +320,9 @@ class Loader:
     ``worker_threads``: torch threads per worker. ``worker_nice``: how much lower the workers'
     CPU priority is than this process's (a nice increment, 0 to 19; the kernel stops at nice
     19): where decode takes every CPU, the trainer's own threads (its launches, DDP's
-    all-reduce) still come first.
+    all-reduce) still come first. ``worker_cpus``: the CPU numbers the workers run on (None:
+    any this process may use), so that the others stay free for the trainer; ``max_workers``'
+    default is not changed by it.
     ``timeout``: seconds a batch may take to
     come before :class:`gpipe.Timeout` (None: no limit; a dead worker is noticed anyway).
     ``pin_memory`` (``device="cpu"``, as torch's DataLoader's): the rings' slots are
@@ -348,6 +366,7 @@ class Loader:
         epochs: Optional[int] = None,
         worker_threads: int = 1,
         worker_nice: int = WORKER_NICE,
+        worker_cpus: Optional[Iterable[int]] = None,
         timeout: Optional[float] = None,
         pin_memory: bool = False,
         in_order: bool = True,
@@ -361,6 +380,7 @@ class Loader:
         if isinstance(worker_nice, bool) or not isinstance(worker_nice, int) or not 0 <= worker_nice <= 19:
             raise ValueError(f"worker_nice must be an int in 0..19 (how much lower the workers' "
                              f"CPU priority is than the trainer's); got {worker_nice!r}")
+        worker_cpus = _cpus(worker_cpus)
         if not isinstance(slots, int) or slots < 2:
             raise ValueError(f"slots must be an int of 2 or more (a worker fills one while the "
                              f"trainer reads another); got {slots!r}")
@@ -415,7 +435,7 @@ class Loader:
                     f"auto: 1 worker to start, up to {self.max_workers}")
         self._cfg = {"device": str(self.device), "plan": plan, "epochs": epochs,
                      "slots": slots, "slot_bytes": slot_bytes, "threads": worker_threads,
-                     "nice": worker_nice}
+                     "nice": worker_nice, "cpus": worker_cpus}
         self._ctx = multiprocessing.get_context("spawn")
         self._claim = self._ctx.Value("q", 0)
         self._stop = self._ctx.Event()
@@ -1016,6 +1036,35 @@ def _default_max_workers(on_gpu: bool, world: int) -> int:
         cpus = os.cpu_count() or 1
     share = max(1, cpus // _trainers_here(world) - 1)
     return min(8, share) if on_gpu else share
+
+
+def _cpus(given: Optional[Iterable[int]]) -> Optional[list[int]]:
+    """``worker_cpus`` checked: CPU numbers this process may run on, at least one."""
+    if given is None:
+        return None
+    try:
+        cpus = sorted({operator.index(c) for c in given})
+    except TypeError:
+        raise TypeError(f"worker_cpus must be CPU numbers (ints), e.g. range(2, 16); got "
+                        f"{given!r}") from None
+    allowed = os.sched_getaffinity(0)
+    if not cpus or not set(cpus) <= allowed:
+        outside = sorted(set(cpus) - allowed)
+        raise ValueError(f"worker_cpus must be CPUs this process may run on "
+                         f"({_ranges(sorted(allowed))}); "
+                         + (f"{_ranges(outside)} are not" if outside else "none given"))
+    return cpus
+
+
+def _ranges(cpus: list[int]) -> str:
+    """Sorted CPU numbers as taskset writes them: "0-3,8"."""
+    runs: list[list[int]] = []
+    for c in cpus:
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _trainers_here(world: int) -> int:
