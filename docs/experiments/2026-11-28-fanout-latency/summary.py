@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""The table of run.sh's results: per latency run, MPS, pinned or not, and each consumer's
+"""The table of run.sh's results: per latency run (gpipe, and the torch.multiprocessing queues
+run_all.py runs beside it), MPS, pinned or not, and each consumer's
 p50/p99 µs with the steps' p99; then the floor's readers.
 
     python3 docs/experiments/2026-11-28-fanout-latency/summary.py OUT
@@ -12,8 +13,8 @@ import sys
 
 def main() -> None:
     out = sys.argv[1]
-    print("| MPS | CPUs | consumers p50/p99 µs | p99 µs of recv, view, model+release, result (worst consumer) | publish call p50/p99 |")
-    print("|---|---|---|---|---|")
+    print("| run | MPS | CPUs | consumers p50/p99 µs | p99 µs of recv, view, model+release, result (worst consumer) | publish call p50/p99 |")
+    print("|---|---|---|---|---|---|")
     for line in open(os.path.join(out, "fanout.jsonl")):
         r = json.loads(line)
         if not r.get("latency_run"):
@@ -28,7 +29,7 @@ def main() -> None:
         pub = r.get("publish_call") or {}
         pinned = "pinned" if r.get("pinned_cpus") else "scheduler"
         ok = "" if r.get("ok") else " (not ok)"
-        print(f"| {r.get('mps')} | {pinned} | {lat}{ok} | {worst} | "
+        print(f"| {r.get('run')} | {r.get('mps')} | {pinned} | {lat}{ok} | {worst} | "
               f"{pub.get('p50_us', '-')}/{pub.get('p99_us', '-')} |")
     floor = os.path.join(out, "floor.jsonl")
     if os.path.exists(floor):
