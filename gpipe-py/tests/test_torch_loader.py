@@ -485,6 +485,15 @@ def test_a_slow_trainer_gets_every_batch_of_the_last_epoch():
     assert got == list(range(80))
 
 
+def read_until_every_worker_published(loader: Loader) -> None:
+    """Reads whole epochs (10 batches each) until every worker has published one: a worker
+    that started late may have published nothing in the first."""
+    deadline = time.monotonic() + 60
+    while any(r.first_at is None for r in loader._rings):
+        assert time.monotonic() < deadline, "a worker published nothing in 60 s"
+        assert sum(1 for _ in loader) == 10
+
+
 def thread_nices(pid: int) -> dict[int, int]:
     """Each thread of process `pid` and its nice value (/proc/PID/task/TID/stat, field 19)."""
     out = {}
@@ -507,10 +516,7 @@ def test_workers_run_nicer_than_the_trainer_so_its_own_threads_come_first():
         extra = {} if asked is None else {"worker_nice": asked}
         with Loader(Numbers(40), decode, batch_size=4, device="cpu", workers=2, worker_threads=2,
                     **extra) as loader:
-            deadline = time.monotonic() + 60
-            while any(r.first_at is None for r in loader._rings):  # each worker has published
-                assert time.monotonic() < deadline, "a worker published nothing in 60 s"
-                assert sum(1 for _ in loader) == 10
+            read_until_every_worker_published(loader)
             for r in loader._rings:
                 nices = thread_nices(r.proc.pid)
                 assert len(nices) > 1 and set(nices.values()) == {want}, (asked, nices)
@@ -536,10 +542,7 @@ def test_workers_run_on_the_cpus_given_and_every_thread_of_theirs_too():
     # the last CPU of this process's: the workers' threads run there, the trainer anywhere
     with Loader(Numbers(40), decode, batch_size=4, device="cpu", workers=2, worker_threads=2,
                 worker_cpus=[mine[-1]]) as loader:
-        deadline = time.monotonic() + 60
-        while any(r.first_at is None for r in loader._rings):  # each worker has published
-            assert time.monotonic() < deadline, "a worker published nothing in 60 s"
-            assert sum(1 for _ in loader) == 10
+        read_until_every_worker_published(loader)
         for r in loader._rings:
             cpus = thread_cpus(r.proc.pid)
             assert len(cpus) > 1 and all(c == {mine[-1]} for c in cpus.values()), cpus

@@ -16,6 +16,20 @@ fi
 # kills the whole group.
 limit() { local s=$1; shift; timeout -k 5 "$s" setsid "$@"; }
 
+# machine_facts: the GPUs and their driver, the date, and the CPUs (lscpu's summary), for a
+# results folder.
+machine_facts() {
+  nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
+  date -u
+  lscpu | grep -E "^CPU\(s\)|Thread|Core|Socket|Model name"
+}
+
+# loader_data: the loader apps' data set in /tmp/loader-data (20 000 JPEGs), made once.
+loader_data() {
+  [ -d /tmp/loader-data ] ||
+    limit 100 python3 apps/loader/make_dataset.py /tmp/loader-data --count 20000 | tail -1
+}
+
 # gpu_count: the number of GPUs this machine shows (0 without nvidia-smi).
 gpu_count() { nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true; }
 

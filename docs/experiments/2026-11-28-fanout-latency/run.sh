@@ -9,8 +9,7 @@ set -u
 . "$(dirname "$0")/../../../scripts/gpu/lib.sh"
 O=${OUT:-/tmp/fanout-latency}; mkdir -p "$O"; : >"$O/fanout.jsonl"
 export PYTHONUNBUFFERED=1
-{ nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader; date -u
-  lscpu | grep -E "^CPU\(s\)|Thread|Core|Socket|Model name"; } >"$O/cpu.txt"
+machine_facts >"$O/cpu.txt"
 E=(python3 apps/fanout/run_all.py --out "$O" --run-timeout 40 --modes eager --only empty --rate 110 --spin 0.02)
 for m in on off; do
   [ $m = on ] && mps_on

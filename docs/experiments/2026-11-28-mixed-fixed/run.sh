@@ -11,9 +11,8 @@ set -u
 . "$(dirname "$0")/../../../scripts/gpu/lib.sh"
 O=${OUT:-/tmp/mixed-fixed}; mkdir -p "$O"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-{ nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader; date -u
-  lscpu | grep -E "^CPU\(s\)|Thread|Core|Socket|Model name"; } >"$O/cpu.txt"
-[ -d /tmp/loader-data ] || limit 100 python3 apps/loader/make_dataset.py /tmp/loader-data --count 20000 | tail -1
+machine_facts >"$O/cpu.txt"
+loader_data
 WORLD=${WORLD:-$(gpu_count)}
 R=(python3 apps/loader/run_all.py --data /tmp/loader-data --out "$O" --world-size "$WORLD" --ddp-only
    --models "${MODEL:-resnet18}" --warmup 40 --steps 150 --no-summary)
