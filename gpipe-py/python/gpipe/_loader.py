@@ -1042,6 +1042,9 @@ def _cpus(given: Optional[Iterable[int]]) -> Optional[list[int]]:
     """``worker_cpus`` checked: CPU numbers this process may run on, at least one."""
     if given is None:
         return None
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError("worker_cpus places the workers with sched_setaffinity, which this "
+                         "system does not have (Linux does): leave worker_cpus out")
     try:
         cpus = sorted({operator.index(c) for c in given})
     except TypeError:
