@@ -165,9 +165,9 @@ class Consumer:
     ``socket``: the producer's socket path. ``device``: None (or ``"cpu"``) for a ring in host
     memory; on a CUDA ring None means the producer's GPU, and ``"cuda:N"`` (or ``N``, or a
     torch.device) consumes on GPU N, reading the slots in place by peer access or mirroring
-    them (see ``delivery``). ``timeout``: seconds each step of the attach handshake may take
-    (connecting, the producer's answer, mapping the ring); a producer that does not answer in
-    time gives AttachError. It bounds the attach only: ``recv()`` has its own. ``spin``:
+    them (see ``delivery``). ``timeout``: seconds the whole attach may take (connecting, the
+    producer's answers, mapping the ring); past it the attach raises Timeout. It bounds the
+    attach only: ``recv()`` has its own. ``spin``:
     seconds ``recv()`` busy-waits for a batch before it sleeps, 0 to 1 (None: 100 µs). A
     sleeping consumer is woken by the producer's publish, which costs a wake-up (tens to
     hundreds of µs on a VM); a latency-critical consumer that receives a batch every few

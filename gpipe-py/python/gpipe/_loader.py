@@ -321,8 +321,9 @@ class Loader:
     CPU priority is than this process's (a nice increment, 0 to 19; the kernel stops at nice
     19): where decode takes every CPU, the trainer's own threads (its launches, DDP's
     all-reduce) still come first. ``worker_cpus``: the CPU numbers the workers run on (None:
-    any this process may use), so that the others stay free for the trainer; ``max_workers``'
-    default is not changed by it.
+    any this process may use; they must be CPUs this process may use, on Linux). The trainer
+    is not restricted, so the CPUs left out are free for it. ``max_workers``' default still
+    counts every CPU of this process: give it as well.
     ``timeout``: seconds a batch may take to
     come before :class:`gpipe.Timeout` (None: no limit; a dead worker is noticed anyway).
     ``pin_memory`` (``device="cpu"``, as torch's DataLoader's): the rings' slots are
@@ -339,8 +340,9 @@ class Loader:
     goes out once, but a batch that comes late goes out in a later iteration than its epoch's
     (unlike torch's DataLoader's ``in_order=False``, whose epochs wait for their last batch).
     Workers of different speeds (``MixedDecode`` in ``apps/loader``: one decoding on the GPU,
-    the rest on the CPU) need it: in order, the fast ones fill their rings and wait for the
-    slow one's batch; with a wait at each epoch's end, a DDP job waits for every rank's.
+    the rest on the CPU) need ``in_order=False``: in order, the fast ones fill their rings
+    and wait for the slow one's batch; with a wait at each epoch's end, a DDP job waits for
+    every rank's.
 
     Iterating gives one epoch: what ``decode`` returned, as tensors over the ring's slot (no
     copy). They are read-only, and the slot goes back to its worker once they are gone, so
