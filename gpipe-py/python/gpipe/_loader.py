@@ -130,22 +130,28 @@ def _slot_bytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum((t.numel() * t.element_size() + a - 1) // a * a for t in tensors.values())
 
 
+def _each_thread(apply: Callable[[int], None]) -> None:
+    """Calls `apply(tid)` for every thread of this process (none where there is no
+    /proc/self/task, as off Linux); a thread that has ended since is passed over."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            apply(int(tid))
+        except OSError:
+            pass
+
+
 def _run_nicer(increment: int) -> None:
     """Lowers this process's CPU priority by `increment`: every thread it has (Linux's nice is a
     thread's: importing torch has started numpy's BLAS pool already), and so every thread
     started after."""
     if not increment:
         return
-    now = os.nice(increment)  # the calling thread's new value
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:  # not Linux: nice() was the process's
-        return
-    for tid in tids:
-        try:
-            os.setpriority(os.PRIO_PROCESS, int(tid), now)
-        except OSError:  # a thread that has ended since
-            pass
+    now = os.nice(increment)  # the calling thread's new value (off Linux, the process's)
+    _each_thread(lambda tid: os.setpriority(os.PRIO_PROCESS, tid, now))
 
 
 def _run_on(cpus: Optional[list[int]]) -> None:
@@ -154,11 +160,7 @@ def _run_on(cpus: Optional[list[int]]) -> None:
     if cpus is None:
         return
     os.sched_setaffinity(0, cpus)
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except OSError:  # a thread that has ended since
-            pass
+    _each_thread(lambda tid: os.sched_setaffinity(tid, cpus))
 
 
 class _Flags:
