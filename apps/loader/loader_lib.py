@@ -131,6 +131,14 @@ def cpu_list(spec: str) -> list[int]:
     return cpus
 
 
+def env_setting(text: str) -> tuple[str, str]:
+    """NAME=VALUE, as --worker-env takes it."""
+    name, eq, value = text.partition("=")
+    if not eq or not name:
+        raise argparse.ArgumentTypeError(f"{text!r}: give NAME=VALUE")
+    return name, value
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True, help="data set folder or pack")
@@ -150,6 +158,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "(default: any; the others stay free for the trainers)")
     ap.add_argument("--worker-nice", type=int, default=None,
                     help="how much nicer the workers run than the trainer (default: the loader's)")
+    ap.add_argument("--stream-priority", type=int, default=None,
+                    help="train on a CUDA stream of this priority (lower is higher; -1 is the highest "
+                    "torch gives): with MPS, the GPU then runs the trainer's kernels before the decode "
+                    "workers' (default: torch's current stream, the default priority)")
+    ap.add_argument("--nccl-high-priority", action="store_true",
+                    help="DDP: NCCL's collectives on high-priority streams too")
+    ap.add_argument("--worker-env", action="append", default=[], type=env_setting, metavar="NAME=VALUE",
+                    help="set in the decode workers' environment only (this process has made its CUDA "
+                    "context before), e.g. CUDA_MPS_CLIENT_PRIORITY=1 or "
+                    "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 with MPS; may repeat")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--world-size", type=int, default=1, help="DDP ranks (1: no process group)")
     ap.add_argument("--rank", type=int, default=0, help="this rank; with --device cuda it runs on cuda:RANK")
@@ -167,9 +185,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     workers: Any = a.workers if a.workers == "auto" else int(a.workers)
 
     ddp = a.world_size > 1
-    dev = setup_rank(a.device, a.world_size, a.rank, a.dist_url)
+    dev = setup_rank(a.device, a.world_size, a.rank, a.dist_url, nccl_high_priority=a.nccl_high_priority)
     torch.manual_seed(a.seed)
     data = EncodedImages(a.data)
+    if a.worker_env:
+        # CUDA reads such settings when a process makes its CUDA context: this process makes
+        # its own first, so only the workers, started later with this environment, get them
+        if dev.type == "cuda":
+            torch.zeros(1, device=dev)
+        os.environ.update(dict(a.worker_env))
     upload = None
     on_host = a.host_decode or a.mixed > 0  # workers that decode on the CPU: Upload augments
     if a.mixed > 0 and dev.type != "cuda":
@@ -195,6 +219,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                             # a GPU decoder and CPU ones: in order, the fast one's ring fills
                             # and waits for a CPU one's batch
                             in_order=a.mixed == 0) as loader:
+        if a.stream_priority is not None and dev.type == "cuda":
+            # from here on the trainer's work, and its waits for the loader's batches, go to this stream
+            stream = torch.cuda.Stream(dev, priority=a.stream_priority)
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            torch.cuda.set_stream(stream)
         step = TrainStep(a.model, data.classes, dev, ddp=ddp)
         batches: Iterator = epochs(loader)
         if on_host:
@@ -212,6 +241,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         figures = {"workers": loader.workers, "workers_why": loader.why, "settle_steps": settled,
                    "settled": was_settled,
                    "batches_per_epoch": len(loader), "host_decode": a.host_decode,
+                   "stream_priority": torch.cuda.current_stream(dev).priority if dev.type == "cuda" else None,
+                   "worker_env": dict(a.worker_env), "nccl_high_priority": a.nccl_high_priority,
                    "mixed_gpu_workers": decode_fn.gpu_workers_now if a.mixed > 0 else 0}
         if upload is not None:
             figures["slots_pinned_in_place"] = upload.pinned

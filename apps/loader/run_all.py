@@ -171,6 +171,12 @@ def run_config(r: Runner, a: argparse.Namespace, model: str, config: str, world:
                     cmd += ["--worker-nice", str(a.loader_worker_nice)]
                 if a.loader_worker_cpus:
                     cmd += ["--worker-cpus", a.loader_worker_cpus]
+                if a.loader_stream_priority is not None:
+                    cmd += ["--stream-priority", str(a.loader_stream_priority)]
+                if a.loader_nccl_high_priority:
+                    cmd.append("--nccl-high-priority")
+                for kv in a.loader_worker_env:
+                    cmd += ["--worker-env", kv]
             else:
                 cmd = [PY, os.path.join(HERE, "baselines.py"), config, "--workers", str(a.workers)]
             cmd += ["--model", model, "--batch", str(a.batch), "--size", str(a.size), "--steps", str(steps),
@@ -450,6 +456,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="loader runs: auto's most workers (0: the loader's default)")
     ap.add_argument("--loader-worker-cpus", default="",
                     help="loader runs: the CPUs the decode workers run on, e.g. 4-63 (default: any)")
+    ap.add_argument("--loader-stream-priority", type=int, default=None,
+                    help="loader runs: the trainers train on a CUDA stream of this priority, e.g. -1 "
+                    "(the highest; the decode workers' streams keep the default, the lowest)")
+    ap.add_argument("--loader-nccl-high-priority", action="store_true",
+                    help="loader runs under DDP: NCCL's collectives on high-priority streams too "
+                    "(loader_lib.py --nccl-high-priority)")
+    ap.add_argument("--loader-worker-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="loader runs: set in the decode workers' environment only, e.g. "
+                    "CUDA_MPS_CLIENT_PRIORITY=1 (loader_lib.py --worker-env; may repeat)")
     ap.add_argument("--loader-worker-nice", type=int, default=None,
                     help="loader runs: how much nicer the decode workers run than the trainer "
                     "(default: the loader's)")

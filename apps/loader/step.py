@@ -270,16 +270,21 @@ def setup_device(device: str) -> torch.device:
     return dev
 
 
-def setup_rank(device: str, world_size: int, rank: int, dist_url: str) -> torch.device:
+def setup_rank(device: str, world_size: int, rank: int, dist_url: str, *,
+               nccl_high_priority: bool = False) -> torch.device:
     """The device of this rank (`setup_device`; with DDP on CUDA, cuda:RANK) and, with
-    `world_size` > 1, the process group joined (NCCL on CUDA, gloo on the CPU)."""
+    `world_size` > 1, the process group joined (NCCL on CUDA, gloo on the CPU; NCCL on
+    high-priority streams if `nccl_high_priority`)."""
     ddp = world_size > 1
     dev = setup_device(f"cuda:{rank}" if ddp and device == "cuda" else device)
     if ddp:
         import torch.distributed as dist
 
+        opts = None
+        if nccl_high_priority and dev.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=dist_url,
-                                rank=rank, world_size=world_size)
+                                rank=rank, world_size=world_size, pg_options=opts)
     return dev
 
 
