@@ -196,6 +196,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         os.environ.update(dict(a.worker_env))
     upload = None
     on_host = a.host_decode or a.mixed > 0  # workers that decode on the CPU: Upload augments
+    if a.stream_priority is not None and dev.type != "cuda":
+        raise SystemExit("--stream-priority sets a CUDA stream's priority: it needs --device cuda")
     if a.mixed > 0 and dev.type != "cuda":
         raise SystemExit("--mixed puts some decode workers on the trainer's GPU: it needs --device cuda")
     if on_host:
@@ -219,7 +221,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                             # a GPU decoder and CPU ones: in order, the fast one's ring fills
                             # and waits for a CPU one's batch
                             in_order=a.mixed == 0) as loader:
-        if a.stream_priority is not None and dev.type == "cuda":
+        if a.stream_priority is not None:
             # from here on the trainer's work, and its waits for the loader's batches, go to this stream
             stream = torch.cuda.Stream(dev, priority=a.stream_priority)
             stream.wait_stream(torch.cuda.current_stream(dev))

@@ -617,6 +617,9 @@ def test_bad_arguments_and_a_bad_decode_say_what_is_wrong():
         Loader(Numbers(10), "decode", batch_size=2, device="cpu")
     with pytest.raises(ValueError, match="rank 2 is not in 0..1"):
         Loader(Numbers(10), decode, batch_size=2, device="cpu", rank=2, world_size=2)
+    for name, value in (("pin_memory", "try"), ("in_order", 0), ("shuffle", None)):
+        with pytest.raises(TypeError, match=f"{name} must be True or False; got {value!r}"):
+            Loader(Numbers(10), decode, batch_size=2, device="cpu", **{name: value})
     with Loader(Numbers(16), decode_wrong, batch_size=4, device="cpu", workers=1) as loader:
         with pytest.raises(gpipe.Error, match="decode must return a torch tensor.*returned str"):
             next(iter(loader))

@@ -30,6 +30,29 @@ loader_data() {
     limit 100 python3 apps/loader/make_dataset.py /tmp/loader-data --count 20000 | tail -1
 }
 
+# loader_runs NAME: how the loader's experiments (docs/experiments) start. Sets O (OUT, else
+# /tmp/NAME), writes the machine's facts to $O/cpu.txt, makes the data set (loader_data), sets
+# WORLD (default: every GPU here) and R: run_all.py for DDP runs of MODEL (default resnet18)
+# on WORLD GPUs, 40 warm-up and 150 timed steps, each run a line of $O/loader.jsonl.
+loader_runs() {
+  O=${OUT:-/tmp/$1}; mkdir -p "$O"
+  export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+  machine_facts >"$O/cpu.txt"
+  loader_data
+  WORLD=${WORLD:-$(gpu_count)}
+  R=(python3 apps/loader/run_all.py --data /tmp/loader-data --out "$O" --world-size "$WORLD" --ddp-only
+     --models "${MODEL:-resnet18}" --warmup 40 --steps 150 --no-summary)
+}
+
+# loader_ceiling: R's ceiling (the same step on synthetic tensors), the last run of an experiment.
+loader_ceiling() { limit 60 "${R[@]}" --label ceiling --configs ceiling --budget 45 --run-limit 42 >/dev/null; }
+
+# loader_summary: the table of $O/loader.jsonl, each run against the ceiling, to stdout and
+# $O/summary.txt.
+loader_summary() {
+  python3 docs/experiments/2026-11-28-worker-cpus/summary.py "$O/loader.jsonl" | tee "$O/summary.txt"
+}
+
 # gpu_count: the number of GPUs this machine shows (0 without nvidia-smi).
 gpu_count() { nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true; }
 

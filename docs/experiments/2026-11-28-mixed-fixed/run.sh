@@ -9,13 +9,7 @@
 #   WORLD=4 MIXES="11 15" bash docs/experiments/2026-11-28-mixed-fixed/run.sh
 set -u
 . "$(dirname "$0")/../../../scripts/gpu/lib.sh"
-O=${OUT:-/tmp/mixed-fixed}; mkdir -p "$O"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-machine_facts >"$O/cpu.txt"
-loader_data
-WORLD=${WORLD:-$(gpu_count)}
-R=(python3 apps/loader/run_all.py --data /tmp/loader-data --out "$O" --world-size "$WORLD" --ddp-only
-   --models "${MODEL:-resnet18}" --warmup 40 --steps 150 --no-summary)
+loader_runs mixed-fixed
 mps_on
 limit 100 "${R[@]}" --label "gpu-w${GPU_ONLY:-2}" --loader-workers "${GPU_ONLY:-2}" --configs loader \
   --budget 90 --run-limit 85 >/dev/null
@@ -23,6 +17,6 @@ for w in ${MIXES:-9 13}; do
   limit 100 "${R[@]}" --label "mixed1-w$w" --loader-workers "$w" --loader-mixed 1 --configs loader \
     --budget 90 --run-limit 85 >/dev/null
 done
-limit 60 "${R[@]}" --label ceiling --configs ceiling --budget 45 --run-limit 42 >/dev/null
+loader_ceiling
 mps_off
-python3 docs/experiments/2026-11-28-worker-cpus/summary.py "$O/loader.jsonl" | tee "$O/summary.txt"
+loader_summary

@@ -8,23 +8,16 @@
 #   SM_PERCENTS="20 40" REPEATS=1 bash docs/experiments/2026-11-28-stream-priority/run-sm.sh
 set -u
 . "$(dirname "$0")/../../../scripts/gpu/lib.sh"
-O=${OUT:-/tmp/stream-priority-sm}; mkdir -p "$O"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-machine_facts >"$O/cpu.txt"
-loader_data
-WORLD=${WORLD:-$(gpu_count)}
-R=(python3 apps/loader/run_all.py --data /tmp/loader-data --out "$O" --world-size "$WORLD" --ddp-only
-   --models "${MODEL:-resnet18}" --warmup 40 --steps 150 --no-summary --configs loader
-   --loader-workers "${GPU_WORKERS:-2}" --loader-stream-priority -1 --budget 90 --run-limit 85)
+loader_runs stream-priority-sm
+L=(--configs loader --loader-workers "${GPU_WORKERS:-2}" --loader-stream-priority -1 --budget 90 --run-limit 85)
 mps_on
 for i in $(seq "${REPEATS:-2}"); do
-  limit 100 "${R[@]}" --label "priority-$i" >/dev/null
+  limit 100 "${R[@]}" "${L[@]}" --label "priority-$i" >/dev/null
   for p in ${SM_PERCENTS:-25 50}; do
-    limit 100 "${R[@]}" --label "priority-sm$p-$i" --loader-worker-env "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$p" >/dev/null
+    limit 100 "${R[@]}" "${L[@]}" --label "priority-sm$p-$i" \
+      --loader-worker-env "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$p" >/dev/null
   done
 done
-limit 60 python3 apps/loader/run_all.py --data /tmp/loader-data --out "$O" --world-size "$WORLD" --ddp-only \
-  --models "${MODEL:-resnet18}" --warmup 40 --steps 150 --no-summary --label ceiling --configs ceiling \
-  --budget 45 --run-limit 42 >/dev/null
+loader_ceiling
 mps_off
-python3 docs/experiments/2026-11-28-worker-cpus/summary.py "$O/loader.jsonl" | tee "$O/summary.txt"
+loader_summary

@@ -377,6 +377,11 @@ class Loader:
     ) -> None:
         if not callable(decode):
             raise TypeError(f"decode must be a function decode(samples, device); got {type(decode).__name__}")
+        for name, value in (("shuffle", shuffle), ("pin_memory", pin_memory), ("in_order", in_order)):
+            if not isinstance(value, bool):
+                # a Consumer's pin_memory also takes "try": the Loader always reads a ring it
+                # cannot page-lock unlocked (with a warning), so True is that here
+                raise TypeError(f"{name} must be True or False; got {value!r}")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int of 1 or more; got {batch_size!r}")
         if workers != "auto" and (not isinstance(workers, int) or workers < 1):
@@ -400,7 +405,7 @@ class Loader:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in 0..{world_size - 1} (world_size {world_size})")
         n = len(dataset)
-        plan = (n, batch_size, rank, world_size, bool(shuffle), int(seed))
+        plan = (n, batch_size, rank, world_size, shuffle, int(seed))
         self.batches_per_epoch = _Plan(*plan).per_epoch
         self._world = world_size
         if self.batches_per_epoch < 1:
@@ -421,7 +426,7 @@ class Loader:
             warnings.warn("pin_memory=True page-locks batches for copies to a GPU, but torch sees "
                           "no CUDA GPU here: the batches stay in pageable memory", stacklevel=2)
             pin_memory = False
-        self.pin_memory = bool(pin_memory)
+        self.pin_memory = pin_memory
         if self.pin_memory:
             # torch's is_pinned() answers False for every pointer until torch has initialised
             # CUDA in this process (its own pinned tensors do that when they are made)
@@ -434,7 +439,7 @@ class Loader:
         if self.max_workers < 1:
             raise ValueError(f"max_workers must be 1 or more; got {self.max_workers}")
         self.timeout = timeout
-        self.in_order = bool(in_order)
+        self.in_order = in_order
         self.why = (f"{workers} worker(s), as asked" if not self.auto else
                     f"auto: 1 worker to start, up to {self.max_workers}")
         self._cfg = {"device": str(self.device), "plan": plan, "epochs": epochs,
@@ -601,7 +606,7 @@ class Loader:
         None where they are all of one kind, or before each has published a few."""
         active = self._active()
         kinds = {r.flags.on_gpu.value for r in active}
-        if len(kinds) < 2 or any(len(r.stamps) < 5 for r in active):
+        if len(kinds) < 2 or not _rated(active):
             return None
         like = [r for r in active if r.flags.on_gpu.value == active[-1].flags.on_gpu.value]
         return sum(_own_rate(r) for r in like) / len(like)
@@ -757,7 +762,7 @@ class Loader:
         once each has published a few; None before. Each worker's own series is free of the
         bursts the trainer sees when it takes batches in order from several rings."""
         active = self._active()
-        if any(len(r.stamps) < 5 for r in active):
+        if not _rated(active):
             return None
         return sum(_own_rate(r) for r in active)
 
@@ -1008,6 +1013,12 @@ def _unsendable(dataset: Any, decode: Callable) -> str:
         except Exception:  # noqa: BLE001 - whatever pickling raises
             bad.append(what)
     return " and ".join(bad) or "the dataset or decode"
+
+
+def _rated(rings: list[_Ring]) -> bool:
+    """Whether every one of `rings`' workers has published enough batches in the window (5)
+    for its own rate to mean something."""
+    return all(len(r.stamps) >= 5 for r in rings)
 
 
 def _own_rate(ring: _Ring) -> float:
