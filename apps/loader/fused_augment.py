@@ -29,12 +29,13 @@ extern "C" __global__ void gpipe_crop_resize(
     int n, int s,
     float m0, float m1, float m2, float a0, float a1, float a2)
 {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    long long per = (long long)s * s;
-    if (i >= (long long)n * per) return;
-    int b = (int)(i / per);
-    int r = (int)(i - (long long)b * per);
-    int oy = r / s, ox = r - (r / s) * s;
+    // a grid of n rows of blocks: blockIdx.y is the image, the threads of a row its S x S
+    // output pixels (no 64-bit division a thread)
+    int b = blockIdx.y;
+    int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= n || r >= s * s) return;
+    long long i = (long long)b * s * s + r;
+    int oy = r / s, ox = r - oy * s;
     const float* p = params + 8 * b;
     int H = (int)p[0], W = (int)p[1];
     const unsigned char* img = (const unsigned char*)images[b];
@@ -47,10 +48,12 @@ extern "C" __global__ void gpipe_crop_resize(
     // where the next channel, and the next pixel of a row, are
     long long plane = p[7] > 0.5f ? 1 : (long long)H * W;
     long long step = p[7] > 0.5f ? 3 : 1;
+    // the samples' first row and column, and their spacing, once a thread
+    float y0 = p[3] + oy * bh, x0 = p[2] + px * bw, dy = bh / gh, dx = bw / gw;
     for (int iy = 0; iy < gh; ++iy) {
-        float y = p[3] + oy * bh + (iy + .5f) * bh / gh;
+        float y = y0 + (iy + .5f) * dy;
         for (int ix = 0; ix < gw; ++ix) {
-            float x = p[2] + px * bw + (ix + .5f) * bw / gw;
+            float x = x0 + (ix + .5f) * dx;
             if (y < -1.f || y > H || x < -1.f || x > W) continue;
             float yy = fmaxf(y, 0.f), xx = fmaxf(x, 0.f);
             int yl = (int)yy, xl = (int)xx, yh, xh;
@@ -161,6 +164,8 @@ def _launch(dev: torch.device, ptrs: Any, heights: Any, widths: Any, hwc: Any, b
     import numpy as np
 
     n = len(ptrs)
+    if n > 65535:  # the grid's rows: one an image
+        raise ValueError(f"the fused kernel takes at most 65535 images a call; got {n}")
     if out is None:
         out = torch.empty((n, 3, size, size), dtype=torch.float16, device=dev, memory_format=torch.channels_last)
     elif (tuple(out.shape) != (n, 3, size, size) or out.dtype != torch.float16
@@ -176,12 +181,11 @@ def _launch(dev: torch.device, ptrs: Any, heights: Any, widths: Any, hwc: Any, b
     params[:, 7] = hwc
     params_d = torch.from_numpy(params).pin_memory().to(dev, non_blocking=True)
     ptrs_d = torch.from_numpy(np.asarray(ptrs, dtype=np.int64)).pin_memory().to(dev, non_blocking=True)
-    total = n * size * size
     threads = 256
     stream = torch.cuda.current_stream(dev)
     with cupy.cuda.Device(dev.index or 0), cupy.cuda.ExternalStream(stream.cuda_stream):
         _kernel(dev)(
-            ((total + threads - 1) // threads,), (threads,),
+            ((size * size + threads - 1) // threads, n), (threads,),  # a row of blocks an image
             (np.uint64(ptrs_d.data_ptr()), np.uint64(params_d.data_ptr()), np.uint64(out.data_ptr()),
              np.int32(n), np.int32(size), *(np.float32(v) for v in mul), *(np.float32(v) for v in add)),
         )
