@@ -119,7 +119,7 @@ class Runner:
 TRAINER_FIELDS = ("images_per_s", "workers", "workers_why", "settle_steps", "settled", "wait_fraction", "host_wait_fraction", "gpu_util", "steps", "seconds",
                   "startup_s", "epochs", "loss", "timeline", "mps", "gpu", "kernel", "cpus", "source",
                   "host_decode", "mixed_gpu_workers", "slots_pinned_in_place", "upload_s", "batches_uploaded",
-                  "batches_pinned")
+                  "batches_pinned", "stream_priority", "worker_env", "nccl_high_priority")
 PRODUCER_FIELDS = ("images_per_s", "steady_images_per_s", "busy_images_per_s", "decode_wait_s", "acquire_s",
                    "work_s", "read_s", "decode_s", "batches", "end", "source")
 
